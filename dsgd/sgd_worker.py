@@ -1,0 +1,394 @@
+"""The worker actor: one TF graph holding a replica of the model per device.
+
+A worker builds ``devices_per_worker`` replicas, each under its own
+``tf.device`` and ``variable_scope("device_<i>")``, computes every replica's
+gradients, averages them across the worker's devices (the local allreduce),
+and applies the averaged result on every replica. How averaged gradients of
+different workers are combined is the driver's strategy: the worker offers
+one method per strategy (``step_local``, ``compute_gradients`` +
+``apply_gradients``, ``step_ps``).
+
+What is exchanged between workers is the worker's list of *exchange tensors*:
+the averaged gradient of every trainable variable and, for models with
+``UPDATE_OPS`` (batch norm), the updated value of every non-trainable float
+variable, so that moving statistics stay identical on every replica too.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import ray
+import tensorflow as tf
+
+from dsgd import shards as shard_layout
+from dsgd.errors import DSGDError, ModelCreatorError, WorkerMismatchError
+from dsgd.model import Model
+
+logger = logging.getLogger(__name__)
+
+ALL_REDUCE_ALGS = ("simple", "nccl")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs to build its graph, fixed at construction."""
+
+    num_workers: int
+    devices_per_worker: int
+    gpu: bool
+    all_reduce_alg: str
+    grad_shard_bytes: int
+    cpus_per_worker: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class WorkerSignature:
+    """What a worker built; the driver checks all workers agree."""
+
+    weights: tuple[shard_layout.VarSpec, ...]
+    exchange: tuple[shard_layout.VarSpec, ...]
+    metrics: tuple[str, ...]
+
+
+def replica_scope(device_index: int) -> str:
+    return f"device_{device_index}"
+
+
+def strip_scope(name: str, device_index: int) -> str:
+    """'device_1/dense/kernel:0' -> 'dense/kernel'."""
+    prefix = replica_scope(device_index) + "/"
+    name = name.split(":")[0]
+    if not name.startswith(prefix):
+        raise ModelCreatorError(
+            f"variable {name!r} of replica {device_index} was created outside its "
+            f"variable scope {prefix!r}; create variables inside model_creator "
+            "without opening an absolute scope")
+    return name[len(prefix):]
+
+
+def _var_spec(name: str, tensor: tf.Tensor | tf.Variable) -> shard_layout.VarSpec:
+    if not tensor.shape.is_fully_defined():
+        raise ModelCreatorError(f"variable {name!r} has a shape that is not fully defined: {tensor.shape}")
+    return shard_layout.VarSpec(name, tuple(tensor.shape.as_list()), np.dtype(tensor.dtype.as_numpy_dtype))
+
+
+class Replica:
+    """The graph pieces of one replica, in the order of its exchange tensors."""
+
+    def __init__(self, index: int, model: Model, weights: dict[str, tf.Variable]):
+        self.index = index
+        self.model = model
+        self.weights = weights
+        self.optimizer: tf.compat.v1.train.Optimizer | None = None
+        self.loss: tf.Tensor | None = None
+        self.metrics: dict[str, tf.Tensor] = {}
+        self.train_vars: list[tf.Variable] = []
+        self.state_vars: list[tf.Variable] = []
+        self.exchange: list[tf.Tensor] = []
+
+
+class SGDWorker:
+    """Runs as a Ray actor; the driver calls ``setup`` first, then steps."""
+
+    def __init__(self, worker_index: int, config: WorkerConfig):
+        self.worker_index = worker_index
+        self.config = config
+        self.graph: tf.Graph | None = None
+        self.sess: tf.compat.v1.Session | None = None
+        self.models: list[Model] = []
+        self.replicas: list[Replica] = []
+        self.ps_actors: list[Any] = []
+
+    # ---- set-up -----------------------------------------------------------
+
+    def setup(self, model_creator: Callable[[int, int], Model]) -> WorkerSignature:
+        """Build the replicas, the allreduce and apply ops; initialize variables."""
+        cfg = self.config
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            for i in range(cfg.devices_per_worker):
+                self.replicas.append(self._build_replica(model_creator, i))
+            self.models = [r.model for r in self.replicas]
+            self._check_replicas_agree()
+            local_means = self._build_local_allreduce()
+            self._build_apply(local_means)
+            self._build_weight_io()
+            init = tf.compat.v1.global_variables_initializer()
+        self.sess = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
+        self.sess.run(init)
+        self.layout = shard_layout.plan_shards(self.exchange_specs, cfg.grad_shard_bytes)
+        self._send_buffers = [np.zeros(s.size, dtype=s.dtype) for s in self.layout]
+        return self.signature()
+
+    def _session_config(self) -> tf.compat.v1.ConfigProto:
+        cfg = self.config
+        threads = max(1, cfg.cpus_per_worker)
+        config = tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=threads,
+            inter_op_parallelism_threads=max(2, threads),
+            allow_soft_placement=False)
+        if cfg.gpu:
+            config.gpu_options.allow_growth = True
+        else:
+            config.device_count["CPU"] = cfg.devices_per_worker
+            config.device_count["GPU"] = 0
+        return config
+
+    def _device(self, i: int) -> str:
+        return f"/gpu:{i}" if self.config.gpu else f"/cpu:{i}"
+
+    def _build_replica(self, model_creator, i: int) -> Replica:
+        where = f"worker {self.worker_index}, device {i}"
+        before = set(self.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+        with tf.device(self._device(i)), tf.compat.v1.variable_scope(replica_scope(i)):
+            try:
+                model = model_creator(self.worker_index, i)
+            except Exception as e:
+                raise ModelCreatorError(
+                    f"model_creator raised on {where}: {type(e).__name__}: {e}\n"
+                    f"{traceback.format_exc()}") from e
+            if not isinstance(model, Model):
+                raise ModelCreatorError(
+                    f"model_creator must return a dsgd.Model, got {type(model).__name__} on {where}")
+            created = [v for v in self.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+                       if v not in before]
+            weights = {strip_scope(v.name, i): v for v in created}
+            replica = Replica(i, model, weights)
+            self._build_gradients(replica, where)
+        return replica
+
+    def _call_user(self, replica: Replica, method: str, where: str):
+        try:
+            return getattr(replica.model, method)()
+        except Exception as e:
+            raise ModelCreatorError(
+                f"{type(replica.model).__name__}.{method}() raised on {where}: "
+                f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+
+    def _build_gradients(self, replica: Replica, where: str) -> None:
+        """Per-replica gradients and updated model state, in exchange order."""
+        loss = self._call_user(replica, "get_loss", where)
+        if not isinstance(loss, tf.Tensor) or loss.graph is not self.graph:
+            raise ModelCreatorError(f"get_loss() must return a tensor of the replica's graph, got {loss!r} on {where}")
+        if loss.shape.rank not in (None, 0):
+            raise ModelCreatorError(f"get_loss() must return a scalar, got shape {loss.shape} on {where}")
+        optimizer = self._call_user(replica, "get_optimizer", where)
+        if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            raise ModelCreatorError(
+                f"get_optimizer() must return a tf.compat.v1.train.Optimizer, got {type(optimizer).__name__} on {where}")
+        metrics = self._call_user(replica, "get_metrics", where) or {}
+        if not isinstance(metrics, dict):
+            raise ModelCreatorError(f"get_metrics() must return a dict of scalar tensors, got {type(metrics).__name__}")
+        trainable = set(self.graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
+        train_vars = [v for v in replica.weights.values() if v in trainable]
+        if not train_vars:
+            raise ModelCreatorError(
+                f"the model built on {where} has no trainable variables; "
+                "create them inside model_creator with tf.compat.v1.get_variable or tf.Variable")
+        grads = optimizer.compute_gradients(loss, var_list=train_vars, colocate_gradients_with_ops=True)
+        missing = [strip_scope(v.name, replica.index) for g, v in grads if g is None]
+        if missing and replica.index == 0 and self.worker_index == 0:
+            logger.warning("variables with no gradient are not trained: %s", ", ".join(missing))
+        grads = [(tf.convert_to_tensor(g), v) for g, v in grads if g is not None]
+        if not grads:
+            raise ModelCreatorError(f"the loss on {where} depends on none of the trainable variables")
+        update_ops = self.graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, scope=replica_scope(replica.index) + "/")
+        state_vars = []
+        if update_ops:
+            state_vars = [v for v in replica.weights.values() if v not in trainable and v.dtype.is_floating]
+        with tf.control_dependencies(update_ops):
+            state_values = [tf.identity(v.read_value()) for v in state_vars]
+        # Back-propagation yields the last layers first: exchange them first.
+        grads.reverse()
+        replica.optimizer = optimizer
+        replica.loss = loss
+        replica.metrics = metrics
+        replica.train_vars = [v for _, v in grads]
+        replica.state_vars = state_vars
+        replica.exchange = [g for g, _ in grads] + state_values
+
+    def _check_replicas_agree(self) -> None:
+        first = self.replicas[0]
+        expected = self._specs(first)
+        for r in self.replicas[1:]:
+            got = self._specs(r)
+            if got != expected:
+                diff = sorted(set(map(str, got)) ^ set(map(str, expected)))
+                raise WorkerMismatchError(
+                    f"replica {r.index} on worker {self.worker_index} built different variables "
+                    f"than replica 0: {'; '.join(diff[:6])}")
+            if sorted(r.metrics) != sorted(first.metrics):
+                raise WorkerMismatchError(f"replica {r.index} reports metrics {sorted(r.metrics)}, replica 0 {sorted(first.metrics)}")
+
+    def _specs(self, r: Replica) -> tuple:
+        weights = tuple(sorted((_var_spec(n, v) for n, v in r.weights.items()), key=lambda s: s.name))
+        exchange = tuple(_var_spec(strip_scope(v.name, r.index), v) for v in r.train_vars + r.state_vars)
+        return weights, exchange
+
+    @property
+    def exchange_specs(self) -> list[shard_layout.VarSpec]:
+        return list(self._specs(self.replicas[0])[1])
+
+    def signature(self) -> WorkerSignature:
+        weights, exchange = self._specs(self.replicas[0])
+        return WorkerSignature(weights, exchange, tuple(sorted(self.replicas[0].metrics)))
+
+    def _build_local_allreduce(self) -> list[list[tf.Tensor]]:
+        """Mean of every exchange tensor over this worker's replicas, per replica."""
+        n = len(self.replicas)
+        per_tensor = list(zip(*(r.exchange for r in self.replicas)))
+        if n == 1:
+            return [list(self.replicas[0].exchange)]
+        if self.config.all_reduce_alg == "nccl":
+            from tensorflow.python.ops import nccl_ops  # GPU only; not exercised on CPU CI
+            summed = [nccl_ops.all_sum(list(ts)) for ts in per_tensor]
+            return [[s[r] / n for s in summed] for r in range(n)]
+        with tf.device(self._device(0)):
+            means = [tf.add_n(list(ts)) / n for ts in per_tensor]
+        return [means] * n
+
+    def _build_apply(self, local_means: list[list[tf.Tensor]]) -> None:
+        """Two apply paths: from the local means (one worker), or from fed global means."""
+        specs = self.exchange_specs
+        self._local_means = local_means[0]
+        self._mean_inputs = [tf.compat.v1.placeholder(s.dtype, s.shape, name=f"mean_{k}")
+                             for k, s in enumerate(specs)]
+        self._apply_local = self._apply_ops(local_means)
+        self._apply_fed = self._apply_ops([self._mean_inputs] * len(self.replicas))
+
+    def _apply_ops(self, means_per_replica: Sequence[Sequence[tf.Tensor]]) -> tf.Operation:
+        ops = []
+        for r, means in zip(self.replicas, means_per_replica):
+            n_train = len(r.train_vars)
+            with tf.device(self._device(r.index)), tf.name_scope(f"{replica_scope(r.index)}_apply"):
+                ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
+                ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
+        return tf.group(*ops)
+
+    def _build_weight_io(self) -> None:
+        first = self.replicas[0]
+        self._weight_inputs = {
+            name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"set_{k}")
+            for k, (name, v) in enumerate(sorted(first.weights.items()))}
+        self._set_weights_op = tf.group(*[
+            v.assign(self._weight_inputs[name]) for r in self.replicas for name, v in r.weights.items()])
+
+    # ---- ps wiring --------------------------------------------------------
+
+    def set_parameter_servers(self, ps_actors: list) -> None:
+        if len(ps_actors) != len(self.layout):
+            raise DSGDError(f"worker {self.worker_index} has {len(self.layout)} shards but got {len(ps_actors)} parameter servers")
+        self.ps_actors = list(ps_actors)
+
+    def shard_layout(self) -> list[shard_layout.Shard]:
+        return self.layout
+
+    # ---- stepping ---------------------------------------------------------
+
+    def _feed_dict(self) -> dict:
+        feed: dict = {}
+        for r in self.replicas:
+            where = f"worker {self.worker_index}, device {r.index}"
+            part = self._call_user(r, "get_feed_dict", where) or {}
+            if not isinstance(part, dict):
+                raise DSGDError(f"get_feed_dict() must return a dict, got {type(part).__name__} on {where}")
+            for key in part:
+                self._check_feed_key(key, where)
+            feed.update(part)
+        return feed
+
+    def _check_feed_key(self, key, where: str) -> None:
+        if isinstance(key, (tf.Tensor, tf.Operation)) and key.graph is self.graph:
+            return
+        if isinstance(key, str):
+            try:
+                self.graph.as_graph_element(key)
+                return
+            except (KeyError, ValueError) as e:
+                raise DSGDError(f"get_feed_dict() on {where} names {key!r}, which is not a tensor of the model's graph: {e}") from e
+        raise DSGDError(
+            f"get_feed_dict() on {where} returned key {key!r}, which is not a tensor of the replica's graph; "
+            "use placeholders created in the model's __init__")
+
+    def _stats_fetches(self, fetch_stats: bool) -> dict:
+        if not fetch_stats:
+            return {}
+        return {"loss": [r.loss for r in self.replicas],
+                "metrics": {k: [r.metrics[k] for r in self.replicas] for k in self.replicas[0].metrics}}
+
+    @staticmethod
+    def _reduce_stats(out: dict) -> dict[str, float]:
+        if not out:
+            return {}
+        stats = {"loss": float(np.mean(out["loss"]))}
+        stats.update({k: float(np.mean(v)) for k, v in out["metrics"].items()})
+        return stats
+
+    def step_local(self, fetch_stats: bool) -> dict[str, float]:
+        """One worker alone: average over local replicas and apply, one run."""
+        out = self.sess.run({"apply": self._apply_local, "stats": self._stats_fetches(fetch_stats)},
+                            feed_dict=self._feed_dict())
+        return self._reduce_stats(out["stats"])
+
+    def compute_gradients(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+        """The worker's averaged exchange tensors (for the "simple" strategy)."""
+        out = self.sess.run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
+                            feed_dict=self._feed_dict())
+        return out["means"], self._reduce_stats(out["stats"])
+
+    def apply_gradients(self, means: Sequence[np.ndarray]) -> None:
+        """Apply the global mean of the exchange tensors on every replica."""
+        self.sess.run(self._apply_fed, feed_dict=dict(zip(self._mean_inputs, means)))
+
+    def step_ps(self, step_id: int, fetch_stats: bool) -> dict[str, float]:
+        """Compute, push shards to the parameter servers, pull means, apply."""
+        out = self.sess.run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
+                            feed_dict=self._feed_dict())
+        for shard, buf, ps in zip(self.layout, self._send_buffers, self.ps_actors):
+            shard_layout.pack(out["means"], shard, buf)
+            ps.push.remote(step_id, self.worker_index, buf)
+        pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
+        mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
+        shard_means = self._wait(mean_refs, f"the averaged shards of step {step_id}")
+        self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
+        return self._reduce_stats(out["stats"])
+
+    def _wait(self, refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.config.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise DSGDError(
+                f"worker {self.worker_index} waited more than {self.config.timeout_s:.0f}s for {what}; "
+                "a worker or parameter server is stuck or dead") from e
+
+    def warmup(self) -> None:
+        """Run the gradient computation once without applying it (no weight change)."""
+        self.sess.run(self._local_means, feed_dict=self._feed_dict())
+
+    # ---- weights and user callbacks --------------------------------------
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        return self.sess.run(dict(self.replicas[0].weights))
+
+    def get_replica_weights(self) -> list[dict[str, np.ndarray]]:
+        """Every replica's weights, device order (for checks and tests)."""
+        return self.sess.run([dict(r.weights) for r in self.replicas])
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.sess.run(self._set_weights_op,
+                      feed_dict={self._weight_inputs[k]: v for k, v in weights.items()})
+
+    def apply_fn(self, fn: Callable[["SGDWorker"], Any]) -> Any:
+        return fn(self)
+
+    def foreach_model(self, fn: Callable[[Model], Any]) -> list:
+        return [fn(m) for m in self.models]
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()

@@ -1,0 +1,136 @@
+"""Shard layout: how a worker's gradients are packed into flat shard buffers.
+
+Every worker computes the same layout from the same variable list, so a shard
+is just a flat 1-D buffer of one dtype; piece ``k`` of shard ``j`` is the slice
+``buffer[shard_offset:shard_offset + size]`` holding elements
+``[var_offset, var_offset + size)`` of the flattened gradient of variable
+``var_index``. Small gradients are concatenated, large ones split, and every
+piece starts on an ``ALIGN_BYTES`` boundary so that the read side can hand
+TensorFlow aligned views of a received shard without copying.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one variable's flattened gradient inside a shard."""
+
+    var_index: int
+    var_offset: int
+    shard_offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One flat buffer of a single dtype, summed by its own parameter server."""
+
+    index: int
+    dtype: np.dtype
+    size: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class VarSpec:
+    """Name, shape and dtype of one trainable variable's gradient."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _align(elements: int, itemsize: int) -> int:
+    step = max(1, ALIGN_BYTES // itemsize)
+    return -(-elements // step) * step
+
+
+def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
+    """Split gradients into shards of about ``grad_shard_bytes`` each.
+
+    Variables are packed in the order given (the engine passes them last
+    layer first, the order back-propagation produces them). Each dtype gets
+    its own shards; within a dtype the shard count is
+    ``ceil(total_bytes / grad_shard_bytes)`` and the elements are spread evenly
+    over them, so shards (and so parameter servers) carry balanced loads.
+    ``grad_shard_bytes == 0`` means one shard per dtype. Zero-size variables
+    take no room.
+    """
+    if grad_shard_bytes < 0:
+        raise ValueError(f"grad_shard_bytes must be >= 0, got {grad_shard_bytes}")
+    shards: list[Shard] = []
+    dtypes = list(dict.fromkeys(np.dtype(s.dtype) for s in specs))
+    for dtype in dtypes:
+        members = [(i, s) for i, s in enumerate(specs) if np.dtype(s.dtype) == dtype and s.size > 0]
+        total = sum(s.size for _, s in members)
+        if total == 0:
+            continue
+        total_bytes = total * dtype.itemsize
+        count = 1 if grad_shard_bytes == 0 else max(1, math.ceil(total_bytes / grad_shard_bytes))
+        target = math.ceil(total / count)
+        shards.extend(_fill(members, dtype, target, first_index=len(shards)))
+    return shards
+
+
+def _fill(members, dtype: np.dtype, target: int, first_index: int) -> list[Shard]:
+    """Greedily fill shards of ``target`` payload elements, splitting variables."""
+    shards: list[Shard] = []
+    pieces: list[Piece] = []
+    used = 0  # payload elements in the current shard
+    end = 0  # aligned end of the current shard's buffer
+
+    def close() -> None:
+        nonlocal pieces, used, end
+        shards.append(Shard(first_index + len(shards), dtype, end, tuple(pieces)))
+        pieces, used, end = [], 0, 0
+
+    for var_index, spec in members:
+        offset = 0
+        while offset < spec.size:
+            room = target - used
+            take = min(room, spec.size - offset)
+            start = _align(end, dtype.itemsize)
+            pieces.append(Piece(var_index, offset, start, take))
+            used += take
+            end = start + take
+            offset += take
+            if used >= target:
+                close()
+    if pieces:
+        close()
+    return shards
+
+
+def pack(grads: Sequence[np.ndarray], shard: Shard, out: np.ndarray) -> np.ndarray:
+    """Copy this shard's pieces of ``grads`` into the flat buffer ``out``."""
+    for p in shard.pieces:
+        flat = grads[p.var_index].reshape(-1)
+        out[p.shard_offset:p.shard_offset + p.size] = flat[p.var_offset:p.var_offset + p.size]
+    return out
+
+
+def unpack(shards: Sequence[np.ndarray], layout: Sequence[Shard], specs: Sequence[VarSpec]) -> list[np.ndarray]:
+    """Rebuild per-variable gradients from flat shard buffers (inverse of pack)."""
+    grads = [np.empty(s.shape, dtype=s.dtype) for s in specs]
+    for buf, shard in zip(shards, layout):
+        for p in shard.pieces:
+            grads[p.var_index].reshape(-1)[p.var_offset:p.var_offset + p.size] = (
+                buf[p.shard_offset:p.shard_offset + p.size])
+    return grads

@@ -1,0 +1,26 @@
+"""One Ray instance for the whole test session, sized for a 2-core machine."""
+
+import os
+
+import pytest
+import ray
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Logical CPUs: enough for two 2-worker engines at once; actors mostly wait.
+NUM_CPUS = 8
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    ray.init(
+        num_cpus=NUM_CPUS,
+        object_store_memory=1 << 30,
+        include_dashboard=False,
+        logging_level="ERROR",
+        # Worker processes import the test models from here by name.
+        runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}},
+    )
+    yield ray
+    ray.shutdown()

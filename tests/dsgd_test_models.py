@@ -1,0 +1,95 @@
+"""Small models for the tests, with a numpy twin to check dsgd's arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+import dsgd
+
+IN, HIDDEN, BATCH, LR = 5, 4, 6, 0.1
+
+
+def batch(worker_index: int, device_index: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed batch replica (worker, device) sees at a given step."""
+    rng = np.random.RandomState(1000 * step + 10 * worker_index + device_index)
+    return rng.randn(BATCH, IN).astype(np.float32), rng.randn(BATCH).astype(np.float32)
+
+
+class TanhNet(dsgd.Model):
+    """pred = tanh(x W + b) v; squared error; randomly initialized variables."""
+
+    def __init__(self, worker_index: int, device_index: int):
+        self.worker_index, self.device_index, self.step = worker_index, device_index, 0
+        self.x = tf.compat.v1.placeholder(tf.float32, [None, IN])
+        self.y = tf.compat.v1.placeholder(tf.float32, [None])
+        w = tf.compat.v1.get_variable("layer/w", [IN, HIDDEN])
+        b = tf.compat.v1.get_variable("layer/b", [HIDDEN], initializer=tf.compat.v1.random_normal_initializer())
+        v = tf.compat.v1.get_variable("out/v", [HIDDEN])
+        pred = tf.linalg.matvec(tf.tanh(tf.matmul(self.x, w) + b), v)
+        self.loss = tf.reduce_mean(tf.square(pred - self.y))
+        self.abs_error = tf.reduce_mean(tf.abs(pred - self.y))
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.GradientDescentOptimizer(LR)
+
+    def get_metrics(self):
+        return {"abs_error": self.abs_error}
+
+    def get_feed_dict(self):
+        x, y = batch(self.worker_index, self.device_index, self.step)
+        self.step += 1
+        return {self.x: x, self.y: y}
+
+
+def reset_data(model: TanhNet) -> None:
+    model.step = 0
+
+
+def numpy_forward(weights: dict, x: np.ndarray, y: np.ndarray):
+    h = np.tanh(x @ weights["layer/w"] + weights["layer/b"])
+    pred = h @ weights["out/v"]
+    return h, pred, float(np.mean((pred - y) ** 2)), float(np.mean(np.abs(pred - y)))
+
+
+def numpy_gradients(weights: dict, x: np.ndarray, y: np.ndarray) -> dict:
+    h, pred, _, _ = numpy_forward(weights, x, y)
+    dpred = 2 * (pred - y) / len(y)
+    dz = np.outer(dpred, weights["out/v"]) * (1 - h ** 2)
+    return {"layer/w": x.T @ dz, "layer/b": dz.sum(0), "out/v": h.T @ dpred}
+
+
+def numpy_step(weights: dict, replicas: list[tuple[int, int]], step: int) -> dict:
+    """Plain SGD with the mean gradient of every replica's batch, in float64."""
+    grads = [numpy_gradients(weights, *batch(w, d, step)) for w, d in replicas]
+    return {k: weights[k] - LR * np.mean([g[k] for g in grads], axis=0) for k in weights}
+
+
+class BatchNormNet(dsgd.Model):
+    """A model with a moving statistic updated through UPDATE_OPS."""
+
+    def __init__(self, worker_index: int, device_index: int):
+        self.worker_index, self.device_index, self.step = worker_index, device_index, 0
+        self.x = tf.compat.v1.placeholder(tf.float32, [None, IN])
+        self.y = tf.compat.v1.placeholder(tf.float32, [None])
+        w = tf.compat.v1.get_variable("w", [IN])
+        moving = tf.compat.v1.get_variable("moving_mean", [IN], trainable=False,
+                                           initializer=tf.compat.v1.zeros_initializer())
+        update = moving.assign(0.9 * moving + 0.1 * tf.reduce_mean(self.x, 0))
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+        pred = tf.linalg.matvec(self.x - moving, w)
+        self.loss = tf.reduce_mean(tf.square(pred - self.y))
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.MomentumOptimizer(LR, 0.9)
+
+    def get_feed_dict(self):
+        x, y = batch(self.worker_index, self.device_index, self.step)
+        self.step += 1
+        return {self.x: x, self.y: y}

@@ -1,0 +1,157 @@
+"""Semantics of DistributedSGD: identical replicas, correct averaged steps."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import dsgd
+from dsgd_test_models import BatchNormNet, TanhNet, batch, numpy_forward, numpy_step, reset_data
+
+WORKERS, DEVICES = 2, 2
+REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
+
+
+def replica_weights(sgd):
+    """Every replica's weights, flat, worker then device order."""
+    return [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights()) for r in per_worker]
+
+
+def assert_replicas_identical(sgd):
+    replicas = replica_weights(sgd)
+    assert len(replicas) == WORKERS * DEVICES
+    for i, other in enumerate(replicas[1:], start=1):
+        assert other.keys() == replicas[0].keys()
+        for name in replicas[0]:
+            assert np.array_equal(other[name], replicas[0][name]), f"replica {i} differs in {name}"
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session):
+    """One 2x2 engine per strategy; "ps" with tiny shards so variables get split."""
+    built = {
+        "simple": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="simple"),
+        "ps": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
+                                  grad_shard_bytes=24),
+    }
+    yield built
+    for sgd in built.values():
+        sgd.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["simple", "ps"])
+def test_random_init_is_broadcast_to_every_replica(engines, strategy):
+    assert_replicas_identical(engines[strategy])
+
+
+def test_ps_has_one_parameter_server_per_shard(engines):
+    # 5*4 + 4 + 4 float32 = 112 bytes in 24-byte shards: ceil(112 / 24) = 5 shards.
+    assert len(engines["ps"].ps_actors) == 5
+
+
+def test_foreach_model_is_flat_in_worker_then_device_order(engines):
+    assert engines["ps"].foreach_model(lambda m: (m.worker_index, m.device_index)) == REPLICAS
+
+
+@pytest.mark.parametrize("strategy", ["simple", "ps"])
+def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strategy):
+    sgd = engines[strategy]
+    start = {k: v.astype(np.float64) for k, v in
+             numpy_step_start(sgd).items()}
+    expected = start
+    for step in range(3):
+        sgd.step(fetch_stats=(step % 2 == 0))
+        expected = numpy_step(expected, REPLICAS, step)
+        assert_replicas_identical(sgd)
+        got = sgd.get_weights()
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def numpy_step_start(sgd):
+    """Fixed starting weights on every replica and data counters at step 0."""
+    rng = np.random.RandomState(7)
+    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
+    sgd.set_weights(weights)
+    sgd.foreach_model(reset_data)
+    return weights
+
+
+def test_strategies_give_the_same_weights(engines):
+    for sgd in engines.values():
+        numpy_step_start(sgd)
+        for _ in range(4):
+            sgd.step()
+    simple, ps = engines["simple"].get_weights(), engines["ps"].get_weights()
+    for name in simple:
+        np.testing.assert_allclose(ps[name], simple[name], rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["simple", "ps"])
+def test_fetch_stats_reports_means_over_replicas(engines, strategy):
+    sgd = engines[strategy]
+    weights = numpy_step_start(sgd)
+    per_replica = [numpy_forward(weights, *batch(w, d, 0)) for w, d in REPLICAS]
+    stats = sgd.step(fetch_stats=True)
+    assert stats["loss"] == pytest.approx(np.mean([r[2] for r in per_replica]), rel=1e-5)
+    assert stats["abs_error"] == pytest.approx(np.mean([r[3] for r in per_replica]), rel=1e-5)
+    assert stats["step_time_s"] > 0
+    assert isinstance(stats["step"], int)
+
+
+def test_step_without_stats_returns_none_and_still_applies(engines):
+    sgd = engines["ps"]
+    before = sgd.get_weights()
+    assert sgd.step(fetch_stats=False) is None
+    after = sgd.get_weights()
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+    assert_replicas_identical(sgd)
+
+
+def test_warmup_does_not_change_weights(engines):
+    sgd = engines["ps"]
+    before = sgd.get_weights()
+    sgd.warmup()
+    after = sgd.get_weights()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_weights_are_keyed_without_device_scope(engines):
+    weights = engines["simple"].get_weights()
+    assert sorted(weights) == ["layer/b", "layer/w", "out/v"]
+    assert weights["layer/w"].shape == (5, 4)
+
+
+def test_set_weights_rejects_wrong_names_and_shapes(engines):
+    sgd = engines["simple"]
+    weights = sgd.get_weights()
+    with pytest.raises(ValueError, match="missing variables \\['out/v'\\]"):
+        sgd.set_weights({k: v for k, v in weights.items() if k != "out/v"})
+    with pytest.raises(ValueError, match="unknown variables \\['extra'\\]"):
+        sgd.set_weights({**weights, "extra": np.zeros(1)})
+    with pytest.raises(ValueError, match="'layer/b' has shape \\(3,\\), expected \\(4,\\)"):
+        sgd.set_weights({**weights, "layer/b": np.zeros(3, np.float32)})
+
+
+def test_moving_statistics_stay_identical_across_replicas(ray_session):
+    with dsgd.DistributedSGD(BatchNormNet, num_workers=WORKERS, devices_per_worker=DEVICES,
+                             strategy="ps") as sgd:
+        for _ in range(2):
+            sgd.step()
+        assert_replicas_identical(sgd)
+        moving = sgd.get_weights()["moving_mean"]
+        assert np.any(moving != 0)
+        # Every replica's update is averaged: 0.1 * mean of all replicas' batch means.
+        expected = 0.1 * np.mean([batch(w, d, 0)[0].mean(0) for w, d in REPLICAS], axis=0)
+        expected = 0.9 * expected + 0.1 * np.mean([batch(w, d, 1)[0].mean(0) for w, d in REPLICAS], axis=0)
+        np.testing.assert_allclose(moving, expected, rtol=1e-5)
+
+
+def test_single_worker_ps_says_it_runs_like_simple_and_closes(ray_session, caplog):
+    with caplog.at_level(logging.WARNING, logger="dsgd"):
+        with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=2, strategy="ps") as sgd:
+            assert sgd.ps_actors == []
+            assert sgd.step(fetch_stats=True)["loss"] > 0
+    assert "num_workers=1" in caplog.text
+    with pytest.raises(dsgd.DSGDError, match="shut down"):
+        sgd.step()

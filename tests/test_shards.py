@@ -1,0 +1,68 @@
+"""The shard layout: balanced, aligned, and covering every element once."""
+
+import numpy as np
+import pytest
+
+from dsgd.shards import ALIGN_BYTES, VarSpec, pack, plan_shards, unpack
+
+F32 = np.dtype(np.float32)
+
+
+def specs(*shapes, dtype=F32):
+    return [VarSpec(f"v{i}", shape, np.dtype(dtype)) for i, shape in enumerate(shapes)]
+
+
+def coverage(layout, var_specs):
+    seen = [np.zeros(s.size, int) for s in var_specs]
+    for shard in layout:
+        for p in shard.pieces:
+            seen[p.var_index][p.var_offset:p.var_offset + p.size] += 1
+    return seen
+
+
+@pytest.mark.parametrize("shard_bytes", [0, 4, 40, 100, 1000, 10**9])
+def test_every_element_lands_in_exactly_one_shard(shard_bytes):
+    var_specs = specs((7, 3), (1,), (100,), (2, 2, 2), (0,), (33,))
+    layout = plan_shards(var_specs, shard_bytes)
+    for counts in coverage(layout, var_specs):
+        assert np.all(counts == 1)
+
+
+def test_pieces_are_aligned_and_do_not_overlap():
+    layout = plan_shards(specs((7, 3), (1,), (100,), (33,)), 64)
+    for shard in layout:
+        end = 0
+        for p in shard.pieces:
+            assert (p.shard_offset * 4) % ALIGN_BYTES == 0
+            assert p.shard_offset >= end
+            end = p.shard_offset + p.size
+        assert shard.size == end
+
+
+def test_large_variable_is_split_and_shards_are_balanced():
+    layout = plan_shards(specs((1000,), (10,)), 1000)  # 4040 bytes -> 5 shards
+    assert len(layout) == 5
+    payloads = [sum(p.size for p in s.pieces) for s in layout]
+    assert max(payloads) - min(payloads) <= 2
+    assert sum(1 for s in layout for p in s.pieces if p.var_index == 0) == 5
+
+
+def test_zero_means_one_shard_per_dtype():
+    layout = plan_shards(specs((10,)) + specs((4,), dtype=np.float16), 0)
+    assert [s.dtype for s in layout] == [F32, np.dtype(np.float16)]
+
+
+def test_negative_shard_size_is_rejected():
+    with pytest.raises(ValueError, match="grad_shard_bytes must be >= 0, got -1"):
+        plan_shards(specs((3,)), -1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_pack_unpack_round_trip(dtype):
+    var_specs = specs((7, 3), (5,), (64,), (1, 1), dtype=dtype)
+    layout = plan_shards(var_specs, 48)
+    rng = np.random.RandomState(0)
+    grads = [rng.randn(*s.shape).astype(dtype) for s in var_specs]
+    buffers = [pack(grads, shard, np.zeros(shard.size, shard.dtype)) for shard in layout]
+    for got, want in zip(unpack(buffers, layout, var_specs), grads):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
