@@ -1,0 +1,119 @@
+"""Misuse gets a clear error that names what was wrong, quickly, never a hang."""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dsgd
+from dsgd_test_models import TanhNet
+
+FAST_S = 5.0  # argument checks must not wait on actors
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategy": "allreduce"}, "strategy must be one of \\('ps', 'simple'\\), got 'allreduce'"),
+    ({"num_workers": 0}, "num_workers must be an integer >= 1, got 0"),
+    ({"num_workers": 1.5}, "num_workers must be an integer >= 1, got 1.5"),
+    ({"devices_per_worker": 0}, "devices_per_worker must be an integer >= 1, got 0"),
+    ({"grad_shard_bytes": -1}, "grad_shard_bytes must be an integer >= 0, got -1"),
+    ({"all_reduce_alg": "ring"}, "all_reduce_alg must be one of \\('simple', 'nccl'\\), got 'ring'"),
+    ({"all_reduce_alg": "nccl"}, "all_reduce_alg='nccl' needs gpu=True"),
+    ({"gpu": True}, "gpu=True with 1 workers x 1 GPU.*largest Ray node has 0"),
+    ({"cpus_per_worker": 64}, "each worker needs 64 CPU on one node, but the largest Ray node has 8"),
+    ({"num_workers": 5, "cpus_per_worker": 2}, "needs 10 CPU in all, but the Ray cluster has 8"),
+    ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
+])
+def test_bad_arguments_fail_fast_naming_the_argument(ray_session, kwargs, message):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        dsgd.DistributedSGD(TanhNet, **kwargs)
+    assert time.monotonic() - start < FAST_S
+
+
+def test_model_creator_must_be_callable(ray_session):
+    with pytest.raises(TypeError, match="model_creator must be callable"):
+        dsgd.DistributedSGD("TanhNet")
+
+
+def broken_creator(worker_index, device_index):
+    raise RuntimeError("no such dataset: /data/imagenet")
+
+
+def returns_a_dict(worker_index, device_index):
+    return {"loss": 0}
+
+
+class NoVariables(dsgd.Model):
+    def __init__(self, worker_index, device_index):
+        self.loss = tf.constant(1.0)
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+
+
+class Wide(TanhNet):
+    """Adds a variable whose shape depends on where the replica is."""
+
+    def __init__(self, worker_index, device_index):
+        super().__init__(worker_index, device_index)
+        width = 3 + worker_index + (device_index if self.by_device else 0)
+        extra = tf.compat.v1.get_variable("extra", [width])
+        self.loss = self.loss + tf.reduce_sum(extra)
+
+
+class WideByDevice(Wide):
+    by_device = True
+
+
+class WideByWorker(Wide):
+    by_device = False
+
+
+class FeedsForeignTensor(TanhNet):
+    def get_feed_dict(self):
+        return {**super().get_feed_dict(), "no_such_tensor:0": np.zeros(1)}
+
+
+def test_model_creator_error_shows_user_message_and_traceback(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError) as info:
+        dsgd.DistributedSGD(broken_creator, num_workers=1)
+    text = str(info.value)
+    assert "model_creator raised on worker 0, device 0" in text
+    assert "RuntimeError: no such dataset: /data/imagenet" in text
+    assert "in broken_creator" in text  # the user's own frame
+
+
+def test_model_creator_must_return_a_model(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError, match="must return a dsgd.Model, got dict"):
+        dsgd.DistributedSGD(returns_a_dict, num_workers=1)
+
+
+def test_model_without_trainable_variables_is_rejected(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError, match="has no trainable variables"):
+        dsgd.DistributedSGD(NoVariables, num_workers=1)
+
+
+def test_replicas_with_different_variables_are_rejected(ray_session):
+    with pytest.raises(dsgd.WorkerMismatchError, match="replica 1 on worker 0 built different variables.*extra"):
+        dsgd.DistributedSGD(WideByDevice, num_workers=1, devices_per_worker=2)
+
+
+def test_workers_with_different_variables_are_rejected(ray_session):
+    with pytest.raises(dsgd.WorkerMismatchError, match="worker 1 built a model that differs from worker 0's.*extra"):
+        dsgd.DistributedSGD(WideByWorker, num_workers=2)
+
+
+def test_feed_of_unknown_tensor_names_it(ray_session):
+    message = "names 'no_such_tensor:0', which is not a tensor of the model's graph"
+    with dsgd.DistributedSGD(FeedsForeignTensor, num_workers=1) as sgd:
+        with pytest.raises(dsgd.DSGDError, match=message):
+            sgd.step(fetch_stats=True)
+        # A step submitted without stats reports its failure on the next call.
+        assert sgd.step() is None
+        with pytest.raises(dsgd.DSGDError, match=message):
+            sgd.get_weights()
