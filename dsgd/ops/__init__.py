@@ -1,0 +1,254 @@
+"""Loader and graph helpers for the dsgd C++ op library.
+
+Write side: ``pack`` copies a shard's pieces of the gradient tensors into one
+flat tensor in a single pass; ``build_send`` then hands it to the object store
+from inside the graph, so each shard leaves as soon as its gradients exist.
+
+Read side: ``receive_shard`` turns the numpy array a fetch function returns
+(normally the zero-copy view ``ray.get`` gives) into a tensor aliasing the same
+memory; ``unpack`` splits shards into per-variable gradients that alias them.
+The array is kept in a registry until the last tensor using its memory dies;
+the C++ side then queues its handle and ``drain_released`` drops the array.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from dsgd.ops import object_store
+from dsgd.shards import Shard, VarSpec
+
+__all__ = [
+    "is_available", "load", "pack", "build_send", "receive_shard", "unpack",
+    "build_receive", "drain_released", "discard_unclaimed", "live_buffers",
+    "data_address",
+]
+
+_lock = threading.Lock()
+_ops: Any = None
+_clib: ctypes.CDLL | None = None
+_arrays: dict[int, np.ndarray] = {}  # handle -> array kept alive for TensorFlow
+
+
+def load() -> Any:
+    """Build (if needed) and load the op library; return its op module."""
+    global _ops, _clib
+    from dsgd.ops.build import build
+
+    with _lock:
+        if _ops is None:
+            path = str(build())
+            ops = tf.load_op_library(path)
+            clib = ctypes.CDLL(path)
+            clib.dsgd_register_buffer.restype = ctypes.c_int64
+            clib.dsgd_register_buffer.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
+            for name in ("dsgd_drain_released", "dsgd_discard_unclaimed"):
+                getattr(clib, name).restype = ctypes.c_uint64
+                getattr(clib, name).argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_uint64]
+            clib.dsgd_live_buffer_count.restype = ctypes.c_uint64
+            _ops, _clib = ops, clib
+        return _ops
+
+
+def is_available() -> bool:
+    """Whether the op library is built or can be built, and loads."""
+    from dsgd.ops.build import BuildError
+
+    try:
+        load()
+    except (BuildError, tf.errors.NotFoundError, OSError):
+        return False
+    return True
+
+
+def _tf_dtype(dtype: np.dtype) -> tf.DType:
+    return tf.as_dtype(np.dtype(dtype))
+
+
+def _piece_attrs(items) -> dict[str, list[int]]:
+    """Op attrs for ``items``: (input index, Piece) pairs."""
+    return {
+        "piece_input": [i for i, _ in items],
+        "piece_var_offset": [p.var_offset for _, p in items],
+        "piece_shard_offset": [p.shard_offset for _, p in items],
+        "piece_size": [p.size for _, p in items],
+    }
+
+
+def pack(grads: Sequence[tf.Tensor], shard: Shard) -> tf.Tensor:
+    """Flat 1-D tensor of ``shard.size`` holding ``shard``'s pieces of ``grads``.
+
+    ``grads`` are indexed by ``Piece.var_index`` (all variables' gradients, in
+    the order of the specs the layout was planned from); only the ones this
+    shard uses become inputs. Alignment gaps are zero.
+    """
+    used = list(dict.fromkeys(p.var_index for p in shard.pieces))
+    position = {v: i for i, v in enumerate(used)}
+    inputs = [tf.convert_to_tensor(grads[v]) for v in used]
+    for v, t in zip(used, inputs):
+        if t.dtype != _tf_dtype(shard.dtype):
+            raise TypeError(f"grads[{v}] has dtype {t.dtype.name}, shard {shard.index} "
+                            f"holds {np.dtype(shard.dtype).name}")
+    return load().dsgd_pack(inputs, shard_size=shard.size,
+                            **_piece_attrs([(position[p.var_index], p) for p in shard.pieces]))
+
+
+def build_send(grads: Sequence[tf.Tensor], shard: Shard,
+               on_ready: Callable[[Shard, Any], None],
+               inputs: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+    """Pack ``shard`` and put it in the object store from inside the graph.
+
+    When the graph runs, as soon as the shard's gradients exist, the packed
+    tensor is put in the object store (``object_store.put``) and
+    ``on_ready(shard, object_ref, *input_values)`` is called (it typically
+    sends the ref to the shard's parameter server). ``inputs`` are extra
+    tensors whose numpy values are passed along (e.g. a step number).
+    Returns an int64 scalar token (the shard index) to fetch or depend on.
+    """
+    packed = pack(grads, shard)
+
+    def send(array: np.ndarray, *values: np.ndarray) -> np.int64:
+        on_ready(shard, object_store.put(array), *values)
+        return np.int64(shard.index)
+
+    token = tf.numpy_function(send, [packed, *inputs], tf.int64, stateful=True,
+                              name=f"dsgd_send_{shard.index}")
+    token.set_shape([])
+    return token
+
+
+def _register(array: np.ndarray) -> int:
+    drain_released()
+    address, nbytes = object_store.address_range(array)
+    with _lock:
+        handle = _clib.dsgd_register_buffer(address, nbytes)
+        _arrays[handle] = array
+    return handle
+
+
+def receive_shard(fetch: Callable[..., np.ndarray], shard: Shard,
+                  inputs: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+    """1-D tensor of ``shard`` that aliases the array ``fetch`` returns.
+
+    ``fetch(*input_values)`` runs inside the graph (it may block, e.g. on
+    ``ray.get``) and must return a C-contiguous array of ``shard.size``
+    elements of ``shard.dtype``. The array is kept alive until TensorFlow
+    drops every tensor using its memory (see ``drain_released``).
+    """
+    load()
+    dtype = np.dtype(shard.dtype)
+
+    def fetch_and_register(*values: np.ndarray) -> np.int64:
+        array = fetch(*values)
+        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.size != shard.size:
+            raise ValueError(
+                f"fetch for shard {shard.index} must return a numpy array of {shard.size} "
+                f"{dtype.name} elements, got {type(array).__name__} "
+                f"{getattr(array, 'dtype', '')} of size {getattr(array, 'size', '?')}")
+        return np.int64(_register(array))
+
+    handle = tf.numpy_function(fetch_and_register, list(inputs), tf.int64, stateful=True,
+                               name=f"dsgd_fetch_{shard.index}")
+    handle.set_shape([])
+    return _ops.dsgd_object_tensor(handle, T=_tf_dtype(dtype), size=shard.size)
+
+
+def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
+           specs: Sequence[VarSpec]) -> list[tf.Tensor]:
+    """Per-variable gradients (shapes of ``specs``) from the layout's shards.
+
+    ``shard_tensors[i]`` holds ``layout[i]``. A variable held in one piece
+    aliases its shard; one split over several shards is copied together (one
+    op per group of variables spanning the same shards, so a group only waits
+    for its own shards). Zero-size variables get zero-size constants.
+    """
+    load()
+    pieces = defaultdict(list)  # var_index -> [(layout position, piece)]
+    for position, shard in enumerate(layout):
+        for p in shard.pieces:
+            pieces[p.var_index].append((position, p))
+    groups = defaultdict(list)  # shard positions -> var indices
+    for v, owned in pieces.items():
+        groups[tuple(sorted({pos for pos, _ in owned}))].append(v)
+    grads: list[tf.Tensor | None] = [None] * len(specs)
+    for positions, var_indices in groups.items():
+        input_of = {pos: i for i, pos in enumerate(positions)}
+        output_of = {v: k for k, v in enumerate(var_indices)}
+        flat = [(pos, p) for v in var_indices for pos, p in pieces[v]]
+        outputs = _ops.dsgd_unpack(
+            [shard_tensors[pos] for pos in positions],
+            num_outputs=len(var_indices),
+            shapes=[specs[v].shape for v in var_indices],
+            piece_output=[output_of[p.var_index] for _, p in flat],
+            **_piece_attrs([(input_of[pos], p) for pos, p in flat]))
+        for v, t in zip(var_indices, outputs):
+            grads[v] = t
+    for v, spec in enumerate(specs):
+        if grads[v] is None:
+            grads[v] = tf.zeros(spec.shape, _tf_dtype(spec.dtype))
+    return grads
+
+
+def build_receive(fetch: Callable[..., np.ndarray], layout: Sequence[Shard],
+                  specs: Sequence[VarSpec], inputs: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
+    """Receive every shard of ``layout`` zero-copy and unpack it.
+
+    ``fetch(shard, *input_values)`` returns the averaged array of ``shard``.
+    Returns gradients in ``specs`` order, ready for ``apply_gradients``.
+    """
+    shards = [receive_shard(lambda *values, s=s: fetch(s, *values), s, inputs) for s in layout]
+    return unpack(shards, layout, specs)
+
+
+def _drain(function_name: str) -> list[int]:
+    if _clib is None:
+        return []
+    buffer = (ctypes.c_int64 * 256)()
+    handles: list[int] = []
+    while True:
+        n = getattr(_clib, function_name)(buffer, len(buffer))
+        handles.extend(buffer[:n])
+        if n < len(buffer):
+            return handles
+
+
+def drain_released() -> int:
+    """Drop the arrays TensorFlow no longer uses; return how many were dropped.
+
+    Called on every fetch; the engine should also call it after each
+    ``session.run`` so object-store memory is released promptly.
+    """
+    handles = _drain("dsgd_drain_released")
+    with _lock:
+        for h in handles:
+            _arrays.pop(h, None)
+    return len(handles)
+
+
+def discard_unclaimed() -> int:
+    """Drop arrays that were fetched but never turned into a tensor.
+
+    That happens only when a ``session.run`` fails between the fetch and the
+    op that aliases it; call this after such a failure. Returns the count.
+    """
+    handles = _drain("dsgd_discard_unclaimed")
+    with _lock:
+        for h in handles:
+            _arrays.pop(h, None)
+    return len(handles)
+
+
+def live_buffers() -> int:
+    """Arrays currently registered (in use by TensorFlow or about to be)."""
+    return 0 if _clib is None else int(_clib.dsgd_live_buffer_count())
+
+
+def data_address(tensor: tf.Tensor) -> tf.Tensor:
+    """int64 scalar: the address of ``tensor``'s data when the graph runs."""
+    return load().dsgd_data_address(tensor)

@@ -1,0 +1,400 @@
+// TensorFlow ops that move gradient shards between tensors and Ray
+// object-store memory:
+//   DsgdPack          gradient pieces -> one flat shard tensor (one pass)
+//   DsgdObjectTensor  registered object-store buffer -> tensor aliasing it
+//   DsgdUnpack        flat shard tensors -> per-variable gradients (aliasing
+//                     the shard whenever a variable lies in one aligned piece)
+//   DsgdDataAddress   a tensor's data address (for tests and debugging)
+#include <cstring>
+#include <vector>
+
+#include "dsgd/ops/cc/object_registry.h"
+#include "tensorflow/core/common_runtime/dma_helper.h"
+#include "tensorflow/core/framework/allocation_description.pb.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace {
+
+constexpr char kTypes[] =
+    "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64}";
+constexpr uintptr_t kAlignBytes = 64;
+
+bool IsAligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % kAlignBytes == 0;
+}
+
+// Memory owned by the object store; the last tensor using it releases the
+// registry handle so Python can drop the object.
+class ObjectBuffer : public TensorBuffer {
+ public:
+  ObjectBuffer(int64_t handle, void* data, size_t nbytes)
+      : TensorBuffer(data), handle_(handle), nbytes_(nbytes) {}
+  ~ObjectBuffer() override { dsgd::ReleaseBuffer(handle_); }
+
+  size_t size() const override { return nbytes_; }
+  TensorBuffer* root_buffer() override { return this; }
+  void FillAllocationDescription(AllocationDescription* proto) const override {
+    proto->set_requested_bytes(nbytes_);
+    proto->set_allocator_name("dsgd_object_store");
+  }
+  // Not ours to write: stops TensorFlow from forwarding it to in-place ops.
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  const int64_t handle_;
+  const size_t nbytes_;
+};
+
+// A byte range of another buffer, keeping that buffer alive.
+class AliasBuffer : public TensorBuffer {
+ public:
+  AliasBuffer(TensorBuffer* root, void* data, size_t nbytes)
+      : TensorBuffer(data), root_(root), nbytes_(nbytes) {
+    root_->Ref();
+  }
+  ~AliasBuffer() override { root_->Unref(); }
+
+  size_t size() const override { return nbytes_; }
+  TensorBuffer* root_buffer() override { return root_; }
+  void FillAllocationDescription(AllocationDescription* proto) const override {
+    root_->FillAllocationDescription(proto);
+  }
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  TensorBuffer* const root_;
+  const size_t nbytes_;
+};
+
+// One contiguous run of elements copied between a variable and a shard.
+struct Piece {
+  int64_t output;  // unpack: output index; pack: unused
+  int64_t input;
+  int64_t var_offset;
+  int64_t shard_offset;
+  int64_t size;
+};
+
+absl::Status ReadPieces(OpKernelConstruction* ctx, bool with_output,
+                        std::vector<Piece>* pieces) {
+  std::vector<int64_t> out, in, var_off, shard_off, size;
+  if (with_output) TF_RETURN_IF_ERROR(ctx->GetAttr("piece_output", &out));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("piece_input", &in));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("piece_var_offset", &var_off));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("piece_shard_offset", &shard_off));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("piece_size", &size));
+  size_t n = in.size();
+  if (var_off.size() != n || shard_off.size() != n || size.size() != n ||
+      (with_output && out.size() != n)) {
+    return errors::InvalidArgument("piece_* attrs must have equal lengths");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (var_off[i] < 0 || shard_off[i] < 0 || size[i] < 0) {
+      return errors::InvalidArgument("piece ", i, " has a negative offset or size");
+    }
+    pieces->push_back({with_output ? out[i] : 0, in[i], var_off[i], shard_off[i], size[i]});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRange(const char* what, int64_t index, int64_t offset,
+                        int64_t size, int64_t limit) {
+  if (offset + size > limit) {
+    return errors::InvalidArgument(what, " ", index, ": piece [", offset, ", ",
+                                   offset + size, ") exceeds its ", limit,
+                                   " elements");
+  }
+  return absl::OkStatus();
+}
+
+REGISTER_OP("DsgdPack")
+    .Input("grads: N * T")
+    .Output("shard: T")
+    .Attr(kTypes)
+    .Attr("N: int >= 1")
+    .Attr("shard_size: int >= 0")
+    .Attr("piece_input: list(int)")
+    .Attr("piece_var_offset: list(int)")
+    .Attr("piece_shard_offset: list(int)")
+    .Attr("piece_size: list(int)")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      int64_t size;
+      TF_RETURN_IF_ERROR(c->GetAttr("shard_size", &size));
+      c->set_output(0, c->Vector(size));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Copies pieces of the flattened `grads` into one flat shard in a single pass.
+Piece i copies `piece_size[i]` elements of `grads[piece_input[i]]` starting at
+`piece_var_offset[i]` to `shard[piece_shard_offset[i]:]`. Pieces must be in
+increasing, non-overlapping shard order; the gaps between them are zeroed.
+)doc");
+
+class PackOp : public OpKernel {
+ public:
+  explicit PackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int num_inputs;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_inputs));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_size", &shard_size_));
+    OP_REQUIRES_OK(ctx, ReadPieces(ctx, false, &pieces_));
+    int64_t end = 0;
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      const Piece& p = pieces_[i];
+      OP_REQUIRES(ctx, p.input >= 0 && p.input < num_inputs,
+                  errors::InvalidArgument("piece ", i, " names input ", p.input,
+                                          " but there are ", num_inputs));
+      OP_REQUIRES(ctx, p.shard_offset >= end,
+                  errors::InvalidArgument("pieces must be sorted and disjoint"));
+      end = p.shard_offset + p.size;
+    }
+    OP_REQUIRES_OK(ctx, CheckRange("shard", 0, 0, end, shard_size_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    for (const Piece& p : pieces_) {
+      OP_REQUIRES_OK(ctx, CheckRange("grads", p.input, p.var_offset, p.size,
+                                     grads[p.input].NumElements()));
+    }
+    Tensor* shard = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shard_size_}), &shard));
+    const size_t item = DataTypeSize(shard->dtype());
+    char* out = static_cast<char*>(DMAHelper::base(shard));
+    int64_t filled = 0;
+    for (const Piece& p : pieces_) {
+      std::memset(out + filled * item, 0, (p.shard_offset - filled) * item);
+      const char* in = static_cast<const char*>(DMAHelper::base(&grads[p.input]));
+      std::memcpy(out + p.shard_offset * item, in + p.var_offset * item, p.size * item);
+      filled = p.shard_offset + p.size;
+    }
+    std::memset(out + filled * item, 0, (shard_size_ - filled) * item);
+  }
+
+ private:
+  int64_t shard_size_;
+  std::vector<Piece> pieces_;
+};
+
+REGISTER_OP("DsgdObjectTensor")
+    .Input("handle: int64")
+    .Output("shard: T")
+    .Attr(kTypes)
+    .Attr("size: int >= 0")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      int64_t size;
+      TF_RETURN_IF_ERROR(c->GetAttr("size", &size));
+      c->set_output(0, c->Vector(size));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Returns the object-store buffer registered under `handle` as a 1-D tensor of
+`size` elements that aliases it (no copy). The handle is released when the
+last tensor using the memory is destroyed. A buffer that is not 64-byte
+aligned is copied instead and released at once.
+)doc");
+
+class ObjectTensorOp : public OpKernel {
+ public:
+  explicit ObjectTensorOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("size", &size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& handle_tensor = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(handle_tensor.shape()),
+                errors::InvalidArgument("handle must be a scalar, got shape ",
+                                        handle_tensor.shape().DebugString()));
+    const int64_t handle = handle_tensor.scalar<int64_t>()();
+    dsgd::RegisteredBuffer buffer;
+    OP_REQUIRES(ctx, dsgd::ClaimBuffer(handle, &buffer),
+                errors::NotFound("no object-store buffer is registered under handle ",
+                                 handle));
+    const size_t nbytes = size_ * DataTypeSize(dtype_);
+    if (buffer.nbytes != nbytes) {
+      dsgd::ReleaseBuffer(handle);
+      ctx->CtxFailure(errors::InvalidArgument(
+          "buffer ", handle, " has ", buffer.nbytes, " bytes, expected ", nbytes,
+          " (", size_, " elements of ", DataTypeString(dtype_), ")"));
+      return;
+    }
+    if (!IsAligned(buffer.data)) {
+      Tensor* out = nullptr;
+      absl::Status s = ctx->allocate_output(0, TensorShape({size_}), &out);
+      if (s.ok()) std::memcpy(DMAHelper::base(out), buffer.data, nbytes);
+      dsgd::ReleaseBuffer(handle);
+      OP_REQUIRES_OK(ctx, s);
+      return;
+    }
+    core::RefCountPtr<TensorBuffer> alias(new ObjectBuffer(handle, buffer.data, nbytes));
+    ctx->set_output(0, Tensor(dtype_, TensorShape({size_}), std::move(alias)));
+  }
+
+ private:
+  int64_t size_;
+  DataType dtype_;
+};
+
+REGISTER_OP("DsgdUnpack")
+    .Input("shards: N * T")
+    .Output("grads: num_outputs * T")
+    .Attr(kTypes)
+    .Attr("N: int >= 1")
+    .Attr("num_outputs: int >= 1")
+    .Attr("shapes: list(shape)")
+    .Attr("piece_output: list(int)")
+    .Attr("piece_input: list(int)")
+    .Attr("piece_var_offset: list(int)")
+    .Attr("piece_shard_offset: list(int)")
+    .Attr("piece_size: list(int)")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      std::vector<PartialTensorShape> shapes;
+      TF_RETURN_IF_ERROR(c->GetAttr("shapes", &shapes));
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        shape_inference::ShapeHandle s;
+        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &s));
+        c->set_output(i, s);
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Rebuilds gradients of the given `shapes` from flat shards (inverse of
+DsgdPack). An output held by one 64-byte-aligned piece aliases its shard;
+an output split over several pieces is copied together.
+)doc");
+
+class UnpackOp : public OpKernel {
+ public:
+  explicit UnpackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int num_inputs, num_outputs;
+    std::vector<PartialTensorShape> partial;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_inputs));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_outputs", &num_outputs));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &partial));
+    OP_REQUIRES(ctx, partial.size() == static_cast<size_t>(num_outputs),
+                errors::InvalidArgument("shapes has ", partial.size(),
+                                        " entries, expected num_outputs=", num_outputs));
+    std::vector<Piece> pieces;
+    OP_REQUIRES_OK(ctx, ReadPieces(ctx, true, &pieces));
+    pieces_.resize(num_outputs);
+    for (const PartialTensorShape& p : partial) {
+      TensorShape shape;
+      OP_REQUIRES(ctx, p.AsTensorShape(&shape),
+                  errors::InvalidArgument("shape ", p.DebugString(), " is not fully defined"));
+      shapes_.push_back(shape);
+    }
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& p = pieces[i];
+      OP_REQUIRES(ctx, p.input >= 0 && p.input < num_inputs && p.output >= 0 &&
+                           p.output < num_outputs,
+                  errors::InvalidArgument("piece ", i, " has input ", p.input,
+                                          " / output ", p.output, " out of range"));
+      OP_REQUIRES_OK(ctx, CheckRange("output", p.output, p.var_offset, p.size,
+                                     shapes_[p.output].num_elements()));
+      pieces_[p.output].push_back(p);
+    }
+    for (int k = 0; k < num_outputs; ++k) {
+      int64_t covered = 0;
+      for (const Piece& p : pieces_[k]) covered += p.size;
+      OP_REQUIRES(ctx, covered == shapes_[k].num_elements(),
+                  errors::InvalidArgument("pieces cover ", covered, " of the ",
+                                          shapes_[k].num_elements(),
+                                          " elements of output ", k));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList shards;
+    OP_REQUIRES_OK(ctx, ctx->input_list("shards", &shards));
+    for (int k = 0; k < static_cast<int>(pieces_.size()); ++k) {
+      for (const Piece& p : pieces_[k]) {
+        OP_REQUIRES_OK(ctx, CheckRange("shard", p.input, p.shard_offset, p.size,
+                                       shards[p.input].NumElements()));
+      }
+      OP_REQUIRES_OK(ctx, Output(ctx, shards, k));
+    }
+  }
+
+ private:
+  absl::Status Output(OpKernelContext* ctx, const OpInputList& shards, int k) {
+    const std::vector<Piece>& pieces = pieces_[k];
+    const DataType dtype = shards[0].dtype();
+    const size_t item = DataTypeSize(dtype);
+    if (pieces.size() == 1) {
+      const Tensor& shard = shards[pieces[0].input];
+      char* data = const_cast<char*>(static_cast<const char*>(DMAHelper::base(&shard))) +
+                   pieces[0].shard_offset * item;
+      if (IsAligned(data)) {
+        TensorBuffer* root = const_cast<TensorBuffer*>(DMAHelper::buffer(&shard));
+        core::RefCountPtr<TensorBuffer> alias(new AliasBuffer(root, data, pieces[0].size * item));
+        ctx->set_output(k, Tensor(dtype, shapes_[k], std::move(alias)));
+        return absl::OkStatus();
+      }
+    }
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(k, shapes_[k], &out));
+    char* dst = static_cast<char*>(DMAHelper::base(out));
+    for (const Piece& p : pieces) {
+      const char* src = static_cast<const char*>(DMAHelper::base(&shards[p.input]));
+      std::memcpy(dst + p.var_offset * item, src + p.shard_offset * item, p.size * item);
+    }
+    return absl::OkStatus();
+  }
+
+  std::vector<TensorShape> shapes_;
+  std::vector<std::vector<Piece>> pieces_;  // per output
+};
+
+REGISTER_OP("DsgdDataAddress")
+    .Input("x: T")
+    .Output("address: int64")
+    .Attr("T: type")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("Returns the address of `x`'s data (for tests and debugging).");
+
+class DataAddressOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() =
+        reinterpret_cast<int64_t>(DMAHelper::base(&ctx->input(0)));
+  }
+};
+
+#define DSGD_REGISTER(type)                                                   \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("DsgdPack").Device(DEVICE_CPU).TypeConstraint<type>("T"), PackOp); \
+  REGISTER_KERNEL_BUILDER(Name("DsgdObjectTensor")                            \
+                              .Device(DEVICE_CPU)                             \
+                              .TypeConstraint<type>("T"),                     \
+                          ObjectTensorOp);                                    \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("DsgdUnpack").Device(DEVICE_CPU).TypeConstraint<type>("T"), UnpackOp);
+
+DSGD_REGISTER(Eigen::half);
+DSGD_REGISTER(bfloat16);
+DSGD_REGISTER(float);
+DSGD_REGISTER(double);
+DSGD_REGISTER(int8);
+DSGD_REGISTER(uint8);
+DSGD_REGISTER(int16);
+DSGD_REGISTER(int32);
+DSGD_REGISTER(int64_t);
+#undef DSGD_REGISTER
+
+REGISTER_KERNEL_BUILDER(Name("DsgdDataAddress").Device(DEVICE_CPU), DataAddressOp);
+
+}  // namespace
+}  // namespace tensorflow

@@ -1,0 +1,170 @@
+"""Tests for the dsgd C++ op library (dsgd.ops)."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import ray
+import tensorflow as tf
+
+import dsgd.ops as ops
+from dsgd.shards import VarSpec, pack as np_pack, plan_shards
+
+if not ops.is_available():
+    pytest.skip("dsgd op library cannot be built here", allow_module_level=True)
+
+DTYPES = [np.float32, np.float16, tf.bfloat16.as_numpy_dtype, np.float64, np.int32]
+SHAPES = [(3, 5), (0,), (7,), (1,), (17, 3, 3), (2, 0, 4), (1000,), (33, 65), (4096,), ()]
+
+
+def _grads(specs, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(s.shape) * 100).astype(s.dtype) for s in specs]
+
+
+def _run(fetches, feed=None):
+    with tf.compat.v1.Session(graph=tf.compat.v1.get_default_graph()) as sess:
+        return sess.run(fetches, feed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shard_bytes", [0, 200, 4096])
+def test_pack_unpack_round_trip(dtype, shard_bytes):
+    specs = [VarSpec(f"v{i}", shape, np.dtype(dtype)) for i, shape in enumerate(SHAPES)]
+    grads = _grads(specs)
+    layout = plan_shards(specs, shard_bytes)
+    with tf.Graph().as_default():
+        grad_tensors = [tf.constant(g) for g in grads]
+        packed = [ops.pack(grad_tensors, s) for s in layout]
+        unpacked = ops.unpack(packed, layout, specs)
+        packed_out, unpacked_out = _run((packed, unpacked))
+    for shard, out in zip(layout, packed_out):
+        expected = np_pack(grads, shard, np.zeros(shard.size, shard.dtype))
+        assert out.dtype == np.dtype(dtype) and out.shape == (shard.size,)
+        np.testing.assert_array_equal(out, expected)  # includes zeroed gaps
+    for spec, g, out in zip(specs, grads, unpacked_out):
+        assert out.shape == spec.shape and out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, g)
+    assert ops.drain_released() == 0
+
+
+def test_mixed_dtypes_and_type_check():
+    specs = [VarSpec("a", (5, 3), np.dtype(np.float32)), VarSpec("b", (9,), np.dtype(np.float64)),
+             VarSpec("c", (4,), np.dtype(np.float32))]
+    grads = _grads(specs)
+    layout = plan_shards(specs, 0)
+    with tf.Graph().as_default():
+        gt = [tf.constant(g) for g in grads]
+        out = _run(ops.unpack([ops.pack(gt, s) for s in layout], layout, specs))
+        for g, o in zip(grads, out):
+            np.testing.assert_array_equal(o, g)
+        with pytest.raises(TypeError, match="grads\\[1\\] has dtype float32"):
+            ops.pack([gt[0], tf.cast(gt[1], tf.float32), gt[2]], layout[1])
+
+
+def _address_inside(address, array):
+    start = array.__array_interface__["data"][0]
+    return start <= address < start + array.nbytes
+
+
+def test_receive_aliases_object_store_memory(ray_session):
+    specs = [VarSpec("w", (64, 33), np.dtype(np.float32)), VarSpec("b", (33,), np.dtype(np.float32)),
+             VarSpec("odd", (7,), np.dtype(np.float32))]
+    layout = plan_shards(specs, 0)
+    [shard] = layout
+    grads = _grads(specs)
+    ref = ray.put(np_pack(grads, shard, np.zeros(shard.size, np.float32)))
+    fetched = []
+
+    def fetch(s):
+        fetched.append(ray.get(ref))
+        return fetched[-1]
+
+    with tf.Graph().as_default():
+        grad_tensors = ops.build_receive(fetch, layout, specs)
+        addresses = [ops.data_address(t) for t in grad_tensors]
+        values, addresses = _run((grad_tensors, addresses))
+    [array] = fetched
+    assert not array.flags.writeable  # a plasma view, not a private copy
+    for spec, g, v, address in zip(specs, grads, values, addresses):
+        np.testing.assert_array_equal(v, g)
+        assert _address_inside(address, array), spec.name
+    del values
+    gc.collect()
+    assert ops.drain_released() == 1 and ops.live_buffers() == 0
+
+
+def test_misaligned_fetch_is_copied_and_released(ray_session):
+    specs = [VarSpec("x", (10,), np.dtype(np.float32))]
+    [shard] = plan_shards(specs, 0)
+    raw = np.zeros(shard.size * 4 + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + 4  # deliberately 4 bytes past a 64-byte boundary
+    array = raw[start:start + shard.size * 4].view(np.float32)
+    array[:] = np.arange(shard.size)
+    with tf.Graph().as_default():
+        t = ops.receive_shard(lambda: array, shard)
+        value, address = _run((t, ops.data_address(t)))
+    np.testing.assert_array_equal(value, array)
+    assert not _address_inside(address, array)
+    assert ops.drain_released() == 1 and ops.live_buffers() == 0
+
+
+def test_object_alive_while_tensor_alive(ray_session):
+    [shard] = plan_shards([VarSpec("x", (1000,), np.dtype(np.float32))], 0)
+    ref = ray.put(np.arange(shard.size, dtype=np.float32))
+    object_id = ref.hex()
+    holder = []
+
+    def fetch():
+        array = ray.get(ref)
+        holder.append(weakref.ref(array))
+        return array
+
+    tensor = ops.receive_shard(fetch, shard)  # eager: the tensor outlives the call
+    [array_alive] = holder
+    del ref
+    gc.collect()
+    assert ops.drain_released() == 0 and ops.live_buffers() == 1
+    assert array_alive() is not None
+    np.testing.assert_array_equal(tensor.numpy(), np.arange(shard.size))
+    sliced = ops.unpack([tensor], [shard], [VarSpec("x", (10, 100), np.dtype(np.float32))])[0]
+    del tensor
+    gc.collect()
+    assert ops.drain_released() == 0  # the unpacked gradient still aliases the buffer
+    assert sliced.numpy()[3, 7] == 307
+    del sliced
+    gc.collect()
+    assert ops.drain_released() == 1 and ops.live_buffers() == 0
+    assert array_alive() is None
+    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+    assert object_id not in counts
+
+
+def test_send_puts_packed_shard(ray_session):
+    specs = [VarSpec(f"v{i}", shape, np.dtype(np.float32)) for i, shape in enumerate(SHAPES)]
+    grads = _grads(specs)
+    layout = plan_shards(specs, 1024)
+    sent = {}
+    with tf.Graph().as_default():
+        gt = [tf.constant(g) for g in grads]
+        step = tf.constant(7, tf.int64)
+        tokens = [ops.build_send(gt, s, lambda s, r, st: sent.setdefault(s.index, (r, int(st))), [step])
+                  for s in layout]
+        assert sorted(_run(tokens)) == [s.index for s in layout]
+    for s in layout:
+        ref, st = sent[s.index]
+        assert st == 7
+        np.testing.assert_array_equal(ray.get(ref), np_pack(grads, s, np.zeros(s.size, np.float32)))
+
+
+def test_bad_fetch_and_unknown_handle(ray_session):
+    [shard] = plan_shards([VarSpec("x", (8,), np.dtype(np.float32))], 0)
+    with tf.Graph().as_default():
+        t = ops.receive_shard(lambda: np.zeros(9, np.float32), shard)
+        with pytest.raises(Exception, match="must return a numpy array of 8 float32"):
+            _run(t)
+        bogus = ops.load().dsgd_object_tensor(tf.constant(10**12, tf.int64), T=tf.float32, size=8)
+        with pytest.raises(tf.errors.NotFoundError, match="no object-store buffer"):
+            _run(bogus)
+    assert ops.discard_unclaimed() == 0 and ops.live_buffers() == 0
