@@ -1,0 +1,146 @@
+"""Micro-benchmark of the dsgd op library against plain numpy + Ray.
+
+A ResNet-101-sized gradient set (44.5 M float32, ResNet-101-like variable
+sizes) split into ~10 MB shards. Write side: (a) numpy pack + ray.put vs.
+(b) the in-graph DsgdPack + ray.put path (dsgd.ops.build_send). Read side:
+(c) ray.get + feed_dict + TF slicing vs. (d) the zero-copy
+DsgdObjectTensor + DsgdUnpack path (dsgd.ops.build_receive).
+
+    python -m benchmarks.ops_microbench [--reps 10] [--shard-bytes 10000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import dsgd.ops as ops  # noqa: E402
+from dsgd.shards import VarSpec, pack, plan_shards  # noqa: E402
+
+TOTAL_FLOATS = 44_500_000
+
+
+def resnet_like_specs() -> list[VarSpec]:
+    """Variables with ResNet-101-like sizes, last layer first, 44.5 M floats."""
+    rng = np.random.default_rng(0)
+    shapes = [(2048, 1000), (1000,)]
+    total = 2048 * 1000 + 1000
+    while total < TOTAL_FLOATS:
+        shape = [(3, 3, 256, 256), (1, 1, 1024, 256), (1, 1, 256, 1024), (1024,), (256,),
+                 (3, 3, 512, 512), (1, 1, 2048, 512), (512,), (2048,)][rng.integers(9)]
+        shapes.append(shape)
+        total += int(np.prod(shape))
+    return [VarSpec(f"v{i}", s, np.dtype(np.float32)) for i, s in enumerate(shapes)]
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--shard-bytes", type=int, default=10_000_000)
+    args = parser.parse_args()
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ops.load()
+    specs = resnet_like_specs()
+    layout = plan_shards(specs, args.shard_bytes)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(s.shape, dtype=np.float32) for s in specs]
+    nbytes = sum(g.nbytes for g in grads)
+    print(f"{len(specs)} variables, {nbytes / 1e6:.1f} MB, {len(layout)} shards "
+          f"of ~{args.shard_bytes / 1e6:.0f} MB, {args.reps} reps (median)")
+
+    flat_src = np.concatenate([g.reshape(-1) for g in grads])
+    flat_dst = np.empty_like(flat_src)
+    results = {"memcpy of all gradient bytes (bound)": timed(lambda: np.copyto(flat_dst, flat_src), args.reps)}
+
+    def numpy_pack_put():
+        refs = [ray.put(pack(grads, s, np.empty(s.size, s.dtype))) for s in layout]
+        del refs
+
+    results["(a) numpy pack + ray.put"] = timed(numpy_pack_put, args.reps)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        grad_vars = [tf.Variable(g) for g in grads]  # gradients that already sit in TF memory
+        grad_tensors = [v.read_value() for v in grad_vars]
+        sent = []
+        tokens = [ops.build_send(grad_tensors, s, lambda s, ref: sent.append(ref)) for s in layout]
+        packed = [ops.pack(grad_tensors, s) for s in layout]
+        pack_only = [ops.data_address(p) for p in packed]  # runs the packs, copies nothing out
+    sess = tf.compat.v1.Session(graph=graph)
+    sess.run([v.initializer for v in grad_vars])
+
+    results["    DsgdPack alone (in graph)"] = timed(lambda: sess.run(pack_only), args.reps)
+
+    def graph_send():
+        sess.run(tokens)
+        sent.clear()
+
+    results["(b) dsgd.ops.build_send (DsgdPack + ray.put)"] = timed(graph_send, args.reps)
+
+    refs = [ray.put(pack(grads, s, np.empty(s.size, s.dtype))) for s in layout]
+    with graph.as_default():
+        placeholders = [tf.compat.v1.placeholder(tf.float32, [s.size]) for s in layout]
+        fed = []
+        for spec_index, spec in enumerate(specs):  # slice each gradient out of the fed shards
+            parts = [tf.slice(placeholders[i], [p.shard_offset], [p.size])
+                     for i, s in enumerate(layout) for p in s.pieces if p.var_index == spec_index]
+            flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+            fed.append(tf.reshape(flat, spec.shape))
+        received = ops.build_receive(lambda s: ray.get(refs[s.index]), layout, specs)
+
+        def consume(ts):
+            return tf.add_n([tf.reshape(t, [-1])[0] for t in ts])
+
+        consume_fed, consume_received = consume(fed), consume(received)
+        shards_only = [ops.data_address(ops.receive_shard(lambda s=s: ray.get(refs[s.index]), s))
+                       for s in layout]
+
+    def get_and_feed():
+        arrays = ray.get(refs)
+        sess.run(consume_fed, dict(zip(placeholders, arrays)))
+
+    def zero_copy_receive():
+        sess.run(consume_received)
+        ops.drain_released()
+
+    def receive_shards_only():
+        sess.run(shards_only)
+        ops.drain_released()
+
+    results["(c) ray.get + feed_dict + tf.slice"] = timed(get_and_feed, args.reps)
+    results["    zero-copy shards only, no unpack"] = timed(receive_shards_only, args.reps)
+    results["(d) dsgd.ops.build_receive (zero-copy)"] = timed(zero_copy_receive, args.reps)
+    sess.close()
+    ray.shutdown()
+
+    for name, seconds in results.items():
+        print(f"{name:48s} {seconds * 1e3:8.1f} ms  {nbytes / seconds / 1e9:6.2f} GB/s")
+    a, b = results["(a) numpy pack + ray.put"], results["(b) dsgd.ops.build_send (DsgdPack + ray.put)"]
+    c, d = results["(c) ray.get + feed_dict + tf.slice"], results["(d) dsgd.ops.build_receive (zero-copy)"]
+    print(f"write: (a)/(b) = {a / b:.2f}x   read: (c)/(d) = {c / d:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
