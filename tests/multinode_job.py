@@ -1,0 +1,81 @@
+"""Run dsgd on a two-node Ray cluster on this machine; print what happened as JSON.
+
+Started by tests/test_multinode.py in its own process, because a process can
+hold only one Ray instance and the test session already holds one. Each node
+of ``ray.cluster_utils.Cluster`` has its own raylet and object store, so
+gradient shards really move between object stores, as on separate machines.
+
+Prints one stdout line, ``RESULT`` and a JSON object: the cluster's node
+ids, the node of every worker (by its ``node_id()`` and by the GCS actor
+table) and of every parameter server (GCS actor table), the start weights
+and every replica's final weights as nested lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+
+import dsgd
+from dsgd_test_models import TanhNet, reset_data
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
+STEPS = 3
+RESULT_PREFIX = "RESULT "
+SHARD_BYTES = 40  # 112 bytes of gradients -> 3 shards, 3 parameter servers
+
+
+def set_start(sgd: dsgd.DistributedSGD) -> dict[str, np.ndarray]:
+    """Fixed start weights on every replica and data counters at step 0; returns the weights."""
+    rng = np.random.RandomState(7)
+    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
+    sgd.set_weights(weights)
+    sgd.foreach_model(reset_data)
+    return weights
+
+
+def actor_node(actor) -> str:
+    """The node an actor runs on, from the GCS actor table (needs no dashboard)."""
+    return ray._private.state.actors(actor_id=actor._actor_id.hex())["Address"]["NodeID"]
+
+
+def run() -> dict:
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, devices_per_worker=1, strategy="ps",
+                             grad_shard_bytes=SHARD_BYTES) as sgd:
+        start = set_start(sgd)
+        for step in range(STEPS):
+            sgd.step(fetch_stats=(step == STEPS - 1))
+        replicas = [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights())
+                    for r in per_worker]
+        return {
+            "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+            "worker_nodes": ray.get([w.node_id.remote() for w in sgd.workers]),
+            "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
+            "ps_nodes": [actor_node(ps) for ps in sgd.ps_actors],
+            "start": {k: v.tolist() for k, v in start.items()},
+            "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
+            "steps": STEPS,
+        }
+
+
+def main() -> None:
+    cluster = Cluster()
+    try:
+        cluster.add_node(**NODE_ARGS, include_dashboard=False)
+        cluster.add_node(**NODE_ARGS)
+        ray.init(address=cluster.address, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
+        result = run()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(RESULT_PREFIX + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
