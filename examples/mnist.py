@@ -2,6 +2,7 @@
 
     python examples/mnist.py                       # 2 workers, "ps", local Ray
     python examples/mnist.py --address auto        # on a running Ray cluster
+    python examples/mnist.py --logdir runs/mnist   # and: tensorboard --logdir runs
 
 Data: MNIST from --data-dir or the Keras cache (``mnist.npz``, or the four
 IDX files, gzipped or not). With no MNIST files on this machine (no internet
@@ -12,6 +13,7 @@ default command works offline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import logging
 import os
@@ -23,6 +25,8 @@ import ray
 import tensorflow as tf
 
 import dsgd
+from dsgd.progress import Progress
+from dsgd.tensorboard import ScalarLogger
 
 IDX_FILES = {
     "x_train": "train-images-idx3-ubyte", "y_train": "train-labels-idx1-ubyte",
@@ -140,7 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32, help="per replica")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=50,
+                   help="fetch loss and accuracy every this many steps (progress lines, --logdir)")
+    p.add_argument("--logdir", default=None, help="write TensorBoard scalars (loss, accuracy, samples/s) here")
     p.add_argument("--data-dir", default=None, help="folder with mnist.npz or the IDX files")
     p.add_argument("--address", default=None, help="Ray cluster address; default: start a local one")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray instance")
@@ -166,14 +172,17 @@ def main(argv: list[str] | None = None) -> float:
         print(f"built {args.num_workers} x {args.devices_per_worker} replicas ({args.strategy}) "
               f"in {time.perf_counter() - start:.1f}s")
         global_batch = args.batch_size * args.num_workers * args.devices_per_worker
-        train_start, times = time.perf_counter(), []
-        for step in range(1, args.steps + 1):
-            stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
-            if stats:
-                times.append(stats["step_time_s"])
-                rate = global_batch * step / (time.perf_counter() - train_start)
-                print(f"step {step:5d}  loss {stats['loss']:.4f}  accuracy {stats['accuracy']:.3f}  "
-                      f"{rate:8.0f} samples/s")
+        progress = Progress(args.steps, unit="samples", every=args.log_every)
+        train_start = time.perf_counter()
+        with ScalarLogger(args.logdir) if args.logdir else contextlib.nullcontext() as tensorboard:
+            for step in range(1, args.steps + 1):
+                stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
+                values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
+                progress.update(samples=global_batch, values=values)
+                if stats and tensorboard:
+                    rate = global_batch * step / (time.perf_counter() - train_start)
+                    tensorboard.log(step, {**values, "samples_per_s": rate, "step_time_s": stats["step_time_s"]})
+        progress.close()
         train_s = time.perf_counter() - train_start
         accuracy = sgd.foreach_worker(lambda w: w.models[0].test_accuracy(w.sess))[0]
     print(f"test accuracy {accuracy:.4f} after {args.steps} steps; training {train_s:.1f}s "

@@ -1,0 +1,46 @@
+"""ScalarLogger writes event files TensorBoard reads as scalars."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dsgd.tensorboard import ScalarLogger
+
+
+def read_scalars(logdir) -> dict[str, list[tuple[int, float, str]]]:
+    """tag -> [(step, value, plugin name)] from every event file under logdir."""
+    scalars: dict[str, list[tuple[int, float, str]]] = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor)), value.metadata.plugin_data.plugin_name))
+    return scalars
+
+
+def test_logged_steps_read_back_as_scalars(tmp_path):
+    with ScalarLogger(tmp_path) as tb:
+        tb.log(1, {"loss": 2.5, "accuracy": 0.25, "samples_per_s": 1200.0})
+        tb.log(2, {"loss": 1.5, "accuracy": 0.5, "samples_per_s": 1300.0})
+        tb.log(4, {"loss": np.float32(0.75)})
+    scalars = read_scalars(tmp_path)
+    assert sorted(scalars) == ["accuracy", "loss", "samples_per_s"]
+    assert [(step, value) for step, value, _ in scalars["loss"]] == [(1, 2.5), (2, 1.5), (4, 0.75)]
+    assert [(step, value) for step, value, _ in scalars["samples_per_s"]] == [(1, 1200.0), (2, 1300.0)]
+    # TensorBoard's Scalars tab keys on the plugin name of a tag's first value.
+    assert all(values[0][2] == "scalars" for values in scalars.values())
+
+
+def test_close_is_idempotent_and_logdir_is_created(tmp_path):
+    logdir = tmp_path / "runs" / "a"
+    tb = ScalarLogger(logdir)
+    tb.log(0, {"loss": 1.0})
+    tb.close()
+    tb.close()
+    assert read_scalars(logdir)["loss"][0][:2] == (0, 1.0)
+
+
+def test_rejects_non_numbers(tmp_path):
+    with ScalarLogger(tmp_path) as tb, pytest.raises((TypeError, ValueError)):
+        tb.log(0, {"name": "not a number"})
