@@ -1,0 +1,43 @@
+"""`python -m dsgd`: lists its commands and hands flags to them; no Ray is started here."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dsgd import __main__ as cli
+
+
+def test_module_help_lists_the_commands():
+    out = subprocess.run([sys.executable, "-m", "dsgd", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: python -m dsgd" in out.stdout
+    for command in ("mnist", "bench"):
+        assert f"  {command} " in out.stdout
+
+
+def test_mnist_help_shows_the_example_flags(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["mnist", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m dsgd mnist")
+    for flag in ("--num-workers", "--strategy", "--steps", "--logdir", "--address"):
+        assert flag in out
+
+
+def test_unknown_command_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'train'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["mnist", "bench"])
+def test_missing_checkout_gives_a_clear_error(command, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)
+    assert cli.main([command, "--help"]) == 2
+    err = capsys.readouterr().err
+    assert f"python -m dsgd {command}: " in err
+    assert "from a checkout of the dsgd repository" in err
