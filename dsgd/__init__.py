@@ -1,7 +1,42 @@
-"""dsgd: synchronous sharded-parameter-server SGD for TensorFlow models on Ray."""
+"""dsgd: synchronous sharded-parameter-server SGD for TensorFlow models on Ray.
 
-from dsgd.distributed_sgd import DistributedSGD
-from dsgd.errors import DSGDError, ModelCreatorError, WorkerMismatchError
-from dsgd.model import Model
+Names are imported on first use, so that processes which need only a light
+module (the parameter-server actors import ``dsgd.ps_actor``) do not pay for
+importing TensorFlow.
+"""
 
-__all__ = ["DistributedSGD", "DSGDError", "Model", "ModelCreatorError", "WorkerMismatchError"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "DistributedSGD": "dsgd.distributed_sgd",
+    "Model": "dsgd.model",
+    "ActorFailure": "dsgd.errors",
+    "DSGDError": "dsgd.errors",
+    "DSGDTimeoutError": "dsgd.errors",
+    "ModelCreatorError": "dsgd.errors",
+    "NonFiniteGradientError": "dsgd.errors",
+    "WorkerMismatchError": "dsgd.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from dsgd.distributed_sgd import DistributedSGD
+    from dsgd.errors import (ActorFailure, DSGDError, DSGDTimeoutError, ModelCreatorError,
+                             NonFiniteGradientError, WorkerMismatchError)
+    from dsgd.model import Model
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dsgd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,4 +1,4 @@
-"""The driver: creates worker and parameter-server actors and runs steps."""
+"""The driver: creates worker and parameter-server actors, runs and recovers steps."""
 
 from __future__ import annotations
 
@@ -8,15 +8,21 @@ from typing import Any, Callable
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dsgd.errors import DSGDError, WorkerMismatchError
+from dsgd import checkpoint
+from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
-from dsgd.ps_actor import ParameterServer
-from dsgd.sgd_worker import ALL_REDUCE_ALGS, SGDWorker, WorkerConfig, WorkerSignature
+from dsgd.ps_actor import ParameterServer, StepAborted
+from dsgd.sgd_worker import ALL_REDUCE_ALGS, NAN_POLICIES, SGDWorker, WorkerConfig, WorkerSignature
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ps", "simple")
+PING_TIMEOUT_S = 10.0
+
+# Errors that mean an actor (or an object it owned) is gone: recoverable.
+_FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -25,10 +31,19 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _cluster_capacity() -> tuple[dict[str, float], list[dict[str, float]]]:
-    """Total resources and per-node resources of the live Ray nodes."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    return ray.cluster_resources(), nodes
+def _check_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _fault_of(error: BaseException) -> BaseException | None:
+    """The actor failure behind ``error``, if that is what it is."""
+    if isinstance(error, _FAULTS):
+        return error
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, _FAULTS):
+        return error.cause
+    return None
 
 
 class DistributedSGD:
@@ -46,6 +61,12 @@ class DistributedSGD:
         all_reduce_alg: local allreduce across a worker's devices: "simple"
             (add_n on device 0) or "nccl" (GPU only).
         cpus_per_worker: CPUs each worker reserves; also its TF thread count.
+        nan_policy: a step whose averaged gradient holds NaN or Inf is
+            "raise"d (naming the variable) or "skip"ped, on every replica
+            alike; "ignore" applies it unchecked (saves one pass over the
+            gradients).
+        max_failures: dead workers or parameter servers to replace over the
+            engine's life before giving up.
         timeout_s: bound on every wait for a step or an actor call.
         startup_timeout_s: bound on building the workers' graphs.
     """
@@ -61,6 +82,8 @@ class DistributedSGD:
         all_reduce_alg: str = "simple",
         *,
         cpus_per_worker: int = 1,
+        nan_policy: str = "raise",
+        max_failures: int = 3,
         timeout_s: float = 600.0,
         startup_timeout_s: float = 300.0,
     ):
@@ -70,50 +93,65 @@ class DistributedSGD:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if all_reduce_alg not in ALL_REDUCE_ALGS:
             raise ValueError(f"all_reduce_alg must be one of {ALL_REDUCE_ALGS}, got {all_reduce_alg!r}")
-        if all_reduce_alg == "nccl" and not gpu:
-            raise ValueError("all_reduce_alg='nccl' needs gpu=True; use 'simple' on CPUs")
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
         if not isinstance(gpu, bool):
             raise ValueError(f"gpu must be True or False, got {gpu!r}")
+        if all_reduce_alg == "nccl" and not gpu:
+            raise ValueError("all_reduce_alg='nccl' needs gpu=True; use 'simple' on CPUs")
         num_workers = _check_int("num_workers", num_workers, 1)
         devices_per_worker = _check_int("devices_per_worker", devices_per_worker, 1)
         grad_shard_bytes = _check_int("grad_shard_bytes", grad_shard_bytes, 0)
         cpus_per_worker = _check_int("cpus_per_worker", cpus_per_worker, 1)
-        for name, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        max_failures = _check_int("max_failures", max_failures, 0)
+        timeout_s = _check_seconds("timeout_s", timeout_s)
+        startup_timeout_s = _check_seconds("startup_timeout_s", startup_timeout_s)
         if strategy == "ps" and num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does")
         self.strategy = strategy
         self.num_workers = num_workers
         self.devices_per_worker = devices_per_worker
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.max_failures = max_failures
+        self.failures = 0
         self.workers: list = []
         self.ps_actors: list = []
-        self._step_id = 0
-        self._in_flight: list = []
+        self._model_creator = model_creator
+        self._config = WorkerConfig(num_workers, devices_per_worker, gpu, all_reduce_alg, grad_shard_bytes,
+                                    cpus_per_worker, timeout_s, nan_policy)
+        self._step_id = 0  # steps submitted; step ids count from 0
+        self._in_flight: list[tuple[int, list]] = []
         self._closed = False
         if not ray.is_initialized():
             logger.info("Ray is not initialized; starting a local Ray instance")
             ray.init()
-        self._check_resources(gpu, cpus_per_worker)
-        config = WorkerConfig(num_workers, devices_per_worker, gpu, all_reduce_alg,
-                              grad_shard_bytes, cpus_per_worker, float(timeout_s))
+        self._check_resources()
         try:
-            self._start_workers(model_creator, config, gpu, startup_timeout_s)
-            if strategy == "ps" and num_workers > 1:
+            self._start_workers()
+            if self._uses_ps:
+                self._check_object_store()
                 self._start_parameter_servers()
-            self.set_weights(self._call(self.workers[0].get_weights.remote(), "worker 0's initial weights"))
+            initial = self._call(self.workers[0].get_weights.remote(), "worker 0's initial weights",
+                                 self.startup_timeout_s)
+            self.set_weights(initial)
         except BaseException:
             self.shutdown()
             raise
 
+    @property
+    def _uses_ps(self) -> bool:
+        return self.strategy == "ps" and self.num_workers > 1
+
     # ---- set-up -----------------------------------------------------------
 
-    def _check_resources(self, gpu: bool, cpus_per_worker: int) -> None:
+    def _check_resources(self) -> None:
         """Fail fast, naming what is missing, instead of waiting forever."""
-        total, nodes = _cluster_capacity()
-        need = {"CPU": cpus_per_worker, "GPU": self.devices_per_worker if gpu else 0}
+        total = ray.cluster_resources()
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        cfg = self._config
+        need = {"CPU": cfg.cpus_per_worker, "GPU": cfg.devices_per_worker if cfg.gpu else 0}
         for resource, per_worker in need.items():
             if per_worker == 0:
                 continue
@@ -129,60 +167,100 @@ class DistributedSGD:
                     f"{what} needs {per_worker * self.num_workers} {resource} in all, but the Ray cluster "
                     f"has {have:g}; lower num_workers/cpus_per_worker or start Ray with more")
 
-    def _start_workers(self, model_creator, config: WorkerConfig, gpu: bool, startup_timeout_s: float) -> None:
-        actor = ray.remote(SGDWorker).options(
-            num_cpus=config.cpus_per_worker,
-            num_gpus=config.devices_per_worker if gpu else 0,
-            scheduling_strategy="SPREAD")
-        self.workers = [actor.remote(i, config) for i in range(self.num_workers)]
-        refs = [w.setup.remote(model_creator) for w in self.workers]
-        signatures: list[WorkerSignature] = self._call(refs, "the workers to build their models", startup_timeout_s)
+    def _check_object_store(self) -> None:
+        """Each step holds every worker's shards plus one mean per shard in the store."""
+        exchange = sum(s.size * s.dtype.itemsize for s in self.signature.exchange)
+        need = exchange * (self.num_workers + 1)
+        have = ray.cluster_resources().get("object_store_memory", 0)
+        if need > have:
+            raise ValueError(
+                f"the exchange needs {need / 2**20:.0f} MiB of Ray object-store memory per step "
+                f"({self.num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
+                f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
+
+    def _new_worker(self, index: int):
+        cfg = self._config
+        return ray.remote(SGDWorker).options(
+            num_cpus=cfg.cpus_per_worker,
+            num_gpus=cfg.devices_per_worker if cfg.gpu else 0,
+            scheduling_strategy="SPREAD").remote(index, cfg)
+
+    def _start_workers(self) -> None:
+        self.workers = [self._new_worker(i) for i in range(self.num_workers)]
+        refs = [w.setup.remote(self._model_creator) for w in self.workers]
+        signatures: list[WorkerSignature] = self._call(
+            refs, "the workers to build their models", self.startup_timeout_s)
         for i, sig in enumerate(signatures[1:], start=1):
             if sig != signatures[0]:
-                ours, theirs = set(map(str, sig.weights + sig.exchange)), set(map(str, signatures[0].weights + signatures[0].exchange))
+                ours, theirs = (set(map(str, s.weights + s.exchange)) for s in (sig, signatures[0]))
                 diff = sorted(ours ^ theirs)
                 raise WorkerMismatchError(
                     f"worker {i} built a model that differs from worker 0's: {'; '.join(diff[:6]) or sig.metrics}")
         self.signature = signatures[0]
 
+    def _new_parameter_server(self, shard):
+        """A PS actor pinned (softly) to a node, round robin over the live nodes.
+
+        Ray's SPREAD strategy does not spread actors that reserve no CPU, so
+        placement is explicit: shard j goes to node j mod N, which spreads
+        the summing and the shards' object-store traffic over the cluster.
+        """
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        placement = NodeAffinitySchedulingStrategy(node_id=nodes[shard.index % len(nodes)], soft=True)
+        return ray.remote(ParameterServer).options(num_cpus=0, scheduling_strategy=placement).remote(
+            shard.index, self.num_workers, shard.size, shard.dtype.str)
+
     def _start_parameter_servers(self) -> None:
-        layout = self._call(self.workers[0].shard_layout.remote(), "worker 0's shard layout")
-        actor = ray.remote(ParameterServer).options(num_cpus=0, scheduling_strategy="SPREAD")
-        self.ps_actors = [actor.remote(s.index, self.num_workers, s.size, s.dtype.str) for s in layout]
-        self._call([ps.ping.remote() for ps in self.ps_actors], "the parameter servers to start")
-        self._call([w.set_parameter_servers.remote(self.ps_actors) for w in self.workers],
+        self.layout = self._call(self.workers[0].shard_layout.remote(), "worker 0's shard layout")
+        self.ps_actors = [self._new_parameter_server(s) for s in self.layout]
+        self._call([ps.ping.remote() for ps in self.ps_actors], "the parameter servers to start",
+                   self.startup_timeout_s)
+        self._connect_parameter_servers(self.workers)
+        logger.info("%d parameter servers, shard sizes %s bytes", len(self.layout), [s.nbytes for s in self.layout])
+
+    def _connect_parameter_servers(self, workers: list) -> None:
+        self._call([w.set_parameter_servers.remote(self.ps_actors) for w in workers],
                    "the workers to connect to the parameter servers")
-        logger.info("%d parameter servers, shard sizes %s bytes", len(layout), [s.nbytes for s in layout])
 
     # ---- waiting ----------------------------------------------------------
 
     def _call(self, refs, what: str, timeout: float | None = None):
-        """ray.get with a bound, turning Ray's errors into ones that say what failed."""
+        """ray.get with a bound, turning Ray's errors into ones that say what failed.
+
+        Results are taken as they complete, so the first failure is raised at
+        once rather than after the slowest of the other calls.
+        """
         timeout = self.timeout_s if timeout is None else timeout
+        pending = list(refs) if isinstance(refs, list) else [refs]
+        deadline = time.monotonic() + timeout
+        values = {}
         try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError as e:
-            raise DSGDError(f"timed out after {timeout:.0f}s waiting for {what}") from e
-        except ray.exceptions.RayActorError as e:
-            raise DSGDError(f"{self._actor_name(e.actor_id)} died while waiting for {what}: {e}") from e
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, DSGDError):
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; "
+                                           "raise timeout_s if steps are legitimately this slow")
+                values[ready[0]] = ray.get(ready[0])
+        except ray.exceptions.RayError as e:
+            fault = _fault_of(e)
+            if fault is not None:
+                raise ActorFailure(f"{self._actor_name(fault)} failed while waiting for {what}: {fault}") from e
+            if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
                 raise e.cause.with_traceback(None) from None
             raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
+        return self._result_list(refs, values)
 
-    def _actor_name(self, actor_id) -> str:
-        """'worker 1' or 'parameter server 3' for a Ray actor id."""
+    def _actor_name(self, error: BaseException) -> str:
+        """'worker 1' or 'parameter server 3' for the actor behind an error."""
+        actor_id = getattr(error, "actor_id", None)
         for kind, actors in (("worker", self.workers), ("parameter server", self.ps_actors)):
             for i, actor in enumerate(actors):
-                if actor._actor_id.hex() == getattr(actor_id, "hex", lambda: actor_id)():
+                if actor_id is not None and actor._actor_id.hex() == actor_id:
                     return f"{kind} {i}"
         return "an actor"
 
-    def _drain(self) -> None:
-        """Wait for a step that was left running by step(fetch_stats=False)."""
-        refs, self._in_flight = self._in_flight, []
-        if refs:
-            self._call(refs, f"step {self._step_id - 1} to finish")
+    def _result_list(self, refs, values: dict):
+        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -197,7 +275,8 @@ class DistributedSGD:
         every metric (means over all replicas), ``step_time_s`` and ``step``.
         With ``fetch_stats=False`` returns None once the step is submitted;
         it waits only for the previous step, so at most one step is in
-        flight and no barrier is added beyond the strategy's own.
+        flight and no barrier is added beyond the strategy's own. A failed
+        step's error shows at the next call.
         """
         self._check_open()
         start = time.perf_counter()
@@ -205,26 +284,64 @@ class DistributedSGD:
         self._step_id += 1
         if self.strategy == "simple" and self.num_workers > 1:
             self._drain()
-            per_worker = self._step_simple(step_id, fetch_stats)
+            per_worker = self._recovering(lambda: self._step_simple(step_id, fetch_stats), fetch_stats)
         else:
-            if self.num_workers == 1:
-                refs = [self.workers[0].step_local.remote(fetch_stats)]
-            else:
-                refs = [w.step_ps.remote(step_id, fetch_stats) for w in self.workers]
-            self._drain()
-            self._in_flight = refs
-            if not fetch_stats:
-                return None
-            self._in_flight = []
-            per_worker = self._call(refs, f"step {step_id} on all workers")
+            self._in_flight.append((step_id, self._submit(step_id, fetch_stats)))
+            per_worker = self._drain(keep_last=not fetch_stats, fetch_stats=fetch_stats)
         if not fetch_stats:
             return None
-        stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0]}
+        if not per_worker:
+            logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
+            per_worker = [{"loss": float("nan")}]
+        stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
         stats["step_time_s"] = time.perf_counter() - start
         stats["step"] = step_id
         return stats
 
-    def _step_simple(self, step_id: int, fetch_stats: bool) -> list[dict[str, float]]:
+    def _submit(self, step_id: int, fetch_stats: bool) -> list:
+        if self.num_workers == 1:
+            return [self.workers[0].step_local.remote(fetch_stats)]
+        return [w.step_ps.remote(step_id, fetch_stats) for w in self.workers]
+
+    def _drain(self, keep_last: bool = False, fetch_stats: bool = False) -> list | None:
+        """Wait for submitted steps (all, or all but the newest); recover from faults.
+
+        Returns the per-worker results of the newest step waited for.
+        """
+        results = None
+        while len(self._in_flight) > (1 if keep_last else 0):
+            step_id, refs = self._in_flight[0]
+            try:
+                results = self._call(refs, f"step {step_id} on all workers")
+            except ActorFailure as e:
+                return self._recover(e, fetch_stats)
+            except DSGDTimeoutError:
+                self._in_flight.clear()
+                raise
+            except DSGDError:
+                self._step_id = self._settle()
+                raise
+            self._in_flight.pop(0)
+            self._warn_skipped(results)
+        return results
+
+    def _warn_skipped(self, results: list) -> None:
+        skipped = [r["skipped"] for r in results if isinstance(r, dict) and "skipped" in r]
+        if skipped:
+            logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
+
+    def _recovering(self, run: Callable[[], list], fetch_stats: bool) -> list:
+        try:
+            return run()
+        except ActorFailure as e:
+            return self._recover(e, fetch_stats)
+        except DSGDTimeoutError:
+            raise
+        except DSGDError:
+            self._step_id = self._settle()
+            raise
+
+    def _step_simple(self, step_id: int, fetch_stats: bool) -> list[dict]:
         """Gather every worker's averaged gradients, average on the driver, apply."""
         results = self._call([w.compute_gradients.remote(fetch_stats) for w in self.workers],
                              f"the workers' gradients of step {step_id}")
@@ -235,11 +352,99 @@ class DistributedSGD:
         for total in means:
             np.divide(total, self.num_workers, out=total)
         means_ref = ray.put(means)
-        self._call([w.apply_gradients.remote(means_ref) for w in self.workers],
-                   f"the workers to apply step {step_id}")
+        applied = self._call([w.apply_gradients.remote(means_ref) for w in self.workers],
+                             f"the workers to apply step {step_id}")
+        self._warn_skipped(applied)
         return [stats for _, stats in results]
 
-    # ---- weights and callbacks -------------------------------------------
+    # ---- recovery ---------------------------------------------------------
+
+    def _recover(self, error: ActorFailure, fetch_stats: bool) -> list:
+        """Replace dead actors, make every replica equal again, re-run lost steps.
+
+        A step is applied by a worker only once it holds every averaged
+        shard, so after a failure some workers may have applied the step and
+        others not. Workers that are behind (or new) get the full state —
+        weights, optimizer slots, step count — of the most advanced
+        survivor; then the steps no worker applied are run again. Returns
+        the per-worker results of the last step run.
+        """
+        while True:
+            self.failures += 1
+            if self.failures > self.max_failures:
+                raise DSGDError(f"giving up after {self.max_failures} recoveries (max_failures); "
+                                f"last failure: {error}") from error
+            logger.warning("%s; recovering (failure %d of at most %d)", error, self.failures, self.max_failures)
+            try:
+                applied = self._settle(replace_dead=True)
+                results = []
+                for step_id in range(applied, self._step_id):
+                    last = step_id == self._step_id - 1
+                    if self.strategy == "simple":
+                        results = self._step_simple(step_id, fetch_stats and last)
+                    else:
+                        results = self._call(self._submit(step_id, fetch_stats and last), f"re-run of step {step_id}")
+                        self._warn_skipped(results)
+                return results
+            except ActorFailure as e:
+                error = e
+
+    def _settle(self, replace_dead: bool = False) -> int:
+        """Abort steps in flight and bring every worker to one state; the step count."""
+        self._abort_in_flight()
+        fresh = self._replace_dead_actors() if replace_dead else set()
+        return self._resynchronize(fresh)
+
+    def _abort_in_flight(self) -> None:
+        """Unblock workers waiting on sums that will never complete, then wait for them."""
+        for ps in self.ps_actors:
+            ps.abort.remote()
+        refs = [r for _, step_refs in self._in_flight for r in step_refs]
+        self._in_flight.clear()
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+
+    def _is_alive(self, actor) -> bool:
+        try:
+            ray.get(actor.ping.remote(), timeout=PING_TIMEOUT_S)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def _replace_dead_actors(self) -> set[int]:
+        """Start new actors for dead ones; the indices of the new workers."""
+        dead_ps = [j for j, ps in enumerate(self.ps_actors) if not self._is_alive(ps)]
+        for j in dead_ps:
+            logger.warning("parameter server %d is dead; starting a new one", j)
+            self.ps_actors[j] = self._new_parameter_server(self.layout[j])
+        dead_workers = [i for i, w in enumerate(self.workers) if not self._is_alive(w)]
+        if len(dead_workers) == self.num_workers:
+            raise DSGDError("every worker died, so no replica is left to restore the weights from; "
+                            "restore from a checkpoint (DistributedSGD.restore) in a new engine")
+        for i in dead_workers:
+            logger.warning("worker %d is dead; starting a new one", i)
+            self.workers[i] = self._new_worker(i)
+        if dead_workers:
+            self._call([self.workers[i].setup.remote(self._model_creator) for i in dead_workers],
+                       "replacement workers to build their models", self.startup_timeout_s)
+        if self._uses_ps and (dead_ps or dead_workers):
+            self._connect_parameter_servers(self.workers)
+        return set(dead_workers)
+
+    def _resynchronize(self, fresh: set[int]) -> int:
+        """Copy the most advanced survivor's state to every worker behind it (or new)."""
+        counts = self._call([w.applied_steps_count.remote() for w in self.workers], "the workers' step counts")
+        survivors = [i for i in range(self.num_workers) if i not in fresh]
+        source = max(survivors, key=lambda i: counts[i])
+        applied = counts[source]
+        behind = [w for i, w in enumerate(self.workers) if i in fresh or counts[i] < applied]
+        if behind:
+            state = self.workers[source].get_state.remote()
+            self._call([w.set_state.remote(state) for w in behind], f"worker {source}'s state to be copied")
+        self._call([ps.reset.remote(applied) for ps in self.ps_actors], "the parameter servers to reset")
+        return applied
+
+    # ---- weights, state and callbacks ------------------------------------
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Worker 0, replica 0's variables, keyed by name without ``device_<i>/``."""
@@ -262,6 +467,27 @@ class DistributedSGD:
         self._drain()
         ref = ray.put(weights)
         self._call([w.set_weights.remote(ref) for w in self.workers], "the workers to set weights")
+
+    def save(self, path: str) -> None:
+        """Write weights, optimizer state and step count to ``path``, atomically."""
+        self._check_open()
+        self._drain()
+        checkpoint.save(path, self._call(self.workers[0].get_state.remote(), "worker 0's state"))
+
+    def restore(self, path: str) -> None:
+        """Load a checkpoint written by ``save`` onto every replica."""
+        self._check_open()
+        self._drain()
+        state = checkpoint.load(path, {"weights": self.signature.weights, "optimizer": self.signature.optimizer})
+        ref = ray.put(state)
+        self._call([w.set_state.remote(ref) for w in self.workers], "the workers to load the checkpoint")
+        self._step_id = state["applied_steps"]
+        self._call([ps.reset.remote(self._step_id) for ps in self.ps_actors], "the parameter servers to reset")
+
+    @property
+    def num_steps(self) -> int:
+        """Steps submitted so far (restored checkpoints count theirs)."""
+        return self._step_id
 
     def foreach_worker(self, fn: Callable[[SGDWorker], Any]) -> list:
         """``fn(worker)`` on each worker actor; the list of results, worker order."""

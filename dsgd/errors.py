@@ -11,3 +11,15 @@ class ModelCreatorError(DSGDError):
 
 class WorkerMismatchError(DSGDError):
     """Replicas or workers built models whose variables disagree."""
+
+
+class NonFiniteGradientError(DSGDError):
+    """A step's averaged gradient held NaN or Inf; no replica applied it."""
+
+
+class ActorFailure(DSGDError):
+    """A worker or parameter server died, or lost an object, during a call."""
+
+
+class DSGDTimeoutError(DSGDError):
+    """A bounded wait on Ray ran out; the message says what was awaited."""

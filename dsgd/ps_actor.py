@@ -14,9 +14,14 @@ This module must not import TensorFlow: a parameter server is a light process.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import ray
+
+
+class StepAborted(RuntimeError):
+    """The driver aborted the step this call belonged to (another actor failed)."""
 
 
 class ParameterServer:
@@ -32,12 +37,14 @@ class ParameterServer:
         self.next_worker = 0
         self.results: dict[int, ray.ObjectRef] = {}
         self.events: dict[int, asyncio.Event] = {}
+        self.aborted = False
 
     def _event(self, step_id: int) -> asyncio.Event:
         return self.events.setdefault(step_id, asyncio.Event())
 
     async def push(self, step_id: int, worker_index: int, shard: np.ndarray) -> None:
         """Add one worker's shard of ``step_id``."""
+        self._check_not_aborted(step_id)
         if self.step_id is None:
             self.step_id = step_id
         if step_id != self.step_id:
@@ -70,13 +77,31 @@ class ParameterServer:
         """The mean shard of ``step_id``, as ``[ObjectRef]`` so Ray does not copy it."""
         if step_id not in self.results:
             await self._event(step_id).wait()
+        self._check_not_aborted(step_id)
         return [self.results[step_id]]
 
+    def _check_not_aborted(self, step_id: int) -> None:
+        if self.aborted and step_id not in self.results:
+            raise StepAborted(f"parameter server {self.shard_index}: step {step_id} was aborted")
+
+    def abort(self) -> None:
+        """Fail every pending and future push and pull until ``reset``."""
+        self.aborted = True
+        for event in self.events.values():
+            event.set()
+
     def reset(self, step_id: int) -> None:
-        """Forget any partial sum and expect ``step_id`` next."""
+        """Forget partial sums and aborted steps; expect ``step_id`` next."""
+        self.abort()
         self.waiting.clear()
+        self.results.clear()
+        self.events.clear()
         self.next_worker = 0
         self.step_id = step_id
+        self.aborted = False
 
     def ping(self) -> int:
         return self.shard_index
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -17,6 +17,8 @@ variable, so that moving statistics stay identical on every replica too.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -26,12 +28,15 @@ import ray
 import tensorflow as tf
 
 from dsgd import shards as shard_layout
-from dsgd.errors import DSGDError, ModelCreatorError, WorkerMismatchError
+from dsgd.errors import DSGDError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
 from dsgd.model import Model
 
 logger = logging.getLogger(__name__)
 
 ALL_REDUCE_ALGS = ("simple", "nccl")
+NAN_POLICIES = ("raise", "skip", "ignore")
+_NONFINITE = re.compile(r"dsgd: non-finite (gradient|value) of '([^']+)'")
+_SCOPE_PREFIX = re.compile(r"^device_\d+(_apply)?/")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class WorkerConfig:
     grad_shard_bytes: int
     cpus_per_worker: int
     timeout_s: float
+    nan_policy: str = "raise"
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class WorkerSignature:
 
     weights: tuple[shard_layout.VarSpec, ...]
     exchange: tuple[shard_layout.VarSpec, ...]
+    optimizer: tuple[shard_layout.VarSpec, ...]
     metrics: tuple[str, ...]
 
 
@@ -104,6 +111,7 @@ class SGDWorker:
         self.models: list[Model] = []
         self.replicas: list[Replica] = []
         self.ps_actors: list[Any] = []
+        self.applied_steps = 0
 
     # ---- set-up -----------------------------------------------------------
 
@@ -118,7 +126,7 @@ class SGDWorker:
             self._check_replicas_agree()
             local_means = self._build_local_allreduce()
             self._build_apply(local_means)
-            self._build_weight_io()
+            self._build_state_io()
             init = tf.compat.v1.global_variables_initializer()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
         self.sess.run(init)
@@ -237,7 +245,8 @@ class SGDWorker:
 
     def signature(self) -> WorkerSignature:
         weights, exchange = self._specs(self.replicas[0])
-        return WorkerSignature(weights, exchange, tuple(sorted(self.replicas[0].metrics)))
+        optimizer = tuple(_var_spec(n, v) for n, v in sorted(self._optimizer_vars[0].items()))
+        return WorkerSignature(weights, exchange, optimizer, tuple(sorted(self.replicas[0].metrics)))
 
     def _build_local_allreduce(self) -> list[list[tf.Tensor]]:
         """Mean of every exchange tensor over this worker's replicas, per replica."""
@@ -262,22 +271,51 @@ class SGDWorker:
         self._apply_local = self._apply_ops(local_means)
         self._apply_fed = self._apply_ops([self._mean_inputs] * len(self.replicas))
 
+    def _finite(self, tensors: Sequence[tf.Tensor], what: str) -> list[tf.Operation]:
+        """Checks that fail the run, naming the variable, unless nan_policy is "ignore"."""
+        if self.config.nan_policy == "ignore":
+            return []
+        names = [s.name for s in self.exchange_specs]
+        offset = 0 if what == "gradient" else len(self.replicas[0].train_vars)
+        return [tf.debugging.assert_all_finite(t, f"dsgd: non-finite {what} of '{names[offset + k]}'").op
+                for k, t in enumerate(tensors)]
+
     def _apply_ops(self, means_per_replica: Sequence[Sequence[tf.Tensor]]) -> tf.Operation:
+        """Apply on every replica, only once every check has passed (never partly)."""
+        n_train = len(self.replicas[0].train_vars)
+        means = means_per_replica[0]
+        grad_checks = self._finite(means[:n_train], "gradient")
+        state_checks = self._finite(means[n_train:], "value")
         ops = []
         for r, means in zip(self.replicas, means_per_replica):
-            n_train = len(r.train_vars)
             with tf.device(self._device(r.index)), tf.name_scope(f"{replica_scope(r.index)}_apply"):
-                ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
-                ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
+                with tf.control_dependencies(grad_checks):
+                    ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
+                with tf.control_dependencies(state_checks):
+                    ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
         return tf.group(*ops)
 
-    def _build_weight_io(self) -> None:
-        first = self.replicas[0]
-        self._weight_inputs = {
-            name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"set_{k}")
-            for k, (name, v) in enumerate(sorted(first.weights.items()))}
-        self._set_weights_op = tf.group(*[
-            v.assign(self._weight_inputs[name]) for r in self.replicas for name, v in r.weights.items()])
+    def _build_state_io(self) -> None:
+        """Placeholders and assign ops for the weights and the optimizer state."""
+        self._optimizer_vars = [self._optimizer_state(r) for r in self.replicas]
+        groups = {"weights": [r.weights for r in self.replicas], "optimizer": self._optimizer_vars}
+        self._state_inputs, self._set_state_ops = {}, {}
+        for group, per_replica in groups.items():
+            inputs = {name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"set_{group}_{k}")
+                      for k, (name, v) in enumerate(sorted(per_replica[0].items()))}
+            self._state_inputs[group] = inputs
+            self._set_state_ops[group] = tf.group(*[
+                v.assign(inputs[name]) for variables in per_replica for name, v in variables.items()])
+
+    def _optimizer_state(self, r: Replica) -> dict[str, tf.Variable]:
+        """The optimizer's slots and counters, keyed like 'w/Momentum', 'beta1_power'."""
+        state = {}
+        for v in r.optimizer.variables():
+            name = _SCOPE_PREFIX.sub("", v.name.split(":")[0])
+            if name in state:
+                raise ModelCreatorError(f"two optimizer variables of replica {r.index} are both named {name!r}")
+            state[name] = v
+        return state
 
     # ---- ps wiring --------------------------------------------------------
 
@@ -330,11 +368,38 @@ class SGDWorker:
         stats.update({k: float(np.mean(v)) for k, v in out["metrics"].items()})
         return stats
 
-    def step_local(self, fetch_stats: bool) -> dict[str, float]:
+    def _apply(self, fetches: dict, feed_dict: dict) -> dict:
+        """Run an apply; a non-finite mean raises or skips the step on every replica.
+
+        Every worker applies the same global mean, so every worker makes the
+        same choice and replicas stay identical. Returns the run's outputs
+        and, under "skipped", the variable that made the step skip.
+        """
+        try:
+            out = self.sess.run(fetches, feed_dict=feed_dict)
+        except tf.errors.InvalidArgumentError as e:
+            found = _NONFINITE.search(e.message)
+            if not found:
+                raise
+            what = f"non-finite {found.group(1)} of variable '{found.group(2)}' in step {self.applied_steps}"
+            if self.config.nan_policy == "raise":
+                raise NonFiniteGradientError(
+                    f"{what}; no replica applied it (nan_policy='skip' skips such steps)") from None
+            self.applied_steps += 1
+            return {"skipped": what}
+        self.applied_steps += 1
+        return out
+
+    def _result(self, out: dict) -> dict:
+        result = self._reduce_stats(out.get("stats", {}))
+        if "skipped" in out:
+            result["skipped"] = out["skipped"]
+        return result
+
+    def step_local(self, fetch_stats: bool) -> dict:
         """One worker alone: average over local replicas and apply, one run."""
-        out = self.sess.run({"apply": self._apply_local, "stats": self._stats_fetches(fetch_stats)},
-                            feed_dict=self._feed_dict())
-        return self._reduce_stats(out["stats"])
+        return self._result(self._apply(
+            {"apply": self._apply_local, "stats": self._stats_fetches(fetch_stats)}, self._feed_dict()))
 
     def compute_gradients(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
         """The worker's averaged exchange tensors (for the "simple" strategy)."""
@@ -342,11 +407,11 @@ class SGDWorker:
                             feed_dict=self._feed_dict())
         return out["means"], self._reduce_stats(out["stats"])
 
-    def apply_gradients(self, means: Sequence[np.ndarray]) -> None:
+    def apply_gradients(self, means: Sequence[np.ndarray]) -> dict:
         """Apply the global mean of the exchange tensors on every replica."""
-        self.sess.run(self._apply_fed, feed_dict=dict(zip(self._mean_inputs, means)))
+        return self._result(self._apply({"apply": self._apply_fed}, dict(zip(self._mean_inputs, means))))
 
-    def step_ps(self, step_id: int, fetch_stats: bool) -> dict[str, float]:
+    def step_ps(self, step_id: int, fetch_stats: bool) -> dict:
         """Compute, push shards to the parameter servers, pull means, apply."""
         out = self.sess.run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                             feed_dict=self._feed_dict())
@@ -356,8 +421,8 @@ class SGDWorker:
         pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
         mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
         shard_means = self._wait(mean_refs, f"the averaged shards of step {step_id}")
-        self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
-        return self._reduce_stats(out["stats"])
+        applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
+        return {**self._reduce_stats(out["stats"]), **applied}
 
     def _wait(self, refs: list, what: str) -> list:
         try:
@@ -381,8 +446,32 @@ class SGDWorker:
         return self.sess.run([dict(r.weights) for r in self.replicas])
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        self.sess.run(self._set_weights_op,
-                      feed_dict={self._weight_inputs[k]: v for k, v in weights.items()})
+        self._set_state("weights", weights)
+
+    def _set_state(self, group: str, values: dict[str, np.ndarray]) -> None:
+        inputs = self._state_inputs[group]
+        if inputs:
+            self.sess.run(self._set_state_ops[group], feed_dict={inputs[k]: v for k, v in values.items()})
+
+    def get_state(self) -> dict:
+        """Weights, optimizer state and step count: all a replica needs to go on."""
+        weights, optimizer = self.sess.run([dict(self.replicas[0].weights), dict(self._optimizer_vars[0])])
+        return {"weights": weights, "optimizer": optimizer, "applied_steps": self.applied_steps}
+
+    def set_state(self, state: dict) -> None:
+        """Load get_state()'s result onto every replica."""
+        self._set_state("weights", state["weights"])
+        self._set_state("optimizer", state["optimizer"])
+        self.applied_steps = state["applied_steps"]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> int:
+        return self.worker_index
+
+    def applied_steps_count(self) -> int:
+        return self.applied_steps
 
     def apply_fn(self, fn: Callable[["SGDWorker"], Any]) -> Any:
         return fn(self)

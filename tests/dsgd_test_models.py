@@ -93,3 +93,55 @@ class BatchNormNet(dsgd.Model):
         x, y = batch(self.worker_index, self.device_index, self.step)
         self.step += 1
         return {self.x: x, self.y: y}
+
+
+MOMENTUM = 0.9
+
+
+class FixedDataMomentumNet(TanhNet):
+    """Same batch every step and momentum SGD: a fault must not change the result."""
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.MomentumOptimizer(LR, MOMENTUM)
+
+    def get_feed_dict(self):
+        x, y = batch(self.worker_index, self.device_index, 0)
+        return {self.x: x, self.y: y}
+
+
+def numpy_momentum_run(weights: dict, replicas: list[tuple[int, int]], steps: int) -> dict:
+    """``steps`` momentum-SGD steps on FixedDataMomentumNet's fixed batches."""
+    accum = {k: np.zeros_like(v) for k, v in weights.items()}
+    for _ in range(steps):
+        grads = [numpy_gradients(weights, *batch(w, d, 0)) for w, d in replicas]
+        for k in weights:
+            accum[k] = MOMENTUM * accum[k] + np.mean([g[k] for g in grads], axis=0)
+        weights = {k: weights[k] - LR * accum[k] for k in weights}
+    return weights
+
+
+class SlowWorkerNet(FixedDataMomentumNet):
+    """Worker 1 takes a while to produce its batch: a window to kill an actor mid-step."""
+
+    DELAY_S = 3.0
+
+    def get_feed_dict(self):
+        if self.worker_index == 1:
+            import time
+            time.sleep(self.DELAY_S)
+        return super().get_feed_dict()
+
+
+class AdamNet(TanhNet):
+    def get_optimizer(self):
+        return tf.compat.v1.train.AdamOptimizer(0.01)
+
+
+class NaNOnWorker1AtStep1(TanhNet):
+    """Worker 1 feeds a NaN input at its second step."""
+
+    def get_feed_dict(self):
+        feed = super().get_feed_dict()
+        if self.worker_index == 1 and self.step == 2:
+            feed[self.x] = np.full_like(feed[self.x], np.nan)
+        return feed

@@ -1,0 +1,198 @@
+"""Faults, checkpoints and non-finite gradients: no run is lost, no replica diverges."""
+
+import logging
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+import tensorflow as tf
+
+import dsgd
+from dsgd import checkpoint
+from dsgd_test_models import (AdamNet, FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
+                              numpy_momentum_run, reset_data)
+from test_engine import assert_replicas_identical
+
+REPLICAS_2x1 = [(0, 0), (1, 0)]
+
+
+def start_weights(sgd):
+    rng = np.random.RandomState(3)
+    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
+    sgd.set_weights(weights)
+    return weights
+
+
+def kill(actor):
+    """SIGKILL the actor's process and wait until Ray sees it dead."""
+    os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("killed actor still answers")
+
+
+def assert_weights_close(got, expected):
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.fixture
+def warnings_seen(caplog):
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    return caplog
+
+
+def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen):
+    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+        start = start_weights(sgd)
+        sgd.step()
+        kill(sgd.ps_actors[0])  # between steps
+        sgd.step(fetch_stats=True)
+        assert "parameter server 0 is dead" in warnings_seen.text
+        sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 has pushed its shards
+        time.sleep(SlowWorkerNet.DELAY_S / 3)
+        kill(sgd.ps_actors[1])  # during a step
+        got = sgd.get_weights()
+        assert "parameter server 1 is dead" in warnings_seen.text
+        assert sgd.failures == 2
+        assert_replicas_identical_2x1(sgd)
+        assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 3))
+
+
+def assert_replicas_identical_2x1(sgd):
+    replicas = [r for ws in sgd.foreach_worker(lambda w: w.get_replica_weights()) for r in ws]
+    for other in replicas[1:]:
+        for name in replicas[0]:
+            assert np.array_equal(other[name], replicas[0][name]), name
+
+
+def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session, warnings_seen):
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+        start = start_weights(sgd)
+        sgd.step()
+        sgd.step()
+        old_pid = ray.get(sgd.workers[1].pid.remote())
+        kill(sgd.workers[1])
+        stats = sgd.step(fetch_stats=True)
+        assert np.isfinite(stats["loss"])
+        assert "worker 1 is dead" in warnings_seen.text
+        assert ray.get(sgd.workers[1].pid.remote()) != old_pid
+        sgd.step()
+        assert_replicas_identical_2x1(sgd)
+        # Momentum slots came along: the result equals an uninterrupted run.
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 4))
+
+
+def test_past_max_failures_the_error_names_the_dead_actor(ray_session):
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="simple", max_failures=0) as sgd:
+        sgd.step()
+        kill(sgd.workers[0])
+        with pytest.raises(dsgd.DSGDError, match="giving up after 0 recoveries.*worker 0 failed"):
+            sgd.step()
+
+
+def test_checkpoint_round_trip_continues_exactly(ray_session, tmp_path):
+    path = str(tmp_path / "run.ckpt")
+    with dsgd.DistributedSGD(AdamNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+        for _ in range(2):
+            sgd.step()
+        sgd.save(path)
+        for _ in range(2):
+            sgd.step()
+        uninterrupted = sgd.get_weights()
+
+        sgd.set_weights({k: np.zeros_like(v) for k, v in uninterrupted.items()})
+        sgd.restore(path)
+        assert sgd.num_steps == 2
+        sgd.foreach_model(lambda m: setattr(m, "step", 2))  # the data position is the user's
+        for _ in range(2):
+            sgd.step()
+        restored = sgd.get_weights()
+        assert_replicas_identical_2x1(sgd)
+    for name in uninterrupted:
+        assert np.array_equal(restored[name], uninterrupted[name]), name
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "run.ckpt")
+    state = {"weights": {"w": np.ones(3, np.float32)}, "optimizer": {}, "applied_steps": 1}
+    checkpoint.save(path, state)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path, {**state, "applied_steps": 2})
+    assert os.listdir(tmp_path) == ["run.ckpt"]
+    spec = dsgd.shards.VarSpec("w", (3,), np.dtype(np.float32))
+    assert checkpoint.load(path, {"weights": [spec], "optimizer": []})["applied_steps"] == 1
+
+
+def test_checkpoint_of_another_model_is_rejected_by_name(ray_session, tmp_path):
+    path = str(tmp_path / "other.ckpt")
+    checkpoint.save(path, {"weights": {"layer/w": np.zeros((2, 2), np.float32), "conv/k": np.zeros(1)},
+                           "optimizer": {}, "applied_steps": 5})
+    with dsgd.DistributedSGD(TanhNet, num_workers=1) as sgd:
+        with pytest.raises(ValueError, match="written by a different model: missing weights 'layer/b'.*"
+                                             "unexpected weights 'conv/k'.*'layer/w' is float32\\[2, 2\\]"):
+            sgd.restore(path)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_non_finite_gradient_is_raised_or_skipped_on_every_replica(ray_session, warnings_seen, policy):
+    with dsgd.DistributedSGD(NaNOnWorker1AtStep1, num_workers=2, devices_per_worker=2, strategy="ps",
+                             nan_policy=policy) as sgd:
+        sgd.step()
+        before = sgd.get_weights()
+        if policy == "raise":
+            with pytest.raises(dsgd.NonFiniteGradientError, match="non-finite gradient of variable '[a-z/]+'"):
+                sgd.step(fetch_stats=True)
+        else:
+            sgd.step(fetch_stats=True)
+            assert "skipped a step" in warnings_seen.text
+        assert_replicas_identical(sgd)
+        after = sgd.get_weights()
+        assert all(np.array_equal(before[k], after[k]) for k in before)
+        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
+
+
+def test_exchange_larger_than_the_object_store_is_refused(ray_session):
+    with pytest.raises(ValueError, match="needs 1144 MiB of Ray object-store memory per step.*cluster has 1024 MiB"):
+        dsgd.DistributedSGD(Huge, num_workers=2, strategy="ps")
+
+
+class Huge(dsgd.Model):
+    """100 M float32 parameters (381 MiB): three copies do not fit in 1 GiB."""
+
+    def __init__(self, worker_index, device_index):
+        w = tf.compat.v1.get_variable("w", [100_000_000], initializer=tf.compat.v1.zeros_initializer())
+        self.loss = tf.reduce_sum(w)
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+
+
+def test_slow_step_times_out_with_a_message(ray_session):
+    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", timeout_s=1) as sgd:
+        with pytest.raises(dsgd.DSGDTimeoutError, match="timed out after 1s waiting for step 0 on all workers"):
+            sgd.step(fetch_stats=True)
+
+
+def test_step_after_shutdown_is_refused(ray_session):
+    sgd = dsgd.DistributedSGD(TanhNet, num_workers=1)
+    sgd.shutdown()
+    for call in (sgd.step, sgd.get_weights, sgd.warmup):
+        with pytest.raises(dsgd.DSGDError, match="has been shut down"):
+            call()
