@@ -37,6 +37,21 @@ def _check_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def _ops_wanted(use_ops: bool | None) -> bool:
+    """Whether the "ps" exchange uses the op library; builds it if needed."""
+    if use_ops is False:
+        return False
+    from dsgd import ops
+
+    if ops.is_available():
+        return True
+    if use_ops:
+        ops.load()  # raises the build or load error, which says what is missing
+    logger.warning("the dsgd op library could not be built or loaded (run `python -m dsgd.ops.build` "
+                   "to see why); the 'ps' strategy exchanges shards through Python instead")
+    return False
+
+
 def _fault_of(error: BaseException) -> BaseException | None:
     """The actor failure behind ``error``, if that is what it is."""
     if isinstance(error, _FAULTS):
@@ -65,6 +80,12 @@ class DistributedSGD:
             "raise"d (naming the variable) or "skip"ped, on every replica
             alike; "ignore" applies it unchecked (saves one pass over the
             gradients).
+        use_ops: for "ps", move shards with the C++ op library (dsgd.ops):
+            each shard leaves from inside the graph as soon as its gradients
+            exist, and averaged shards reach TensorFlow without a copy.
+            ``None`` (default) uses it when it builds and loads, and warns
+            otherwise; ``False`` exchanges through Python after the
+            gradients are computed (what the benchmark compares against).
         max_failures: dead workers or parameter servers to replace over the
             engine's life before giving up.
         timeout_s: bound on every wait for a step or an actor call.
@@ -83,6 +104,7 @@ class DistributedSGD:
         *,
         cpus_per_worker: int = 1,
         nan_policy: str = "raise",
+        use_ops: bool | None = None,
         max_failures: int = 3,
         timeout_s: float = 600.0,
         startup_timeout_s: float = 300.0,
@@ -106,6 +128,8 @@ class DistributedSGD:
         max_failures = _check_int("max_failures", max_failures, 0)
         timeout_s = _check_seconds("timeout_s", timeout_s)
         startup_timeout_s = _check_seconds("startup_timeout_s", startup_timeout_s)
+        if use_ops not in (None, True, False):
+            raise ValueError(f"use_ops must be None, True or False, got {use_ops!r}")
         if strategy == "ps" and num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does")
@@ -120,7 +144,8 @@ class DistributedSGD:
         self.ps_actors: list = []
         self._model_creator = model_creator
         self._config = WorkerConfig(num_workers, devices_per_worker, gpu, all_reduce_alg, grad_shard_bytes,
-                                    cpus_per_worker, timeout_s, nan_policy)
+                                    cpus_per_worker, timeout_s, nan_policy,
+                                    use_ops=self._uses_ps and _ops_wanted(use_ops))
         self._step_id = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []
         self._closed = False

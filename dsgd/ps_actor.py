@@ -75,6 +75,7 @@ class ParameterServer:
 
     async def pull(self, step_id: int) -> list:
         """The mean shard of ``step_id``, as ``[ObjectRef]`` so Ray does not copy it."""
+        self._check_not_aborted(step_id)
         if step_id not in self.results:
             await self._event(step_id).wait()
         self._check_not_aborted(step_id)

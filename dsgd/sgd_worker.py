@@ -16,6 +16,7 @@ variable, so that moving statistics stay identical on every replica too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ import ray
 import tensorflow as tf
 
 from dsgd import shards as shard_layout
-from dsgd.errors import DSGDError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
+from dsgd.errors import DSGDError, DSGDTimeoutError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
 from dsgd.model import Model
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class WorkerConfig:
     cpus_per_worker: int
     timeout_s: float
     nan_policy: str = "raise"
+    use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class SGDWorker:
         self.replicas: list[Replica] = []
         self.ps_actors: list[Any] = []
         self.applied_steps = 0
+        self._callback_error: BaseException | None = None
 
     # ---- set-up -----------------------------------------------------------
 
@@ -124,13 +127,15 @@ class SGDWorker:
                 self.replicas.append(self._build_replica(model_creator, i))
             self.models = [r.model for r in self.replicas]
             self._check_replicas_agree()
+            self.layout = shard_layout.plan_shards(self.exchange_specs, cfg.grad_shard_bytes)
             local_means = self._build_local_allreduce()
             self._build_apply(local_means)
+            if cfg.use_ops:
+                self._build_ops_exchange(local_means[0])
             self._build_state_io()
             init = tf.compat.v1.global_variables_initializer()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
         self.sess.run(init)
-        self.layout = shard_layout.plan_shards(self.exchange_specs, cfg.grad_shard_bytes)
         self._send_buffers = [np.zeros(s.size, dtype=s.dtype) for s in self.layout]
         return self.signature()
 
@@ -295,6 +300,41 @@ class SGDWorker:
                     ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
         return tf.group(*ops)
 
+    def _build_ops_exchange(self, local_means: list[tf.Tensor]) -> None:
+        """The pipelined "ps" exchange, inside the graph (see dsgd/ops).
+
+        Each shard is packed and sent to its parameter server as soon as its
+        gradients exist, while back-propagation of earlier layers goes on.
+        Receives wait for all of this worker's sends, so a receive blocked on
+        ``ray.get`` never holds a thread that one of our sends needs; the
+        averaged shards are read from the object store without a copy.
+        """
+        from dsgd import ops
+
+        self._step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
+        sends = [ops.build_send(local_means, shard, self._push_shard, [self._step_input]) for shard in self.layout]
+        with tf.control_dependencies(sends):
+            received = [ops.receive_shard(functools.partial(self._pull_shard, shard), shard, [self._step_input])
+                        for shard in self.layout]
+        means = ops.unpack(received, self.layout, self.exchange_specs)
+        self._apply_received = self._apply_ops([means] * len(self.replicas))
+
+    def _push_shard(self, shard: shard_layout.Shard, ref, step: np.ndarray) -> None:
+        try:
+            self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
+        except BaseException as e:
+            self._callback_error = e
+            raise
+
+    def _pull_shard(self, shard: shard_layout.Shard, step: np.ndarray) -> np.ndarray:
+        try:
+            ps = self.ps_actors[shard.index]
+            [mean_ref] = self._wait(ps.pull.remote(int(step)), f"parameter server {shard.index}'s sum of step {step}")
+            return self._wait(mean_ref, f"the averaged shard {shard.index} of step {step}")
+        except BaseException as e:
+            self._callback_error = e
+            raise
+
     def _build_state_io(self) -> None:
         """Placeholders and assign ops for the weights and the optimizer state."""
         self._optimizer_vars = [self._optimizer_state(r) for r in self.replicas]
@@ -413,6 +453,8 @@ class SGDWorker:
 
     def step_ps(self, step_id: int, fetch_stats: bool) -> dict:
         """Compute, push shards to the parameter servers, pull means, apply."""
+        if self.config.use_ops:
+            return self._step_ps_ops(step_id, fetch_stats)
         out = self.sess.run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                             feed_dict=self._feed_dict())
         for shard, buf, ps in zip(self.layout, self._send_buffers, self.ps_actors):
@@ -424,11 +466,29 @@ class SGDWorker:
         applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
         return {**self._reduce_stats(out["stats"]), **applied}
 
+    def _step_ps_ops(self, step_id: int, fetch_stats: bool) -> dict:
+        """One session run: compute, send, receive and apply all happen in the graph."""
+        from dsgd import ops
+
+        feed = self._feed_dict()
+        feed[self._step_input] = step_id
+        self._callback_error = None
+        try:
+            out = self._apply({"apply": self._apply_received, "stats": self._stats_fetches(fetch_stats)}, feed)
+        except tf.errors.OpError:
+            ops.discard_unclaimed()
+            if self._callback_error is not None:
+                raise self._callback_error from None  # e.g. a dead parameter server: the driver recovers
+            raise
+        finally:
+            ops.drain_released()
+        return self._result(out)
+
     def _wait(self, refs: list, what: str) -> list:
         try:
             return ray.get(refs, timeout=self.config.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            raise DSGDError(
+            raise DSGDTimeoutError(
                 f"worker {self.worker_index} waited more than {self.config.timeout_s:.0f}s for {what}; "
                 "a worker or parameter server is stuck or dead") from e
 

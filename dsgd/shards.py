@@ -71,7 +71,9 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
     ``ceil(total_bytes / grad_shard_bytes)`` and the elements are spread evenly
     over them, so shards (and so parameter servers) carry balanced loads.
     ``grad_shard_bytes == 0`` means one shard per dtype. Zero-size variables
-    take no room.
+    take no room. A variable that fits in one shard is never split (it starts
+    a new shard instead), so the read side can hand it to TensorFlow as a
+    view of the received shard; only variables larger than a shard are split.
     """
     if grad_shard_bytes < 0:
         raise ValueError(f"grad_shard_bytes must be >= 0, got {grad_shard_bytes}")
@@ -102,6 +104,8 @@ def _fill(members, dtype: np.dtype, target: int, first_index: int) -> list[Shard
         pieces, used, end = [], 0, 0
 
     for var_index, spec in members:
+        if used and spec.size <= target and used + spec.size > target:
+            close()
         offset = 0
         while offset < spec.size:
             room = target - used

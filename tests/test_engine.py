@@ -28,18 +28,23 @@ def assert_replicas_identical(sgd):
 
 @pytest.fixture(scope="module")
 def engines(ray_session):
-    """One 2x2 engine per strategy; "ps" with tiny shards so variables get split."""
+    """One 2x2 engine per exchange; "ps" with tiny shards so variables get split.
+
+    "ps" moves shards with the C++ ops (the default), "ps-python" without.
+    """
     built = {
         "simple": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="simple"),
         "ps": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
-                                  grad_shard_bytes=24),
+                                  grad_shard_bytes=24, use_ops=True),
+        "ps-python": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
+                                         grad_shard_bytes=24, use_ops=False),
     }
     yield built
     for sgd in built.values():
         sgd.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["simple", "ps"])
+@pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_random_init_is_broadcast_to_every_replica(engines, strategy):
     assert_replicas_identical(engines[strategy])
 
@@ -53,7 +58,7 @@ def test_foreach_model_is_flat_in_worker_then_device_order(engines):
     assert engines["ps"].foreach_model(lambda m: (m.worker_index, m.device_index)) == REPLICAS
 
 
-@pytest.mark.parametrize("strategy", ["simple", "ps"])
+@pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strategy):
     sgd = engines[strategy]
     start = {k: v.astype(np.float64) for k, v in
@@ -82,12 +87,19 @@ def test_strategies_give_the_same_weights(engines):
         numpy_step_start(sgd)
         for _ in range(4):
             sgd.step()
-    simple, ps = engines["simple"].get_weights(), engines["ps"].get_weights()
-    for name in simple:
-        np.testing.assert_allclose(ps[name], simple[name], rtol=1e-6, err_msg=name)
+    simple = engines["simple"].get_weights()
+    for other in ("ps", "ps-python"):
+        weights = engines[other].get_weights()
+        for name in simple:
+            np.testing.assert_allclose(weights[name], simple[name], rtol=1e-6, err_msg=f"{other} {name}")
 
 
-@pytest.mark.parametrize("strategy", ["simple", "ps"])
+def test_ps_exchange_runs_through_the_ops_only_when_asked(engines):
+    assert engines["ps"].foreach_worker(lambda w: w.config.use_ops) == [True, True]
+    assert engines["ps-python"].foreach_worker(lambda w: w.config.use_ops) == [False, False]
+
+
+@pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_fetch_stats_reports_means_over_replicas(engines, strategy):
     sgd = engines[strategy]
     weights = numpy_step_start(sgd)

@@ -66,3 +66,13 @@ def test_pack_unpack_round_trip(dtype):
     buffers = [pack(grads, shard, np.zeros(shard.size, shard.dtype)) for shard in layout]
     for got, want in zip(unpack(buffers, layout, var_specs), grads):
         assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_a_variable_that_fits_in_a_shard_is_never_split():
+    layout = plan_shards(specs((6,), (6,), (6,), (25,)), 40)  # target 10 elements per shard
+    owners = {}
+    for shard in layout:
+        for p in shard.pieces:
+            owners.setdefault(p.var_index, []).append(shard.index)
+    assert all(len(owners[v]) == 1 for v in (0, 1, 2))
+    assert len(owners[3]) > 1  # larger than a shard: split

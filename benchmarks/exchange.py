@@ -1,0 +1,172 @@
+"""Exchange benchmark: how close one "ps" step comes to the memory-bound minimum.
+
+A model whose gradients have ResNet-101's shapes (44.5 M float32, 178 MB) and
+almost no compute (every gradient is a constant fill), trained with 2 workers x
+1 device. Measured side by side in one run:
+
+- bound: one process averaging the same 2 gradient sets into a preallocated
+  buffer (numpy add + scale), the in-process floor for a 2-way average;
+- dsgd "ps" with the op library (in-graph send, zero-copy receive);
+- dsgd "ps" with use_ops=False (Python exchange after the gradients);
+- dsgd "simple" (the driver averages).
+
+Prints step times and ratios to the bound, and the object-store memory in use
+before and after a long "ps" run (it must not grow). Run from the repo root:
+
+    .venv/bin/python -m benchmarks.exchange
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import tensorflow as tf
+
+import dsgd
+from benchmarks.resnet import resnet_v1
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def gradient_shapes(model: str) -> list[tuple[str, list[int]]]:
+    """Names and shapes of the model's trainable variables."""
+    shapes = []
+
+    def record(name, shape, initializer, trainable):
+        if trainable:
+            shapes.append((name, list(shape)))
+        return tf.zeros(shape)
+
+    with tf.Graph().as_default():
+        resnet_v1(tf.zeros([1, 32, 32, 3]), model, record, training=False)
+    return shapes
+
+
+class GradientSet(dsgd.Model):
+    """Variables of the given shapes; the gradient of each is a fill of ones."""
+
+    def __init__(self, worker_index: int, device_index: int, shapes: list[tuple[str, list[int]]]):
+        variables = [tf.compat.v1.get_variable(name, shape, initializer=tf.compat.v1.zeros_initializer())
+                     for name, shape in shapes]
+        self.loss = tf.add_n([tf.reduce_sum(v) for v in variables])
+
+    def get_loss(self) -> tf.Tensor:
+        return self.loss
+
+    def get_optimizer(self) -> tf.compat.v1.train.Optimizer:
+        return tf.compat.v1.train.GradientDescentOptimizer(0.0)
+
+
+def time_bound(num_elements: int, workers: int, reps: int) -> list[float]:
+    """Seconds for one process to average ``workers`` arrays into a preallocated buffer."""
+    arrays = [np.random.rand(num_elements).astype(np.float32) for _ in range(workers)]
+    out = np.empty(num_elements, np.float32)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.add(arrays[0], arrays[1], out=out)
+        for a in arrays[2:]:
+            np.add(out, a, out=out)
+        np.multiply(out, 1.0 / workers, out=out)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def object_store_used_mib() -> float:
+    """Object-store memory in use on the cluster (Ray's memory summary)."""
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(stats_only=True)
+    found = re.search(r"Plasma memory usage (\d+) MiB", text)
+    return float(found.group(1)) if found else float("nan")
+
+
+def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps: int, warmup: int,
+                shard_bytes: int, soak_steps: int = 0) -> dict[str, Any]:
+    label = strategy if strategy == "simple" else f"ps-{'ops' if use_ops else 'python'}"
+    with dsgd.DistributedSGD(lambda w, d: GradientSet(w, d, shapes), num_workers=workers, strategy=strategy,
+                             grad_shard_bytes=shard_bytes, use_ops=use_ops, nan_policy="ignore") as sgd:
+        for _ in range(warmup):
+            sgd.step()
+        sgd.get_weights()  # drain
+        times = []
+        for i in range(steps):
+            start = time.perf_counter()
+            sgd.step(fetch_stats=True)
+            times.append(time.perf_counter() - start)
+            print(f"  {label}: step {i + 1}/{steps} {times[-1] * 1000:.0f} ms", end="\r", flush=True)
+        print()
+        record = {"system": label, "step_s": times, "mean_s": statistics.mean(times),
+                  "median_s": statistics.median(times), "num_ps": len(sgd.ps_actors)}
+        if soak_steps:
+            before = object_store_used_mib()
+            for i in range(soak_steps):
+                sgd.step()
+                if (i + 1) % 50 == 0:
+                    print(f"  soak: {i + 1}/{soak_steps} steps", end="\r", flush=True)
+            sgd.get_weights()
+            print()
+            record["object_store_mib"] = {"before": before, "after": object_store_used_mib(),
+                                          "steps": soak_steps}
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet101", help="whose gradient shapes to exchange")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--soak-steps", type=int, default=200, help="ps-ops steps for the memory check (0: skip)")
+    p.add_argument("--grad-shard-bytes", type=int, default=10_000_000)
+    p.add_argument("--object-store-memory", type=int, default=2 << 30)
+    p.add_argument("--systems", default="ps-ops,ps-python,simple")
+    p.add_argument("--out", default=str(RESULTS / "exchange.json"))
+    args = p.parse_args(argv)
+
+    shapes = gradient_shapes(args.model)
+    num_elements = sum(int(np.prod(s)) for _, s in shapes)
+    print(f"{args.model} gradients: {len(shapes)} tensors, {num_elements / 1e6:.1f} M float32 "
+          f"({num_elements * 4 / 1e6:.0f} MB); {args.num_workers} workers")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    ray.init(num_cpus=max(2, args.num_workers), object_store_memory=args.object_store_memory,
+             include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(Path(__file__).parent.parent)}})
+    bound = time_bound(num_elements, args.num_workers, reps=max(10, args.steps))
+    records = [{"system": "bound", "step_s": bound, "mean_s": statistics.mean(bound),
+                "median_s": statistics.median(bound)}]
+    settings = {"ps-ops": ("ps", True), "ps-python": ("ps", False), "simple": ("simple", False)}
+    for name in args.systems.split(","):
+        strategy, use_ops = settings[name]
+        records.append(time_engine(shapes, args.num_workers, strategy, use_ops, args.steps, args.warmup,
+                                   args.grad_shard_bytes, args.soak_steps if name == "ps-ops" else 0))
+    ray.shutdown()
+
+    floor = records[0]["median_s"]
+    print(f"\n{'system':<10} {'median ms':>10} {'mean ms':>9} {'x bound':>8}")
+    for r in records:
+        r["ratio_to_bound"] = r["median_s"] / floor
+        print(f"{r['system']:<10} {r['median_s'] * 1000:10.1f} {r['mean_s'] * 1000:9.1f} {r['ratio_to_bound']:8.2f}")
+    for r in records:
+        if "object_store_mib" in r:
+            m = r["object_store_mib"]
+            print(f"object store in use: {m['before']:.0f} MiB before, {m['after']:.0f} MiB after "
+                  f"{m['steps']} more {r['system']} steps")
+    result = {"model": args.model, "elements": num_elements, "workers": args.num_workers,
+              "grad_shard_bytes": args.grad_shard_bytes, "cpus": os.cpu_count(), "records": records}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
