@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install mnist test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard dsgd/ops/cc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,examples]"
+	$(PY) -m dsgd.ops.build
 	touch $(STAMP)
 
 install: $(STAMP)
