@@ -90,6 +90,8 @@ class DistributedSGD:
             engine's life before giving up.
         timeout_s: bound on every wait for a step or an actor call.
         startup_timeout_s: bound on building the workers' graphs.
+        logdir: if set, every ``step(fetch_stats=True)`` writes its stats
+            there as TensorBoard scalars (see dsgd.tensorboard).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class DistributedSGD:
         max_failures: int = 3,
         timeout_s: float = 600.0,
         startup_timeout_s: float = 300.0,
+        logdir: str | None = None,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
@@ -149,6 +152,11 @@ class DistributedSGD:
         self._step_id = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []
         self._closed = False
+        self._scalars = None
+        if logdir is not None:
+            from dsgd.tensorboard import ScalarLogger
+
+            self._scalars = ScalarLogger(logdir)
         if not ray.is_initialized():
             logger.info("Ray is not initialized; starting a local Ray instance")
             ray.init()
@@ -320,6 +328,8 @@ class DistributedSGD:
             per_worker = [{"loss": float("nan")}]
         stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
         stats["step_time_s"] = time.perf_counter() - start
+        if self._scalars is not None:
+            self._scalars.log(step_id, stats)
         stats["step"] = step_id
         return stats
 
@@ -539,6 +549,8 @@ class DistributedSGD:
         """Kill the worker and parameter-server actors. Safe to call twice."""
         self._closed = True
         self._in_flight = []
+        if self._scalars is not None:
+            self._scalars.close()
         if ray.is_initialized():
             for actor in self.workers + self.ps_actors:
                 ray.kill(actor)

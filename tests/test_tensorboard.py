@@ -44,3 +44,17 @@ def test_close_is_idempotent_and_logdir_is_created(tmp_path):
 def test_rejects_non_numbers(tmp_path):
     with ScalarLogger(tmp_path) as tb, pytest.raises((TypeError, ValueError)):
         tb.log(0, {"name": "not a number"})
+
+
+def test_engine_logdir_writes_each_fetched_steps_stats(ray_session, tmp_path):
+    import dsgd
+    from dsgd_test_models import TanhNet
+
+    with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=2, logdir=str(tmp_path)) as sgd:
+        sgd.step(fetch_stats=True)
+        sgd.step()  # no stats fetched: nothing logged
+        last = sgd.step(fetch_stats=True)
+    scalars = read_scalars(tmp_path)
+    assert sorted(scalars) == ["abs_error", "loss", "step_time_s"]
+    assert [step for step, _, _ in scalars["loss"]] == [0, 2]
+    assert scalars["loss"][-1][1] == pytest.approx(last["loss"])
