@@ -90,6 +90,12 @@ def object_store_used_mib() -> float:
     return float(found.group(1)) if found else float("nan")
 
 
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps: int, warmup: int,
                 shard_bytes: int, soak_steps: int = 0) -> dict[str, Any]:
     label = strategy if strategy == "simple" else f"ps-{'ops' if use_ops else 'python'}"
@@ -109,6 +115,7 @@ def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps
                   "median_s": statistics.median(times), "num_ps": len(sgd.ps_actors)}
         if soak_steps:
             before = object_store_used_mib()
+            rss_before = sgd.foreach_worker(lambda w: resident_mib())
             for i in range(soak_steps):
                 sgd.step()
                 if (i + 1) % 50 == 0:
@@ -117,6 +124,7 @@ def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps
             print()
             record["object_store_mib"] = {"before": before, "after": object_store_used_mib(),
                                           "steps": soak_steps}
+            record["worker_rss_mib"] = {"before": rss_before, "after": sgd.foreach_worker(lambda w: resident_mib())}
     return record
 
 
@@ -159,8 +167,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in records:
         if "object_store_mib" in r:
             m = r["object_store_mib"]
+            rss = r["worker_rss_mib"]
             print(f"object store in use: {m['before']:.0f} MiB before, {m['after']:.0f} MiB after "
-                  f"{m['steps']} more {r['system']} steps")
+                  f"{m['steps']} more {r['system']} steps; worker RSS "
+                  f"{', '.join(f'{a:.0f}->{b:.0f}' for a, b in zip(rss['before'], rss['after']))} MiB")
     result = {"model": args.model, "elements": num_elements, "workers": args.num_workers,
               "grad_shard_bytes": args.grad_shard_bytes, "cpus": os.cpu_count(), "records": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

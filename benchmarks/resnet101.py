@@ -37,8 +37,11 @@ class ResNetModel(dsgd.Model):
 
 
 def run_dsgd(cfg: common.BenchConfig, strategy: str, gpu: bool = False,
-             grad_shard_bytes: int = 10_000_000) -> dict[str, Any]:
-    """Train `cfg.model` with dsgd on the running Ray instance; returns the run's record."""
+             grad_shard_bytes: int = 10_000_000, timeline: str | None = None) -> dict[str, Any]:
+    """Train `cfg.model` with dsgd on the running Ray instance; returns the run's record.
+
+    With `timeline`, one more step after the measured ones writes its Chrome trace there.
+    """
     model_creator = functools.partial(ResNetModel, model=cfg.model, batch_size=cfg.batch_size,
                                       image_size=cfg.image_size)
     label = f"dsgd-{strategy}"
@@ -50,6 +53,9 @@ def run_dsgd(cfg: common.BenchConfig, strategy: str, gpu: bool = False,
                              cpus_per_worker=cfg.cpus_per_worker) as sgd:
         setup_s = time.perf_counter() - start
         times, stats, interrupted = common.time_steps(lambda: sgd.step(fetch_stats=True), cfg, label)
+        if timeline and not interrupted:
+            sgd.step(write_timeline=timeline)
+            print(f"[{label}] timeline of one more step written to {timeline}", flush=True)
     return common.make_record(
         label, cfg, times, interrupted, strategy=strategy, gpu=gpu, grad_shard_bytes=grad_shard_bytes,
         setup_s=setup_s, engine_step_times_s=[s["step_time_s"] for s in stats],
@@ -64,13 +70,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--grad-shard-bytes", type=int, default=10_000_000)
     parser.add_argument("--object-store-memory", type=int, default=None,
                         help="bytes, when this script starts Ray itself")
+    parser.add_argument("--timeline", default=None,
+                        help="write a Chrome trace of one extra step here (open in Perfetto or chrome://tracing)")
     parser.add_argument("--out", default=None,
                         help="JSON record path (default benchmarks/results/dsgd-<strategy>.json)")
     args = parser.parse_args(argv)
     cfg = common.bench_config_from_args(args)
     if not ray.is_initialized():
         ray.init(object_store_memory=args.object_store_memory)
-    record = run_dsgd(cfg, args.strategy, gpu=args.gpu, grad_shard_bytes=args.grad_shard_bytes)
+    record = run_dsgd(cfg, args.strategy, gpu=args.gpu, grad_shard_bytes=args.grad_shard_bytes,
+                      timeline=args.timeline)
     common.print_summary(record)
     out = common.write_json(record, args.out or common.RESULTS_DIR / f"{record['system']}.json")
     print(f"record written to {out}")

@@ -10,7 +10,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dsgd import checkpoint
+from dsgd import checkpoint, timeline
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.ps_actor import ParameterServer, StepAborted
@@ -152,6 +152,7 @@ class DistributedSGD:
         self._step_id = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []
         self._closed = False
+        self._trace: timeline.Recorder | None = None
         self._scalars = None
         if logdir is not None:
             from dsgd.tensorboard import ScalarLogger
@@ -301,7 +302,7 @@ class DistributedSGD:
 
     # ---- stepping ---------------------------------------------------------
 
-    def step(self, fetch_stats: bool = False) -> dict[str, float] | None:
+    def step(self, fetch_stats: bool = False, write_timeline: str | None = None) -> dict[str, float] | None:
         """One synchronous step on every replica.
 
         With ``fetch_stats=True`` waits for the step and returns ``loss`` and
@@ -310,8 +311,16 @@ class DistributedSGD:
         it waits only for the previous step, so at most one step is in
         flight and no barrier is added beyond the strategy's own. A failed
         step's error shows at the next call.
+
+        ``write_timeline=path`` runs the step alone (after the previous one)
+        and writes a Chrome trace of it to ``path``: the driver, every worker
+        (its Python phases and every TensorFlow op, with the shards' sends and
+        receives) and every parameter server (each worker's shard added, the
+        mean put, the pulls), on one clock, a track group per actor.
         """
         self._check_open()
+        if write_timeline is not None:
+            return self._traced_step(fetch_stats, write_timeline)
         start = time.perf_counter()
         step_id = self._step_id
         self._step_id += 1
@@ -319,8 +328,10 @@ class DistributedSGD:
             self._drain()
             per_worker = self._recovering(lambda: self._step_simple(step_id, fetch_stats), fetch_stats)
         else:
-            self._in_flight.append((step_id, self._submit(step_id, fetch_stats)))
-            per_worker = self._drain(keep_last=not fetch_stats, fetch_stats=fetch_stats)
+            with timeline.maybe_span(self._trace, "submit"):
+                self._in_flight.append((step_id, self._submit(step_id, fetch_stats)))
+            with timeline.maybe_span(self._trace, "wait for the workers"):
+                per_worker = self._drain(keep_last=not fetch_stats, fetch_stats=fetch_stats)
         if not fetch_stats:
             return None
         if not per_worker:
@@ -332,6 +343,23 @@ class DistributedSGD:
             self._scalars.log(step_id, stats)
         stats["step"] = step_id
         return stats
+
+    def _traced_step(self, fetch_stats: bool, path: str) -> dict[str, float] | None:
+        self._drain()
+        step_id = self._step_id
+        self._call([w.start_trace.remote() for w in self.workers], "the workers to start tracing")
+        self._trace = timeline.Recorder()
+        try:
+            with self._trace.span(f"step {step_id}"):
+                stats = self.step(fetch_stats=True)
+        finally:
+            driver, self._trace = self._trace, None
+            workers = self._call([w.collect_trace.remote() for w in self.workers], "the workers' traces")
+        servers = self._call([ps.trace.remote(step_id) for ps in self.ps_actors], "the parameter servers' traces")
+        timeline.write(path, [("driver", driver.events)]
+                       + [(f"worker {i}", events) for i, events in enumerate(workers)]
+                       + [(f"parameter server {j}", events) for j, events in enumerate(servers)])
+        return stats if fetch_stats else None
 
     def _submit(self, step_id: int, fetch_stats: bool) -> list:
         if self.num_workers == 1:
@@ -378,17 +406,20 @@ class DistributedSGD:
 
     def _step_simple(self, step_id: int, fetch_stats: bool) -> list[dict]:
         """Gather every worker's averaged gradients, average on the driver, apply."""
-        results = self._call([w.compute_gradients.remote(fetch_stats) for w in self.workers],
-                             f"the workers' gradients of step {step_id}")
-        means = [np.copy(g) for g in results[0][0]]
-        for grads, _ in results[1:]:
-            for total, g in zip(means, grads):
-                np.add(total, g, out=total)
-        for total in means:
-            np.divide(total, self.num_workers, out=total)
-        means_ref = ray.put(means)
-        applied = self._call([w.apply_gradients.remote(means_ref) for w in self.workers],
-                             f"the workers to apply step {step_id}")
+        with timeline.maybe_span(self._trace, "gather gradients"):
+            results = self._call([w.compute_gradients.remote(fetch_stats) for w in self.workers],
+                                 f"the workers' gradients of step {step_id}")
+        with timeline.maybe_span(self._trace, "average"):
+            means = [np.copy(g) for g in results[0][0]]
+            for grads, _ in results[1:]:
+                for total, g in zip(means, grads):
+                    np.add(total, g, out=total)
+            for total in means:
+                np.divide(total, self.num_workers, out=total)
+            means_ref = ray.put(means)
+        with timeline.maybe_span(self._trace, "apply on the workers"):
+            applied = self._call([w.apply_gradients.remote(means_ref) for w in self.workers],
+                                 f"the workers to apply step {step_id}")
         self._warn_skipped(applied)
         return [stats for _, stats in results]
 

@@ -19,6 +19,8 @@ import os
 import numpy as np
 import ray
 
+from dsgd import timeline
+
 
 class StepAborted(RuntimeError):
     """The driver aborted the step this call belonged to (another actor failed)."""
@@ -38,6 +40,17 @@ class ParameterServer:
         self.results: dict[int, ray.ObjectRef] = {}
         self.events: dict[int, asyncio.Event] = {}
         self.aborted = False
+        self.traces: dict[int, timeline.Recorder] = {}  # the last two steps' events
+
+    def _recorder(self, step_id: int) -> timeline.Recorder:
+        if step_id not in self.traces:
+            self.traces = {k: v for k, v in self.traces.items() if k >= step_id - 1}
+            self.traces[step_id] = timeline.Recorder()
+        return self.traces[step_id]
+
+    def trace(self, step_id: int) -> list[timeline.Event]:
+        """The events of ``step_id`` (kept for the last two steps)."""
+        return self.traces[step_id].events if step_id in self.traces else []
 
     def _event(self, step_id: int) -> asyncio.Event:
         return self.events.setdefault(step_id, asyncio.Event())
@@ -58,16 +71,19 @@ class ParameterServer:
         if worker_index in self.waiting or worker_index < self.next_worker:
             raise ValueError(f"worker {worker_index} pushed shard {self.shard_index} of step {step_id} twice")
         self.waiting[worker_index] = shard
+        recorder = self._recorder(step_id)
         while self.next_worker in self.waiting:
             part = self.waiting.pop(self.next_worker)
-            if self.next_worker == 0:
-                np.copyto(self.accumulator, part)
-            else:
-                np.add(self.accumulator, part, out=self.accumulator)
+            with recorder.span(f"add worker {self.next_worker}'s shard", "sum"):
+                if self.next_worker == 0:
+                    np.copyto(self.accumulator, part)
+                else:
+                    np.add(self.accumulator, part, out=self.accumulator)
             self.next_worker += 1
         if self.next_worker == self.num_workers:
-            np.divide(self.accumulator, self.num_workers, out=self.accumulator)
-            self.results = {step_id: ray.put(self.accumulator)}
+            with recorder.span("mean, put in object store", "sum"):
+                np.divide(self.accumulator, self.num_workers, out=self.accumulator)
+                self.results = {step_id: ray.put(self.accumulator)}
             self._event(step_id).set()
             self.events = {k: v for k, v in self.events.items() if k > step_id}
             self.step_id = step_id + 1
@@ -76,9 +92,11 @@ class ParameterServer:
     async def pull(self, step_id: int) -> list:
         """The mean shard of ``step_id``, as ``[ObjectRef]`` so Ray does not copy it."""
         self._check_not_aborted(step_id)
+        start = timeline.now_us()
         if step_id not in self.results:
             await self._event(step_id).wait()
         self._check_not_aborted(step_id)
+        self._recorder(step_id).add("pull (waits for the sum)", start, timeline.now_us(), "pulls")
         return [self.results[step_id]]
 
     def _check_not_aborted(self, step_id: int) -> None:

@@ -29,6 +29,7 @@ import ray
 import tensorflow as tf
 
 from dsgd import shards as shard_layout
+from dsgd import timeline
 from dsgd.errors import DSGDError, DSGDTimeoutError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
 from dsgd.model import Model
 
@@ -115,6 +116,7 @@ class SGDWorker:
         self.ps_actors: list[Any] = []
         self.applied_steps = 0
         self._callback_error: BaseException | None = None
+        self._trace: timeline.Recorder | None = None
 
     # ---- set-up -----------------------------------------------------------
 
@@ -321,7 +323,8 @@ class SGDWorker:
 
     def _push_shard(self, shard: shard_layout.Shard, ref, step: np.ndarray) -> None:
         try:
-            self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
+            with timeline.maybe_span(self._trace, f"send shard {shard.index}", "exchange"):
+                self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
         except BaseException as e:
             self._callback_error = e
             raise
@@ -329,8 +332,10 @@ class SGDWorker:
     def _pull_shard(self, shard: shard_layout.Shard, step: np.ndarray) -> np.ndarray:
         try:
             ps = self.ps_actors[shard.index]
-            [mean_ref] = self._wait(ps.pull.remote(int(step)), f"parameter server {shard.index}'s sum of step {step}")
-            return self._wait(mean_ref, f"the averaged shard {shard.index} of step {step}")
+            with timeline.maybe_span(self._trace, f"receive shard {shard.index}", "exchange"):
+                [mean_ref] = self._wait(ps.pull.remote(int(step)),
+                                        f"parameter server {shard.index}'s sum of step {step}")
+                return self._wait(mean_ref, f"the averaged shard {shard.index} of step {step}")
         except BaseException as e:
             self._callback_error = e
             raise
@@ -369,7 +374,31 @@ class SGDWorker:
 
     # ---- stepping ---------------------------------------------------------
 
+    def _run(self, fetches, feed_dict: dict, phase: str):
+        """session.run; while tracing, with TensorFlow's per-op step stats."""
+        if self._trace is None:
+            return self.sess.run(fetches, feed_dict=feed_dict)
+        metadata = tf.compat.v1.RunMetadata()
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        try:
+            with self._trace.span(phase):
+                return self.sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
+        finally:
+            self._trace.events += timeline.from_step_stats(metadata.step_stats)
+
+    def start_trace(self) -> None:
+        """Record a timeline of the calls until ``collect_trace``."""
+        self._trace = timeline.Recorder()
+
+    def collect_trace(self) -> list[timeline.Event]:
+        events, self._trace = (self._trace.events if self._trace else []), None
+        return events
+
     def _feed_dict(self) -> dict:
+        with timeline.maybe_span(self._trace, "get_feed_dict"):
+            return self._collect_feeds()
+
+    def _collect_feeds(self) -> dict:
         feed: dict = {}
         for r in self.replicas:
             where = f"worker {self.worker_index}, device {r.index}"
@@ -408,7 +437,7 @@ class SGDWorker:
         stats.update({k: float(np.mean(v)) for k, v in out["metrics"].items()})
         return stats
 
-    def _apply(self, fetches: dict, feed_dict: dict) -> dict:
+    def _apply(self, fetches: dict, feed_dict: dict, phase: str = "apply") -> dict:
         """Run an apply; a non-finite mean raises or skips the step on every replica.
 
         Every worker applies the same global mean, so every worker makes the
@@ -416,7 +445,7 @@ class SGDWorker:
         and, under "skipped", the variable that made the step skip.
         """
         try:
-            out = self.sess.run(fetches, feed_dict=feed_dict)
+            out = self._run(fetches, feed_dict, phase)
         except tf.errors.InvalidArgumentError as e:
             found = _NONFINITE.search(e.message)
             if not found:
@@ -439,12 +468,13 @@ class SGDWorker:
     def step_local(self, fetch_stats: bool) -> dict:
         """One worker alone: average over local replicas and apply, one run."""
         return self._result(self._apply(
-            {"apply": self._apply_local, "stats": self._stats_fetches(fetch_stats)}, self._feed_dict()))
+            {"apply": self._apply_local, "stats": self._stats_fetches(fetch_stats)}, self._feed_dict(),
+            "compute and apply"))
 
     def compute_gradients(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
         """The worker's averaged exchange tensors (for the "simple" strategy)."""
-        out = self.sess.run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
-                            feed_dict=self._feed_dict())
+        out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
+                        self._feed_dict(), "compute")
         return out["means"], self._reduce_stats(out["stats"])
 
     def apply_gradients(self, means: Sequence[np.ndarray]) -> dict:
@@ -455,14 +485,16 @@ class SGDWorker:
         """Compute, push shards to the parameter servers, pull means, apply."""
         if self.config.use_ops:
             return self._step_ps_ops(step_id, fetch_stats)
-        out = self.sess.run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
-                            feed_dict=self._feed_dict())
-        for shard, buf, ps in zip(self.layout, self._send_buffers, self.ps_actors):
-            shard_layout.pack(out["means"], shard, buf)
-            ps.push.remote(step_id, self.worker_index, buf)
-        pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
-        mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
-        shard_means = self._wait(mean_refs, f"the averaged shards of step {step_id}")
+        out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
+                        self._feed_dict(), "compute")
+        with timeline.maybe_span(self._trace, "pack and send"):
+            for shard, buf, ps in zip(self.layout, self._send_buffers, self.ps_actors):
+                shard_layout.pack(out["means"], shard, buf)
+                ps.push.remote(step_id, self.worker_index, buf)
+        with timeline.maybe_span(self._trace, "receive"):
+            pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
+            mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
+            shard_means = self._wait(mean_refs, f"the averaged shards of step {step_id}")
         applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
         return {**self._reduce_stats(out["stats"]), **applied}
 
@@ -474,7 +506,8 @@ class SGDWorker:
         feed[self._step_input] = step_id
         self._callback_error = None
         try:
-            out = self._apply({"apply": self._apply_received, "stats": self._stats_fetches(fetch_stats)}, feed)
+            out = self._apply({"apply": self._apply_received, "stats": self._stats_fetches(fetch_stats)}, feed,
+                              "compute, exchange and apply")
         except tf.errors.OpError:
             ops.discard_unclaimed()
             if self._callback_error is not None:

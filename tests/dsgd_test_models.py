@@ -49,6 +49,25 @@ def reset_data(model: TanhNet) -> None:
     model.step = 0
 
 
+def assert_replicas_identical(sgd, num_replicas: int) -> None:
+    """Every replica on every worker holds bit-identical weights."""
+    replicas = [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights()) for r in per_worker]
+    assert len(replicas) == num_replicas
+    for i, other in enumerate(replicas[1:], start=1):
+        assert other.keys() == replicas[0].keys()
+        for name in replicas[0]:
+            assert np.array_equal(other[name], replicas[0][name]), f"replica {i} differs in {name}"
+
+
+def set_start_weights(sgd, seed: int = 7) -> dict:
+    """Fixed random weights on every replica and data counters at step 0; returns the weights."""
+    rng = np.random.RandomState(seed)
+    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
+    sgd.set_weights(weights)
+    sgd.foreach_model(reset_data)
+    return weights
+
+
 def numpy_forward(weights: dict, x: np.ndarray, y: np.ndarray):
     h = np.tanh(x @ weights["layer/w"] + weights["layer/b"])
     pred = h @ weights["out/v"]

@@ -16,27 +16,17 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
 import dsgd
-from dsgd_test_models import TanhNet, reset_data
+from dsgd_test_models import TanhNet, set_start_weights
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STEPS = 3
 RESULT_PREFIX = "RESULT "
 SHARD_BYTES = 40  # 112 bytes of gradients -> 3 shards, 3 parameter servers
-
-
-def set_start(sgd: dsgd.DistributedSGD) -> dict[str, np.ndarray]:
-    """Fixed start weights on every replica and data counters at step 0; returns the weights."""
-    rng = np.random.RandomState(7)
-    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
-    sgd.set_weights(weights)
-    sgd.foreach_model(reset_data)
-    return weights
 
 
 def actor_node(actor) -> str:
@@ -47,7 +37,7 @@ def actor_node(actor) -> str:
 def run() -> dict:
     with dsgd.DistributedSGD(TanhNet, num_workers=2, devices_per_worker=1, strategy="ps",
                              grad_shard_bytes=SHARD_BYTES) as sgd:
-        start = set_start(sgd)
+        start = set_start_weights(sgd)
         for step in range(STEPS):
             sgd.step(fetch_stats=(step == STEPS - 1))
         replicas = [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights())

@@ -6,24 +6,15 @@ import numpy as np
 import pytest
 
 import dsgd
-from dsgd_test_models import BatchNormNet, TanhNet, batch, numpy_forward, numpy_step, reset_data
+from dsgd_test_models import BatchNormNet, TanhNet, batch, numpy_forward, numpy_step, set_start_weights
+from dsgd_test_models import assert_replicas_identical as assert_all_replicas_identical
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
 
 
-def replica_weights(sgd):
-    """Every replica's weights, flat, worker then device order."""
-    return [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights()) for r in per_worker]
-
-
 def assert_replicas_identical(sgd):
-    replicas = replica_weights(sgd)
-    assert len(replicas) == WORKERS * DEVICES
-    for i, other in enumerate(replicas[1:], start=1):
-        assert other.keys() == replicas[0].keys()
-        for name in replicas[0]:
-            assert np.array_equal(other[name], replicas[0][name]), f"replica {i} differs in {name}"
+    assert_all_replicas_identical(sgd, WORKERS * DEVICES)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +52,7 @@ def test_foreach_model_is_flat_in_worker_then_device_order(engines):
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strategy):
     sgd = engines[strategy]
-    start = {k: v.astype(np.float64) for k, v in
-             numpy_step_start(sgd).items()}
+    start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
     expected = start
     for step in range(3):
         sgd.step(fetch_stats=(step % 2 == 0))
@@ -73,18 +63,9 @@ def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strate
             np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def numpy_step_start(sgd):
-    """Fixed starting weights on every replica and data counters at step 0."""
-    rng = np.random.RandomState(7)
-    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
-    sgd.set_weights(weights)
-    sgd.foreach_model(reset_data)
-    return weights
-
-
 def test_strategies_give_the_same_weights(engines):
     for sgd in engines.values():
-        numpy_step_start(sgd)
+        set_start_weights(sgd)
         for _ in range(4):
             sgd.step()
     simple = engines["simple"].get_weights()
@@ -102,7 +83,7 @@ def test_ps_exchange_runs_through_the_ops_only_when_asked(engines):
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_fetch_stats_reports_means_over_replicas(engines, strategy):
     sgd = engines[strategy]
-    weights = numpy_step_start(sgd)
+    weights = set_start_weights(sgd)
     per_replica = [numpy_forward(weights, *batch(w, d, 0)) for w, d in REPLICAS]
     stats = sgd.step(fetch_stats=True)
     assert stats["loss"] == pytest.approx(np.mean([r[2] for r in per_replica]), rel=1e-5)

@@ -13,17 +13,9 @@ import tensorflow as tf
 import dsgd
 from dsgd import checkpoint
 from dsgd_test_models import (AdamNet, FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
-                              numpy_momentum_run, reset_data)
-from test_engine import assert_replicas_identical
+                              assert_replicas_identical, numpy_momentum_run, set_start_weights)
 
 REPLICAS_2x1 = [(0, 0), (1, 0)]
-
-
-def start_weights(sgd):
-    rng = np.random.RandomState(3)
-    weights = {k: rng.randn(*v.shape).astype(np.float32) for k, v in sgd.get_weights().items()}
-    sgd.set_weights(weights)
-    return weights
 
 
 def kill(actor):
@@ -52,7 +44,7 @@ def warnings_seen(caplog):
 
 def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen):
     with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
-        start = start_weights(sgd)
+        start = set_start_weights(sgd)
         sgd.step()
         kill(sgd.ps_actors[0])  # between steps
         sgd.step(fetch_stats=True)
@@ -63,20 +55,13 @@ def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_
         got = sgd.get_weights()
         assert "parameter server 1 is dead" in warnings_seen.text
         assert sgd.failures == 2
-        assert_replicas_identical_2x1(sgd)
+        assert_replicas_identical(sgd, 2)
         assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 3))
-
-
-def assert_replicas_identical_2x1(sgd):
-    replicas = [r for ws in sgd.foreach_worker(lambda w: w.get_replica_weights()) for r in ws]
-    for other in replicas[1:]:
-        for name in replicas[0]:
-            assert np.array_equal(other[name], replicas[0][name]), name
 
 
 def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session, warnings_seen):
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
-        start = start_weights(sgd)
+        start = set_start_weights(sgd)
         sgd.step()
         sgd.step()
         old_pid = ray.get(sgd.workers[1].pid.remote())
@@ -86,7 +71,7 @@ def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session,
         assert "worker 1 is dead" in warnings_seen.text
         assert ray.get(sgd.workers[1].pid.remote()) != old_pid
         sgd.step()
-        assert_replicas_identical_2x1(sgd)
+        assert_replicas_identical(sgd, 2)
         # Momentum slots came along: the result equals an uninterrupted run.
         assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 4))
 
@@ -116,7 +101,7 @@ def test_checkpoint_round_trip_continues_exactly(ray_session, tmp_path):
         for _ in range(2):
             sgd.step()
         restored = sgd.get_weights()
-        assert_replicas_identical_2x1(sgd)
+        assert_replicas_identical(sgd, 2)
     for name in uninterrupted:
         assert np.array_equal(restored[name], uninterrupted[name]), name
 
@@ -159,7 +144,7 @@ def test_non_finite_gradient_is_raised_or_skipped_on_every_replica(ray_session, 
         else:
             sgd.step(fetch_stats=True)
             assert "skipped a step" in warnings_seen.text
-        assert_replicas_identical(sgd)
+        assert_replicas_identical(sgd, 4)
         after = sgd.get_weights()
         assert all(np.array_equal(before[k], after[k]) for k in before)
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on

@@ -1,0 +1,65 @@
+"""step(write_timeline=...) writes a Chrome trace of the driver, workers and parameter servers."""
+
+import json
+from collections import defaultdict
+
+import pytest
+
+import dsgd
+from dsgd_test_models import TanhNet
+
+
+def load_trace(path):
+    events = json.loads(path.read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    spans = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            spans[processes[e["pid"]]].append(e)
+    return processes, spans
+
+
+def names(events):
+    return {e["name"] for e in events}
+
+
+@pytest.mark.parametrize("use_ops", [True, False])
+def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use_ops):
+    path = tmp_path / "step.json"
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=40, use_ops=use_ops) as sgd:
+        sgd.step()
+        stats = sgd.step(fetch_stats=True, write_timeline=str(path))
+        assert stats["loss"] > 0 and stats["step"] == 1
+        num_ps = len(sgd.ps_actors)
+    processes, spans = load_trace(path)
+    assert num_ps == 3
+    assert sorted(processes.values()) == sorted(
+        ["driver", "worker 0", "worker 1"] + [f"parameter server {j}" for j in range(num_ps)])
+    assert {"step 1", "submit", "wait for the workers"} <= names(spans["driver"])
+    for w in range(2):
+        worker = names(spans[f"worker {w}"])
+        assert "get_feed_dict" in worker
+        if use_ops:
+            assert {f"send shard {j}" for j in range(num_ps)} <= worker
+            assert {f"receive shard {j}" for j in range(num_ps)} <= worker
+            assert any(n.startswith("dsgd_send_") for n in worker)  # TensorFlow's own op events
+        else:
+            assert {"compute", "pack and send", "receive", "apply"} <= worker
+        assert any("ApplyGradientDescent" in e["args"].get("op", "") for e in spans[f"worker {w}"])
+    for j in range(num_ps):
+        assert names(spans[f"parameter server {j}"]) == {
+            "add worker 0's shard", "add worker 1's shard", "mean, put in object store", "pull (waits for the sum)"}
+    [step] = [e for e in spans["driver"] if e["name"] == "step 1"]
+    for process, events in spans.items():
+        for e in events:  # one clock: everything happens inside the driver's step (1 ms slack)
+            assert step["ts"] - 1000 <= e["ts"] <= e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1000, (process, e)
+
+
+def test_simple_step_trace_shows_the_driver_average(ray_session, tmp_path):
+    path = tmp_path / "simple.json"
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
+        assert sgd.step(write_timeline=str(path)) is None
+    processes, spans = load_trace(path)
+    assert sorted(processes.values()) == ["driver", "worker 0", "worker 1"]
+    assert {"gather gradients", "average", "apply on the workers"} <= names(spans["driver"])
+    assert {"compute", "apply"} <= names(spans["worker 1"])
