@@ -81,19 +81,40 @@ def time_bound(num_elements: int, workers: int, reps: int) -> list[float]:
     return times
 
 
-def object_store_used_mib() -> float:
-    """Object-store memory in use on the cluster (Ray's memory summary)."""
+def object_store_usage() -> tuple[float, int]:
+    """(MiB, objects) in the cluster's object store, from Ray's memory summary."""
     from ray._private.internal_api import memory_summary
 
     text = memory_summary(stats_only=True)
-    found = re.search(r"Plasma memory usage (\d+) MiB", text)
-    return float(found.group(1)) if found else float("nan")
+    found = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", text)
+    return (float(found.group(1)), int(found.group(2))) if found else (float("nan"), -1)
 
 
-def resident_mib() -> float:
-    """This process's resident memory (Linux /proc)."""
+def private_mib() -> float:
+    """This process's private resident memory: resident minus shared pages (Linux /proc).
+
+    Plain RSS also counts the object store's shared pages a worker has
+    touched, which grows as objects land in new parts of the store.
+    """
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        resident, shared = (int(x) for x in f.read().split()[1:3])
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def soak(sgd: dsgd.DistributedSGD, steps: int, every: int = 100) -> list[dict[str, Any]]:
+    """Memory samples every ``every`` steps of a long run: it must stay flat."""
+    samples = []
+    for i in range(steps + 1):
+        if i % every == 0:
+            sgd.get_weights()  # no step in flight while sampling
+            mib, objects = object_store_usage()
+            samples.append({"step": i, "object_store_mib": mib, "objects": objects,
+                            "worker_private_mib": sgd.foreach_worker(lambda w: private_mib())})
+            print(f"  soak step {i}: object store {mib:.0f} MiB in {objects} objects, worker private memory "
+                  f"{', '.join(f'{m:.0f}' for m in samples[-1]['worker_private_mib'])} MiB", flush=True)
+        if i < steps:
+            sgd.step()
+    return samples
 
 
 def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps: int, warmup: int,
@@ -114,17 +135,7 @@ def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps
         record = {"system": label, "step_s": times, "mean_s": statistics.mean(times),
                   "median_s": statistics.median(times), "num_ps": len(sgd.ps_actors)}
         if soak_steps:
-            before = object_store_used_mib()
-            rss_before = sgd.foreach_worker(lambda w: resident_mib())
-            for i in range(soak_steps):
-                sgd.step()
-                if (i + 1) % 50 == 0:
-                    print(f"  soak: {i + 1}/{soak_steps} steps", end="\r", flush=True)
-            sgd.get_weights()
-            print()
-            record["object_store_mib"] = {"before": before, "after": object_store_used_mib(),
-                                          "steps": soak_steps}
-            record["worker_rss_mib"] = {"before": rss_before, "after": sgd.foreach_worker(lambda w: resident_mib())}
+            record["soak"] = soak(sgd, soak_steps)
     return record
 
 
@@ -165,12 +176,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r["ratio_to_bound"] = r["median_s"] / floor
         print(f"{r['system']:<10} {r['median_s'] * 1000:10.1f} {r['mean_s'] * 1000:9.1f} {r['ratio_to_bound']:8.2f}")
     for r in records:
-        if "object_store_mib" in r:
-            m = r["object_store_mib"]
-            rss = r["worker_rss_mib"]
-            print(f"object store in use: {m['before']:.0f} MiB before, {m['after']:.0f} MiB after "
-                  f"{m['steps']} more {r['system']} steps; worker RSS "
-                  f"{', '.join(f'{a:.0f}->{b:.0f}' for a, b in zip(rss['before'], rss['after']))} MiB")
+        if "soak" in r:
+            first, last = r["soak"][0], r["soak"][-1]
+            print(f"{r['system']} over {last['step']} steps: object store {first['object_store_mib']:.0f} -> "
+                  f"{last['object_store_mib']:.0f} MiB ({first['objects']} -> {last['objects']} objects); worker "
+                  f"private memory {first['worker_private_mib']} -> {last['worker_private_mib']} MiB")
     result = {"model": args.model, "elements": num_elements, "workers": args.num_workers,
               "grad_shard_bytes": args.grad_shard_bytes, "cpus": os.cpu_count(), "records": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

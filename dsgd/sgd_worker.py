@@ -16,10 +16,12 @@ variable, so that moving statistics stay identical on every replica too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import re
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -117,6 +119,7 @@ class SGDWorker:
         self.applied_steps = 0
         self._callback_error: BaseException | None = None
         self._trace: timeline.Recorder | None = None
+        self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
 
     # ---- set-up -----------------------------------------------------------
 
@@ -374,14 +377,26 @@ class SGDWorker:
 
     # ---- stepping ---------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time a phase of the step for its stats (``<name>_s``) and, if tracing, the timeline."""
+        start = time.perf_counter()
+        try:
+            with timeline.maybe_span(self._trace, name):
+                yield
+        finally:
+            key = name.replace(",", "").replace(" ", "_") + "_s"
+            self._phase_s[key] = self._phase_s.get(key, 0.0) + time.perf_counter() - start
+
     def _run(self, fetches, feed_dict: dict, phase: str):
         """session.run; while tracing, with TensorFlow's per-op step stats."""
         if self._trace is None:
-            return self.sess.run(fetches, feed_dict=feed_dict)
+            with self._phase(phase):
+                return self.sess.run(fetches, feed_dict=feed_dict)
         metadata = tf.compat.v1.RunMetadata()
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
         try:
-            with self._trace.span(phase):
+            with self._phase(phase):
                 return self.sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
         finally:
             self._trace.events += timeline.from_step_stats(metadata.step_stats)
@@ -395,7 +410,8 @@ class SGDWorker:
         return events
 
     def _feed_dict(self) -> dict:
-        with timeline.maybe_span(self._trace, "get_feed_dict"):
+        self._phase_s = {}  # every step starts by asking for its batches
+        with self._phase("get_feed_dict"):
             return self._collect_feeds()
 
     def _collect_feeds(self) -> dict:
@@ -461,6 +477,8 @@ class SGDWorker:
 
     def _result(self, out: dict) -> dict:
         result = self._reduce_stats(out.get("stats", {}))
+        if "stats" in out and out["stats"]:
+            result.update(self._phase_s)
         if "skipped" in out:
             result["skipped"] = out["skipped"]
         return result
@@ -475,7 +493,8 @@ class SGDWorker:
         """The worker's averaged exchange tensors (for the "simple" strategy)."""
         out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                         self._feed_dict(), "compute")
-        return out["means"], self._reduce_stats(out["stats"])
+        stats = self._reduce_stats(out["stats"])
+        return out["means"], {**stats, **self._phase_s} if stats else stats
 
     def apply_gradients(self, means: Sequence[np.ndarray]) -> dict:
         """Apply the global mean of the exchange tensors on every replica."""
@@ -487,16 +506,17 @@ class SGDWorker:
             return self._step_ps_ops(step_id, fetch_stats)
         out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                         self._feed_dict(), "compute")
-        with timeline.maybe_span(self._trace, "pack and send"):
+        with self._phase("pack and send"):
             for shard, buf, ps in zip(self.layout, self._send_buffers, self.ps_actors):
                 shard_layout.pack(out["means"], shard, buf)
                 ps.push.remote(step_id, self.worker_index, buf)
-        with timeline.maybe_span(self._trace, "receive"):
+        with self._phase("receive"):
             pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
             mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
             shard_means = self._wait(mean_refs, f"the averaged shards of step {step_id}")
         applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
-        return {**self._reduce_stats(out["stats"]), **applied}
+        stats = self._reduce_stats(out["stats"])
+        return {**stats, **(self._phase_s if stats else {}), **applied}
 
     def _step_ps_ops(self, step_id: int, fetch_stats: bool) -> dict:
         """One session run: compute, send, receive and apply all happen in the graph."""
