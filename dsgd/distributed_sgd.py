@@ -92,6 +92,9 @@ class DistributedSGD:
         startup_timeout_s: bound on building the workers' graphs.
         logdir: if set, every ``step(fetch_stats=True)`` writes its stats
             there as TensorBoard scalars (see dsgd.tensorboard).
+        batch_size: samples in one replica's batch, if you want
+            ``samples_per_s`` in the stats (dsgd cannot know it: a model may
+            make its batches inside the graph).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class DistributedSGD:
         timeout_s: float = 600.0,
         startup_timeout_s: float = 300.0,
         logdir: str | None = None,
+        batch_size: int | None = None,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
@@ -130,6 +134,8 @@ class DistributedSGD:
         cpus_per_worker = _check_int("cpus_per_worker", cpus_per_worker, 1)
         max_failures = _check_int("max_failures", max_failures, 0)
         timeout_s = _check_seconds("timeout_s", timeout_s)
+        if batch_size is not None:
+            batch_size = _check_int("batch_size", batch_size, 1)
         startup_timeout_s = _check_seconds("startup_timeout_s", startup_timeout_s)
         if use_ops not in (None, True, False):
             raise ValueError(f"use_ops must be None, True or False, got {use_ops!r}")
@@ -152,6 +158,7 @@ class DistributedSGD:
         self._step_id = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []
         self._closed = False
+        self._samples_per_step = batch_size * num_workers * devices_per_worker if batch_size else None
         self._trace: timeline.Recorder | None = None
         self._scalars = None
         if logdir is not None:
@@ -339,6 +346,8 @@ class DistributedSGD:
             per_worker = [{"loss": float("nan")}]
         stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
         stats["step_time_s"] = time.perf_counter() - start
+        if self._samples_per_step:
+            stats["samples_per_s"] = self._samples_per_step / stats["step_time_s"]
         if self._scalars is not None:
             self._scalars.log(step_id, stats)
         stats["step"] = step_id

@@ -50,11 +50,16 @@ def test_engine_logdir_writes_each_fetched_steps_stats(ray_session, tmp_path):
     import dsgd
     from dsgd_test_models import TanhNet
 
-    with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=2, logdir=str(tmp_path)) as sgd:
+    from dsgd_test_models import BATCH
+
+    with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=2, logdir=str(tmp_path),
+                             batch_size=BATCH) as sgd:
         sgd.step(fetch_stats=True)
         sgd.step()  # no stats fetched: nothing logged
         last = sgd.step(fetch_stats=True)
+    assert last["samples_per_s"] == pytest.approx(2 * BATCH / last["step_time_s"])
     scalars = read_scalars(tmp_path)
-    assert sorted(scalars) == ["abs_error", "loss", "step_time_s"]
+    assert sorted(scalars) == ["abs_error", "compute_and_apply_s", "get_feed_dict_s", "loss",
+                               "samples_per_s", "step_time_s"]
     assert [step for step, _, _ in scalars["loss"]] == [0, 2]
     assert scalars["loss"][-1][1] == pytest.approx(last["loss"])
