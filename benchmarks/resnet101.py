@@ -37,19 +37,20 @@ class ResNetModel(dsgd.Model):
 
 
 def run_dsgd(cfg: common.BenchConfig, strategy: str, gpu: bool = False,
-             grad_shard_bytes: int = 10_000_000, timeline: str | None = None) -> dict[str, Any]:
+             grad_shard_bytes: int = 10_000_000, timeline: str | None = None,
+             use_ops: bool | None = None) -> dict[str, Any]:
     """Train `cfg.model` with dsgd on the running Ray instance; returns the run's record.
 
     With `timeline`, one more step after the measured ones writes its Chrome trace there.
     """
     model_creator = functools.partial(ResNetModel, model=cfg.model, batch_size=cfg.batch_size,
                                       image_size=cfg.image_size)
-    label = f"dsgd-{strategy}"
+    label = f"dsgd-{strategy}" + ("-no-ops" if use_ops is False and strategy == "ps" else "")
     print(f"[{label}] building {cfg.num_workers} worker(s) x {cfg.devices_per_worker} device(s)", flush=True)
     start = time.perf_counter()
     with dsgd.DistributedSGD(model_creator, num_workers=cfg.num_workers,
                              devices_per_worker=cfg.devices_per_worker, gpu=gpu, strategy=strategy,
-                             grad_shard_bytes=grad_shard_bytes,
+                             grad_shard_bytes=grad_shard_bytes, use_ops=use_ops,
                              cpus_per_worker=cfg.cpus_per_worker) as sgd:
         setup_s = time.perf_counter() - start
         times, stats, interrupted = common.time_steps(lambda: sgd.step(fetch_stats=True), cfg, label)
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--grad-shard-bytes", type=int, default=10_000_000)
     parser.add_argument("--object-store-memory", type=int, default=None,
                         help="bytes, when this script starts Ray itself")
+    parser.add_argument("--no-ops", action="store_true",
+                        help='"ps" exchanges shards through Python instead of the C++ ops')
     parser.add_argument("--timeline", default=None,
                         help="write a Chrome trace of one extra step here (open in Perfetto or chrome://tracing)")
     parser.add_argument("--out", default=None,
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(object_store_memory=args.object_store_memory)
     record = run_dsgd(cfg, args.strategy, gpu=args.gpu, grad_shard_bytes=args.grad_shard_bytes,
-                      timeline=args.timeline)
+                      timeline=args.timeline, use_ops=False if args.no_ops else None)
     common.print_summary(record)
     out = common.write_json(record, args.out or common.RESULTS_DIR / f"{record['system']}.json")
     print(f"record written to {out}")
