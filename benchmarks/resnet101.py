@@ -51,6 +51,9 @@ def run_dsgd(cfg: common.BenchConfig, strategy: str, gpu: bool = False,
     with dsgd.DistributedSGD(model_creator, num_workers=cfg.num_workers,
                              devices_per_worker=cfg.devices_per_worker, gpu=gpu, strategy=strategy,
                              grad_shard_bytes=grad_shard_bytes, use_ops=use_ops,
+                             # Like its peers, a throughput run does not check for NaN (random
+                             # labels at tiny batches can diverge; that is not what is measured).
+                             nan_policy="ignore",
                              cpus_per_worker=cfg.cpus_per_worker) as sgd:
         setup_s = time.perf_counter() - start
         times, stats, interrupted = common.time_steps(lambda: sgd.step(fetch_stats=True), cfg, label)

@@ -240,14 +240,16 @@ class DistributedSGD:
         self.signature = signatures[0]
 
     def _new_parameter_server(self, shard):
-        """A PS actor pinned (softly) to a node, round robin over the live nodes.
+        """A PS actor pinned to a node, round robin over the live nodes.
 
-        Ray's SPREAD strategy does not spread actors that reserve no CPU, so
-        placement is explicit: shard j goes to node j mod N, which spreads
-        the summing and the shards' object-store traffic over the cluster.
+        Ray's SPREAD strategy does not spread actors that reserve no CPU, and
+        soft affinity spills them to other nodes under load, so placement is
+        explicit and hard: shard j goes to live node j mod N, which spreads
+        the summing and the shards' object-store traffic over the cluster. A
+        replacement is placed among the nodes alive at that time.
         """
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        placement = NodeAffinitySchedulingStrategy(node_id=nodes[shard.index % len(nodes)], soft=True)
+        placement = NodeAffinitySchedulingStrategy(node_id=nodes[shard.index % len(nodes)], soft=False)
         return ray.remote(ParameterServer).options(num_cpus=0, scheduling_strategy=placement).remote(
             shard.index, self.num_workers, shard.size, shard.dtype.str)
 
