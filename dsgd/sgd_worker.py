@@ -120,6 +120,8 @@ class SGDWorker:
         self._callback_error: BaseException | None = None
         self._trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+        self.exchange_specs: list[shard_layout.VarSpec] = []  # set by setup, in exchange order
+        self._send_buffers: list[np.ndarray] = []  # the Python "ps" exchange packs into these
 
     # ---- set-up -----------------------------------------------------------
 
@@ -132,6 +134,7 @@ class SGDWorker:
                 self.replicas.append(self._build_replica(model_creator, i))
             self.models = [r.model for r in self.replicas]
             self._check_replicas_agree()
+            self.exchange_specs = list(self._specs(self.replicas[0])[1])
             self.layout = shard_layout.plan_shards(self.exchange_specs, cfg.grad_shard_bytes)
             local_means = self._build_local_allreduce()
             self._build_apply(local_means)
@@ -141,7 +144,6 @@ class SGDWorker:
             init = tf.compat.v1.global_variables_initializer()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
         self.sess.run(init)
-        self._send_buffers = [np.zeros(s.size, dtype=s.dtype) for s in self.layout]
         return self.signature()
 
     def _session_config(self) -> tf.compat.v1.ConfigProto:
@@ -248,10 +250,6 @@ class SGDWorker:
         weights = tuple(sorted((_var_spec(n, v) for n, v in r.weights.items()), key=lambda s: s.name))
         exchange = tuple(_var_spec(strip_scope(v.name, r.index), v) for v in r.train_vars + r.state_vars)
         return weights, exchange
-
-    @property
-    def exchange_specs(self) -> list[shard_layout.VarSpec]:
-        return list(self._specs(self.replicas[0])[1])
 
     def signature(self) -> WorkerSignature:
         weights, exchange = self._specs(self.replicas[0])
@@ -371,6 +369,8 @@ class SGDWorker:
         if len(ps_actors) != len(self.layout):
             raise DSGDError(f"worker {self.worker_index} has {len(self.layout)} shards but got {len(ps_actors)} parameter servers")
         self.ps_actors = list(ps_actors)
+        if not self.config.use_ops and not self._send_buffers:
+            self._send_buffers = [np.zeros(s.size, dtype=s.dtype) for s in self.layout]
 
     def shard_layout(self) -> list[shard_layout.Shard]:
         return self.layout
@@ -390,16 +390,15 @@ class SGDWorker:
 
     def _run(self, fetches, feed_dict: dict, phase: str):
         """session.run; while tracing, with TensorFlow's per-op step stats."""
-        if self._trace is None:
-            with self._phase(phase):
-                return self.sess.run(fetches, feed_dict=feed_dict)
-        metadata = tf.compat.v1.RunMetadata()
-        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        trace = self._trace
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE) if trace else None
+        metadata = tf.compat.v1.RunMetadata() if trace else None
         try:
             with self._phase(phase):
                 return self.sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
         finally:
-            self._trace.events += timeline.from_step_stats(metadata.step_stats)
+            if trace:
+                trace.events += timeline.from_step_stats(metadata.step_stats)
 
     def start_trace(self) -> None:
         """Record a timeline of the calls until ``collect_trace``."""
