@@ -2,9 +2,14 @@
 
 A ResNet-101-sized gradient set (44.5 M float32, ResNet-101-like variable
 sizes) split into ~10 MB shards. Write side: (a) numpy pack + ray.put vs.
-(b) the in-graph DsgdPack + ray.put path (dsgd.ops.build_send). Read side:
-(c) ray.get + feed_dict + TF slicing vs. (d) the zero-copy
-DsgdObjectTensor + DsgdUnpack path (dsgd.ops.build_receive).
+(b) in-graph DsgdPack + ray.put of the packed shard (two copies) vs. (c) the
+engine's path, dsgd.ops.build_send: the shard's segments (views of large
+gradients, DsgdPack only for runs of small ones) put as one object, each byte
+copied once by one thread. Read side: (d) ray.get + feed_dict + TF slicing
+vs. (e) the zero-copy DsgdObjectTensor + DsgdUnpack path
+(dsgd.ops.build_receive). Prints wall time and the process's CPU time (all
+threads): on a machine whose cores are busy training, CPU time is what a
+copy really costs.
 
     python -m benchmarks.ops_microbench [--reps 10] [--shard-bytes 10000000]
 """
@@ -42,16 +47,17 @@ def resnet_like_specs() -> list[VarSpec]:
     return [VarSpec(f"v{i}", s, np.dtype(np.float32)) for i, s in enumerate(shapes)]
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up."""
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(median wall seconds, mean CPU seconds of this process) of ``fn()`` over ``reps`` runs."""
     fn()
-    times = []
+    times, cpu = [], 0.0
     for _ in range(reps):
         gc.collect()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpu += time.process_time() - start_cpu
+    return statistics.median(times), cpu / reps
 
 
 def main() -> None:
@@ -88,16 +94,23 @@ def main() -> None:
         tokens = [ops.build_send(grad_tensors, s, lambda s, ref: sent.append(ref)) for s in layout]
         packed = [ops.pack(grad_tensors, s) for s in layout]
         pack_only = [ops.data_address(p) for p in packed]  # runs the packs, copies nothing out
+
+        def put_packed(array):
+            sent.append(ray.put(array))
+            return np.int64(0)
+
+        pack_put = [tf.numpy_function(put_packed, [p], tf.int64) for p in packed]
     sess = tf.compat.v1.Session(graph=graph)
     sess.run([v.initializer for v in grad_vars])
 
     results["    DsgdPack alone (in graph)"] = timed(lambda: sess.run(pack_only), args.reps)
 
-    def graph_send():
-        sess.run(tokens)
+    def graph_run(fetches):
+        sess.run(fetches)
         sent.clear()
 
-    results["(b) dsgd.ops.build_send (DsgdPack + ray.put)"] = timed(graph_send, args.reps)
+    results["(b) DsgdPack + ray.put of the packed shard"] = timed(lambda: graph_run(pack_put), args.reps)
+    results["(c) dsgd.ops.build_send (segments, one copy)"] = timed(lambda: graph_run(tokens), args.reps)
 
     refs = [ray.put(pack(grads, s, np.empty(s.size, s.dtype))) for s in layout]
     with graph.as_default():
@@ -129,17 +142,20 @@ def main() -> None:
         sess.run(shards_only)
         ops.drain_released()
 
-    results["(c) ray.get + feed_dict + tf.slice"] = timed(get_and_feed, args.reps)
+    results["(d) ray.get + feed_dict + tf.slice"] = timed(get_and_feed, args.reps)
     results["    zero-copy shards only, no unpack"] = timed(receive_shards_only, args.reps)
-    results["(d) dsgd.ops.build_receive (zero-copy)"] = timed(zero_copy_receive, args.reps)
+    results["(e) dsgd.ops.build_receive (zero-copy)"] = timed(zero_copy_receive, args.reps)
     sess.close()
     ray.shutdown()
 
-    for name, seconds in results.items():
-        print(f"{name:48s} {seconds * 1e3:8.1f} ms  {nbytes / seconds / 1e9:6.2f} GB/s")
-    a, b = results["(a) numpy pack + ray.put"], results["(b) dsgd.ops.build_send (DsgdPack + ray.put)"]
-    c, d = results["(c) ray.get + feed_dict + tf.slice"], results["(d) dsgd.ops.build_receive (zero-copy)"]
-    print(f"write: (a)/(b) = {a / b:.2f}x   read: (c)/(d) = {c / d:.2f}x")
+    print(f"{'':48s} {'wall ms':>8} {'GB/s':>6} {'CPU ms':>8}")
+    for name, (seconds, cpu) in results.items():
+        print(f"{name:48s} {seconds * 1e3:8.1f} {nbytes / seconds / 1e9:6.2f} {cpu * 1e3:8.1f}")
+    a, b, c = (results[k] for k in ("(a) numpy pack + ray.put", "(b) DsgdPack + ray.put of the packed shard",
+                                    "(c) dsgd.ops.build_send (segments, one copy)"))
+    d, e = results["(d) ray.get + feed_dict + tf.slice"], results["(e) dsgd.ops.build_receive (zero-copy)"]
+    print(f"write, wall: (a)/(c) = {a[0] / c[0]:.2f}x, (b)/(c) = {b[0] / c[0]:.2f}x; "
+          f"CPU: (a)/(c) = {a[1] / c[1]:.2f}x, (b)/(c) = {b[1] / c[1]:.2f}x   read, wall: (d)/(e) = {d[0] / e[0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import json
 from collections import defaultdict
 
 # Colours by what an event is; anything else is a TensorFlow op.
-PALETTE = [("send", "tab:orange"), ("receive", "tab:green"), ("dsgd_", "tab:orange"), ("add worker", "tab:red"),
-           ("mean", "tab:purple"), ("pull", "tab:gray"), ("get_feed_dict", "tab:olive")]
+PALETTE = [("send", "tab:orange"), ("receive", "tab:green"), ("dsgd_", "tab:orange"), ("average", "tab:red"),
+           ("put the mean", "tab:purple"), ("pull", "tab:gray"), ("get_feed_dict", "tab:olive")]
 
 
 def colour(name: str) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dsgd import checkpoint, timeline
+from dsgd import checkpoint, shards, timeline
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.ps_actor import ParameterServer, StepAborted
@@ -251,7 +251,8 @@ class DistributedSGD:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         placement = NodeAffinitySchedulingStrategy(node_id=nodes[shard.index % len(nodes)], soft=False)
         return ray.remote(ParameterServer).options(num_cpus=0, scheduling_strategy=placement).remote(
-            shard.index, self.num_workers, shard.size, shard.dtype.str)
+            shard.index, self.num_workers, shard.size, shard.dtype.str,
+            [(s.start, s.size) for s in shards.segments(shard)])
 
     def _start_parameter_servers(self) -> None:
         self.layout = self._call(self.workers[0].shard_layout.remote(), "worker 0's shard layout")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import re
@@ -30,8 +31,8 @@ import numpy as np
 import ray
 import tensorflow as tf
 
+from dsgd import object_store, timeline
 from dsgd import shards as shard_layout
-from dsgd import timeline
 from dsgd.errors import DSGDError, DSGDTimeoutError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
 from dsgd.model import Model
 
@@ -121,7 +122,8 @@ class SGDWorker:
         self._trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
         self.exchange_specs: list[shard_layout.VarSpec] = []  # set by setup, in exchange order
-        self._send_buffers: list[np.ndarray] = []  # the Python "ps" exchange packs into these
+        self._segments: list[tuple[shard_layout.Segment, ...]] = []  # how each shard travels (Python "ps")
+        self._send_buffers: list[list[np.ndarray | None]] = []  # the Python "ps" exchange packs into these
 
     # ---- set-up -----------------------------------------------------------
 
@@ -144,6 +146,9 @@ class SGDWorker:
             init = tf.compat.v1.global_variables_initializer()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
         self.sess.run(init)
+        # The graph's Python objects live as long as the worker: keep the cyclic
+        # garbage collector from walking them on every full collection.
+        gc.freeze()
         return self.signature()
 
     def _session_config(self) -> tf.compat.v1.ConfigProto:
@@ -336,7 +341,9 @@ class SGDWorker:
             with timeline.maybe_span(self._trace, f"receive shard {shard.index}", "exchange"):
                 [mean_ref] = self._wait(ps.pull.remote(int(step)),
                                         f"parameter server {shard.index}'s sum of step {step}")
-                return self._wait(mean_ref, f"the averaged shard {shard.index} of step {step}")
+                [mean] = object_store.join(self._wait(mean_ref, f"the averaged shard {shard.index} of step {step}"),
+                                           [shard.size])
+                return mean
         except BaseException as e:
             self._callback_error = e
             raise
@@ -370,7 +377,9 @@ class SGDWorker:
             raise DSGDError(f"worker {self.worker_index} has {len(self.layout)} shards but got {len(ps_actors)} parameter servers")
         self.ps_actors = list(ps_actors)
         if not self.config.use_ops and not self._send_buffers:
-            self._send_buffers = [np.zeros(s.size, dtype=s.dtype) for s in self.layout]
+            self._segments = [shard_layout.segments(s) for s in self.layout]
+            self._send_buffers = [[None if seg.view else np.zeros(seg.size, seg.dtype) for seg in parts]
+                                  for parts in self._segments]
 
     def shard_layout(self) -> list[shard_layout.Shard]:
         return self.layout
@@ -506,13 +515,14 @@ class SGDWorker:
         out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                         self._feed_dict(), "compute")
         with self._phase("pack and send"):
-            for shard, buf, ps in zip(self.layout, self._send_buffers, self.ps_actors):
-                shard_layout.pack(out["means"], shard, buf)
-                ps.push.remote(step_id, self.worker_index, buf)
+            for parts, buffers, ps in zip(self._segments, self._send_buffers, self.ps_actors):
+                arrays = shard_layout.segment_arrays(out["means"], parts, buffers)
+                ps.push.remote(step_id, self.worker_index, object_store.put(arrays))
         with self._phase("receive"):
             pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
             mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
-            shard_means = self._wait(mean_refs, f"the averaged shards of step {step_id}")
+            stored = self._wait(mean_refs, f"the averaged shards of step {step_id}")
+            shard_means = [object_store.join(chunks, [s.size])[0] for chunks, s in zip(stored, self.layout)]
         applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
         stats = self._reduce_stats(out["stats"])
         return {**stats, **(self._phase_s if stats else {}), **applied}

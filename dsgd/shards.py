@@ -7,6 +7,12 @@ is just a flat 1-D buffer of one dtype; piece ``k`` of shard ``j`` is the slice
 ``var_index``. Small gradients are concatenated, large ones split, and every
 piece starts on an ``ALIGN_BYTES`` boundary so that the read side can hand
 TensorFlow aligned views of a received shard without copying.
+
+On the way to its parameter server a shard travels as a list of segments
+(``segments``): a piece of at least ``VIEW_BYTES`` is sent as a view of the
+gradient itself, so the object store's own copy is the only one; runs of
+smaller pieces are packed together first, which keeps the number of arrays
+per push small.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 ALIGN_BYTES = 64
+VIEW_BYTES = 1 << 16  # pieces this big are sent as views of the gradient, not packed
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,22 @@ class Shard:
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The range ``[start, start + size)`` of a shard, sent as one array.
+
+    Piece offsets are relative to ``start``. A ``view`` segment is one large
+    piece, sent as a view of its gradient; any other segment is packed
+    (alignment gaps zeroed) into an array laid out like the shard's range.
+    """
+
+    start: int
+    size: int
+    dtype: np.dtype
+    pieces: tuple[Piece, ...]
+    view: bool
 
 
 @dataclass(frozen=True)
@@ -122,11 +145,50 @@ def _fill(members, dtype: np.dtype, target: int, first_index: int) -> list[Shard
     return shards
 
 
-def pack(grads: Sequence[np.ndarray], shard: Shard, out: np.ndarray) -> np.ndarray:
-    """Copy this shard's pieces of ``grads`` into the flat buffer ``out``."""
+def segments(shard: Shard, view_bytes: int = VIEW_BYTES) -> tuple[Segment, ...]:
+    """How ``shard`` travels: one segment per large piece, one per run of small ones."""
+    out: list[Segment] = []
+    run: list[Piece] = []
+
+    def close_run() -> None:
+        if run:
+            start = run[0].shard_offset
+            end = run[-1].shard_offset + run[-1].size
+            relative = tuple(Piece(p.var_index, p.var_offset, p.shard_offset - start, p.size) for p in run)
+            out.append(Segment(start, end - start, shard.dtype, relative, view=False))
+            run.clear()
+
     for p in shard.pieces:
-        flat = grads[p.var_index].reshape(-1)
-        out[p.shard_offset:p.shard_offset + p.size] = flat[p.var_offset:p.var_offset + p.size]
+        if p.size * shard.dtype.itemsize >= view_bytes:
+            close_run()
+            out.append(Segment(p.shard_offset, p.size, shard.dtype,
+                               (Piece(p.var_index, p.var_offset, 0, p.size),), view=True))
+        else:
+            run.append(p)
+    close_run()
+    return tuple(out)
+
+
+def piece_view(grad: np.ndarray, piece: Piece) -> np.ndarray:
+    """The elements of ``grad`` (any shape, C-contiguous) that ``piece`` covers, without a copy."""
+    return grad.reshape(-1)[piece.var_offset:piece.var_offset + piece.size]
+
+
+def segment_arrays(grads: Sequence[np.ndarray], parts: Sequence[Segment],
+                   buffers: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    """The arrays a worker pushes for one shard, one per segment.
+
+    View segments are views of ``grads``; the others are packed into their
+    entry of ``buffers`` (``None`` for view segments).
+    """
+    return [piece_view(grads[s.pieces[0].var_index], s.pieces[0]) if s.view else pack(grads, s, buf)
+            for s, buf in zip(parts, buffers)]
+
+
+def pack(grads: Sequence[np.ndarray], shard: Shard | Segment, out: np.ndarray) -> np.ndarray:
+    """Copy this shard's (or segment's) pieces of ``grads`` into the flat buffer ``out``."""
+    for p in shard.pieces:
+        out[p.shard_offset:p.shard_offset + p.size] = piece_view(grads[p.var_index], p)
     return out
 
 

@@ -9,7 +9,8 @@ import ray
 import tensorflow as tf
 
 import dsgd.ops as ops
-from dsgd.shards import VarSpec, pack as np_pack, plan_shards
+from dsgd import object_store
+from dsgd.shards import VarSpec, pack as np_pack, plan_shards, segments
 
 if not ops.is_available():
     pytest.skip("dsgd op library cannot be built here", allow_module_level=True)
@@ -141,7 +142,7 @@ def test_object_alive_while_tensor_alive(ray_session):
     assert object_id not in counts
 
 
-def test_send_puts_packed_shard(ray_session):
+def test_send_puts_the_shard_as_segments(ray_session):
     specs = [VarSpec(f"v{i}", shape, np.dtype(np.float32)) for i, shape in enumerate(SHAPES)]
     grads = _grads(specs)
     layout = plan_shards(specs, 1024)
@@ -149,13 +150,19 @@ def test_send_puts_packed_shard(ray_session):
     with tf.Graph().as_default():
         gt = [tf.constant(g) for g in grads]
         step = tf.constant(7, tf.int64)
-        tokens = [ops.build_send(gt, s, lambda s, r, st: sent.setdefault(s.index, (r, int(st))), [step])
+        tokens = [ops.build_send(gt, s, lambda s, r, st: sent.setdefault(s.index, (r, int(st))), [step], view_bytes=64)
                   for s in layout]
         assert sorted(_run(tokens)) == [s.index for s in layout]
+    assert any(seg.view for s in layout for seg in segments(s, 64))
+    assert any(not seg.view for s in layout for seg in segments(s, 64))
     for s in layout:
         ref, st = sent[s.index]
         assert st == 7
-        np.testing.assert_array_equal(ray.get(ref), np_pack(grads, s, np.zeros(s.size, np.float32)))
+        parts = segments(s, 64)
+        shard = np.zeros(s.size, np.float32)
+        for seg, got in zip(parts, object_store.get(ref, [seg.size for seg in parts])):
+            shard[seg.start:seg.start + seg.size] = got
+        np.testing.assert_array_equal(shard, np_pack(grads, s, np.zeros(s.size, np.float32)))
 
 
 def test_bad_fetch_and_unknown_handle(ray_session):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dsgd.shards import ALIGN_BYTES, VarSpec, pack, plan_shards, unpack
+from dsgd.shards import ALIGN_BYTES, VarSpec, pack, plan_shards, segment_arrays, segments, unpack
 
 F32 = np.dtype(np.float32)
 
@@ -76,3 +76,34 @@ def test_a_variable_that_fits_in_a_shard_is_never_split():
             owners.setdefault(p.var_index, []).append(shard.index)
     assert all(len(owners[v]) == 1 for v in (0, 1, 2))
     assert len(owners[3]) > 1  # larger than a shard: split
+
+
+def test_segments_send_large_pieces_as_views_and_pack_runs_of_small_ones():
+    var_specs = specs((100,), (3,), (5,), (200,), (2,))
+    [shard] = plan_shards(var_specs, 0)
+    parts = segments(shard, view_bytes=400)  # 100 float32 = 400 bytes: a view
+    assert [(seg.view, [p.var_index for p in seg.pieces]) for seg in parts] == [
+        (True, [0]), (False, [1, 2]), (True, [3]), (False, [4])]
+    for seg in parts:
+        assert seg.pieces[0].shard_offset == 0 and seg.dtype == shard.dtype
+        last = seg.pieces[-1]
+        assert seg.size == last.shard_offset + last.size
+    by_var = {p.var_index: p.shard_offset for p in shard.pieces}
+    assert [seg.start for seg in parts] == [by_var[0], by_var[1], by_var[3], by_var[4]]
+
+
+def test_segment_arrays_rebuild_the_packed_shard():
+    var_specs = specs((100,), (3,), (5,), (7, 30), (2,))
+    rng = np.random.RandomState(1)
+    grads = [rng.randn(*s.shape).astype(np.float32) for s in var_specs]
+    for shard in plan_shards(var_specs, 500):
+        parts = segments(shard, view_bytes=200)
+        buffers = [None if seg.view else np.zeros(seg.size, np.float32) for seg in parts]
+        arrays = segment_arrays(grads, parts, buffers)
+        rebuilt = np.zeros(shard.size, np.float32)
+        for seg, a in zip(parts, arrays):
+            assert a.size == seg.size
+            if seg.view:
+                assert np.shares_memory(a, grads[seg.pieces[0].var_index])  # no copy
+            rebuilt[seg.start:seg.start + seg.size] = a
+        np.testing.assert_array_equal(rebuilt, pack(grads, shard, np.zeros(shard.size, np.float32)))

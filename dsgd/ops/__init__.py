@@ -1,8 +1,10 @@
 """Loader and graph helpers for the dsgd C++ op library.
 
-Write side: ``pack`` copies a shard's pieces of the gradient tensors into one
-flat tensor in a single pass; ``build_send`` then hands it to the object store
-from inside the graph, so each shard leaves as soon as its gradients exist.
+Write side: ``build_send`` hands a shard to the object store from inside the
+graph, so each shard leaves as soon as its gradients exist. The shard travels
+as segments (``dsgd.shards.segments``): large pieces as zero-copy views of the
+gradient tensors, runs of small pieces packed by ``pack`` (one C++ pass), and
+the object store's serializer copies them all into the new object once.
 
 Read side: ``receive_shard`` turns the numpy array a fetch function returns
 (normally the zero-copy view ``ray.get`` gives) into a tensor aliasing the same
@@ -21,8 +23,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dsgd.ops import object_store
-from dsgd.shards import Shard, VarSpec
+from dsgd import object_store
+from dsgd.shards import VIEW_BYTES, Segment, Shard, VarSpec, piece_view, segments
 
 __all__ = [
     "is_available", "load", "pack", "build_send", "receive_shard", "unpack",
@@ -81,43 +83,58 @@ def _piece_attrs(items) -> dict[str, list[int]]:
     }
 
 
-def pack(grads: Sequence[tf.Tensor], shard: Shard) -> tf.Tensor:
-    """Flat 1-D tensor of ``shard.size`` holding ``shard``'s pieces of ``grads``.
+def _check_dtype(grad: tf.Tensor, var_index: int, part: Shard | Segment) -> None:
+    if grad.dtype != _tf_dtype(part.dtype):
+        raise TypeError(f"grads[{var_index}] has dtype {grad.dtype.name}, but its shard holds "
+                        f"{np.dtype(part.dtype).name}")
+
+
+def pack(grads: Sequence[tf.Tensor], part: Shard | Segment) -> tf.Tensor:
+    """Flat 1-D tensor of ``part.size`` holding the pieces of ``grads`` of a shard or segment.
 
     ``grads`` are indexed by ``Piece.var_index`` (all variables' gradients, in
     the order of the specs the layout was planned from); only the ones this
-    shard uses become inputs. Alignment gaps are zero.
+    part uses become inputs. Alignment gaps are zero.
     """
-    used = list(dict.fromkeys(p.var_index for p in shard.pieces))
+    used = list(dict.fromkeys(p.var_index for p in part.pieces))
     position = {v: i for i, v in enumerate(used)}
     inputs = [tf.convert_to_tensor(grads[v]) for v in used]
     for v, t in zip(used, inputs):
-        if t.dtype != _tf_dtype(shard.dtype):
-            raise TypeError(f"grads[{v}] has dtype {t.dtype.name}, shard {shard.index} "
-                            f"holds {np.dtype(shard.dtype).name}")
-    return load().dsgd_pack(inputs, shard_size=shard.size,
-                            **_piece_attrs([(position[p.var_index], p) for p in shard.pieces]))
+        _check_dtype(t, v, part)
+    return load().dsgd_pack(inputs, shard_size=part.size,
+                            **_piece_attrs([(position[p.var_index], p) for p in part.pieces]))
 
 
 def build_send(grads: Sequence[tf.Tensor], shard: Shard,
                on_ready: Callable[[Shard, Any], None],
-               inputs: Sequence[tf.Tensor] = ()) -> tf.Tensor:
-    """Pack ``shard`` and put it in the object store from inside the graph.
+               inputs: Sequence[tf.Tensor] = (), view_bytes: int = VIEW_BYTES) -> tf.Tensor:
+    """Put ``shard``'s gradients in the object store from inside the graph.
 
-    When the graph runs, as soon as the shard's gradients exist, the packed
-    tensor is put in the object store (``object_store.put``) and
+    When the graph runs, as soon as the shard's gradients exist, its segments
+    (views of large pieces, packed runs of small ones) are put in the object
+    store as one object (``object_store.put``: one copy of every byte) and
     ``on_ready(shard, object_ref, *input_values)`` is called (it typically
     sends the ref to the shard's parameter server). ``inputs`` are extra
     tensors whose numpy values are passed along (e.g. a step number).
+    ``view_bytes``: see ``dsgd.shards.segments``.
     Returns an int64 scalar token (the shard index) to fetch or depend on.
     """
-    packed = pack(grads, shard)
+    parts = segments(shard, view_bytes)
+    tensors = []
+    for seg in parts:
+        if seg.view:
+            v = seg.pieces[0].var_index
+            tensors.append(tf.convert_to_tensor(grads[v]))
+            _check_dtype(tensors[-1], v, seg)
+        else:
+            tensors.append(pack(grads, seg))
 
-    def send(array: np.ndarray, *values: np.ndarray) -> np.int64:
-        on_ready(shard, object_store.put(array), *values)
+    def send(*values: np.ndarray) -> np.int64:
+        arrays = [piece_view(a, seg.pieces[0]) if seg.view else a for a, seg in zip(values, parts)]
+        on_ready(shard, object_store.put(arrays), *values[len(parts):])
         return np.int64(shard.index)
 
-    token = tf.numpy_function(send, [packed, *inputs], tf.int64, stateful=True,
+    token = tf.numpy_function(send, [*tensors, *inputs], tf.int64, stateful=True,
                               name=f"dsgd_send_{shard.index}")
     token.set_shape([])
     return token
