@@ -311,8 +311,9 @@ class SGDWorker:
     def _build_ops_exchange(self, local_means: list[tf.Tensor]) -> None:
         """The pipelined "ps" exchange, inside the graph (see dsgd/ops).
 
-        Each shard is packed and sent to its parameter server as soon as its
-        gradients exist, while back-propagation of earlier layers goes on.
+        Each shard is put in the object store and sent to its parameter
+        server as soon as its gradients exist, while back-propagation of
+        earlier layers goes on.
         Receives wait for all of this worker's sends, so a receive blocked on
         ``ray.get`` never holds a thread that one of our sends needs; the
         averaged shards are read from the object store without a copy.
