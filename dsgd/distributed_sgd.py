@@ -386,16 +386,9 @@ class DistributedSGD:
         results = None
         while len(self._in_flight) > (1 if keep_last else 0):
             step_id, refs = self._in_flight[0]
-            try:
-                results = self._call(refs, f"step {step_id} on all workers")
-            except ActorFailure as e:
-                return self._recover(e, fetch_stats)
-            except DSGDTimeoutError:
-                self._in_flight.clear()
-                raise
-            except DSGDError:
-                self._step_id = self._settle()
-                raise
+            results = self._recovering(lambda: self._call(refs, f"step {step_id} on all workers"), fetch_stats)
+            if not self._in_flight:  # recovery aborted every step in flight and re-ran them
+                return results
             self._in_flight.pop(0)
             self._warn_skipped(results)
         return results
@@ -406,11 +399,13 @@ class DistributedSGD:
             logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
 
     def _recovering(self, run: Callable[[], list], fetch_stats: bool) -> list:
+        """``run()``; recover from a dead actor, or settle the workers after another error."""
         try:
             return run()
         except ActorFailure as e:
             return self._recover(e, fetch_stats)
         except DSGDTimeoutError:
+            self._in_flight.clear()
             raise
         except DSGDError:
             self._step_id = self._settle()

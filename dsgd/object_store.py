@@ -22,7 +22,8 @@ were:
   reader/writer protocol on both ends.
 
 Read: ``ray.get`` gives the chunks back as read-only, zero-copy views into the
-object. ``join`` reassembles each array: Ray places buffers of 2 KiB or more
+object (callers do the ``ray.get``, with their own bound and error
+messages). ``join`` reassembles each array: Ray places buffers of 2 KiB or more
 at 64-byte-aligned offsets one after the other, so the chunks of one array
 (all but the last a multiple of 64 bytes) are contiguous and ``join`` returns
 one view spanning them. If a Ray version lays them out differently, ``join``
@@ -44,7 +45,7 @@ def chunks(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     out = []
     for a in arrays:
         flat = a.reshape(-1)
-        step = max(1, CHUNK_BYTES // max(1, flat.itemsize))
+        step = max(1, CHUNK_BYTES // flat.itemsize)
         out += [flat[i:i + step] for i in range(0, flat.size, step)] or [flat]
     return out
 
@@ -86,11 +87,6 @@ def _contiguous(group: list[np.ndarray]) -> np.ndarray:
     # One view over the adjacent chunks; it holds `first`, whose base keeps the object mapped.
     return np.lib.stride_tricks.as_strided(first, shape=((address - first.ctypes.data) // first.itemsize,),
                                            strides=(first.itemsize,), writeable=False)
-
-
-def get(ref: ray.ObjectRef, sizes: Sequence[int], timeout: float | None = None) -> list[np.ndarray]:
-    """The arrays of an object ``put`` stored, as zero-copy views when the layout allows."""
-    return join(ray.get(ref, timeout=timeout), sizes)
 
 
 def address_range(array: np.ndarray) -> tuple[int, int]:

@@ -17,7 +17,7 @@ def test_round_trip_of_many_sizes_and_dtypes(ray_session, small_chunks):
               [(0, np.float32), (1, np.float32), (1023, np.float32), (1024, np.float32), (5000, np.float32),
                (3333, np.float16), (700, np.float64), (12, np.int32), (0, np.float16)]]
     ref = object_store.put(arrays)
-    got = object_store.get(ref, [a.size for a in arrays], timeout=30)
+    got = object_store.join(ray_session.get(ref, timeout=30), [a.size for a in arrays])
     for a, g in zip(arrays, got):
         assert g.dtype == a.dtype
         np.testing.assert_array_equal(g, a)

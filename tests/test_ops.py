@@ -160,7 +160,7 @@ def test_send_puts_the_shard_as_segments(ray_session):
         assert st == 7
         parts = segments(s, 64)
         shard = np.zeros(s.size, np.float32)
-        for seg, got in zip(parts, object_store.get(ref, [seg.size for seg in parts])):
+        for seg, got in zip(parts, object_store.join(ray.get(ref), [seg.size for seg in parts])):
             shard[seg.start:seg.start + seg.size] = got
         np.testing.assert_array_equal(shard, np_pack(grads, s, np.zeros(s.size, np.float32)))
 

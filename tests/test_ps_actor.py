@@ -21,7 +21,7 @@ def _pushed(rng):
 
 def _mean(server, step):
     [ref] = ray.get(server.pull.remote(step), timeout=30)
-    [mean] = object_store.get(ref, [SIZE], timeout=30)
+    [mean] = object_store.join(ray.get(ref, timeout=30), [SIZE])
     return mean
 
 

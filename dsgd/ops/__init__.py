@@ -223,16 +223,21 @@ def build_receive(fetch: Callable[..., np.ndarray], layout: Sequence[Shard],
     return unpack(shards, layout, specs)
 
 
-def _drain(function_name: str) -> list[int]:
+def _drop_arrays(function_name: str) -> int:
+    """Drop the arrays whose handles the C++ function ``function_name`` hands back; the count."""
     if _clib is None:
-        return []
+        return 0
     buffer = (ctypes.c_int64 * 256)()
     handles: list[int] = []
     while True:
         n = getattr(_clib, function_name)(buffer, len(buffer))
         handles.extend(buffer[:n])
         if n < len(buffer):
-            return handles
+            break
+    with _lock:
+        for h in handles:
+            _arrays.pop(h, None)
+    return len(handles)
 
 
 def drain_released() -> int:
@@ -241,11 +246,7 @@ def drain_released() -> int:
     Called on every fetch; the engine should also call it after each
     ``session.run`` so object-store memory is released promptly.
     """
-    handles = _drain("dsgd_drain_released")
-    with _lock:
-        for h in handles:
-            _arrays.pop(h, None)
-    return len(handles)
+    return _drop_arrays("dsgd_drain_released")
 
 
 def discard_unclaimed() -> int:
@@ -254,11 +255,7 @@ def discard_unclaimed() -> int:
     That happens only when a ``session.run`` fails between the fetch and the
     op that aliases it; call this after such a failure. Returns the count.
     """
-    handles = _drain("dsgd_discard_unclaimed")
-    with _lock:
-        for h in handles:
-            _arrays.pop(h, None)
-    return len(handles)
+    return _drop_arrays("dsgd_discard_unclaimed")
 
 
 def live_buffers() -> int:
