@@ -14,7 +14,7 @@ from collections import defaultdict
 
 # Colours by what an event is; anything else is a TensorFlow op.
 PALETTE = [("send", "tab:orange"), ("receive", "tab:green"), ("dsgd_", "tab:orange"), ("average", "tab:red"),
-           ("put the mean", "tab:purple"), ("pull", "tab:gray"), ("get_feed_dict", "tab:olive")]
+           ("put the mean", "tab:purple"), ("push", "tab:gray"), ("get_feed_dict", "tab:olive")]
 
 
 def colour(name: str) -> str:

@@ -10,10 +10,10 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dsgd import checkpoint, shards, timeline
+from dsgd import checkpoint, ps_actor, shards, timeline
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
-from dsgd.ps_actor import ParameterServer, StepAborted
+from dsgd.ps_actor import StepAborted
 from dsgd.sgd_worker import ALL_REDUCE_ALGS, NAN_POLICIES, SGDWorker, WorkerConfig, WorkerSignature
 
 logger = logging.getLogger(__name__)
@@ -250,9 +250,9 @@ class DistributedSGD:
         """
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         placement = NodeAffinitySchedulingStrategy(node_id=nodes[shard.index % len(nodes)], soft=False)
-        return ray.remote(ParameterServer).options(num_cpus=0, scheduling_strategy=placement).remote(
-            shard.index, self.num_workers, shard.size, shard.dtype.str,
-            [(s.start, s.size) for s in shards.segments(shard)])
+        return ps_actor.start(shard.index, self.num_workers, shard.size, shard.dtype.str,
+                              [(s.start, s.size) for s in shards.segments(shard)], self.timeout_s,
+                              scheduling_strategy=placement)
 
     def _start_parameter_servers(self) -> None:
         self.layout = self._call(self.workers[0].shard_layout.remote(), "worker 0's shard layout")

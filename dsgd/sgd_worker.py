@@ -119,6 +119,7 @@ class SGDWorker:
         self.ps_actors: list[Any] = []
         self.applied_steps = 0
         self._callback_error: BaseException | None = None
+        self._pushes: dict[int, ray.ObjectRef] = {}  # shard index -> this step's push call (ops "ps")
         self._trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
         self.exchange_specs: list[shard_layout.VarSpec] = []  # set by setup, in exchange order
@@ -323,7 +324,7 @@ class SGDWorker:
         self._step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
         sends = [ops.build_send(local_means, shard, self._push_shard, [self._step_input]) for shard in self.layout]
         with tf.control_dependencies(sends):
-            received = [ops.receive_shard(functools.partial(self._pull_shard, shard), shard, [self._step_input])
+            received = [ops.receive_shard(functools.partial(self._receive_shard, shard), shard, [self._step_input])
                         for shard in self.layout]
         means = ops.unpack(received, self.layout, self.exchange_specs)
         self._apply_received = self._apply_ops([means] * len(self.replicas))
@@ -331,23 +332,25 @@ class SGDWorker:
     def _push_shard(self, shard: shard_layout.Shard, ref, step: np.ndarray) -> None:
         try:
             with timeline.maybe_span(self._trace, f"send shard {shard.index}", "exchange"):
-                self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
+                self._pushes[shard.index] = self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
         except BaseException as e:
             self._callback_error = e
             raise
 
-    def _pull_shard(self, shard: shard_layout.Shard, step: np.ndarray) -> np.ndarray:
+    def _receive_shard(self, shard: shard_layout.Shard, step: np.ndarray) -> np.ndarray:
         try:
-            ps = self.ps_actors[shard.index]
             with timeline.maybe_span(self._trace, f"receive shard {shard.index}", "exchange"):
-                [mean_ref] = self._wait(ps.pull.remote(int(step)),
-                                        f"parameter server {shard.index}'s sum of step {step}")
-                [mean] = object_store.join(self._wait(mean_ref, f"the averaged shard {shard.index} of step {step}"),
-                                           [shard.size])
-                return mean
+                return self._mean_of(shard, self._pushes.pop(shard.index), int(step))
         except BaseException as e:
             self._callback_error = e
             raise
+
+    def _mean_of(self, shard: shard_layout.Shard, push, step_id: int) -> np.ndarray:
+        """The averaged shard that ``push`` (a parameter server's push call) returns a reference to."""
+        [mean_ref] = self._wait(push, f"parameter server {shard.index}'s sum of step {step_id}")
+        [mean] = object_store.join(self._wait(mean_ref, f"the averaged shard {shard.index} of step {step_id}"),
+                                   [shard.size])
+        return mean
 
     def _build_state_io(self) -> None:
         """Placeholders and assign ops for the weights and the optimizer state."""
@@ -510,20 +513,17 @@ class SGDWorker:
         return self._result(self._apply({"apply": self._apply_fed}, dict(zip(self._mean_inputs, means))))
 
     def step_ps(self, step_id: int, fetch_stats: bool) -> dict:
-        """Compute, push shards to the parameter servers, pull means, apply."""
+        """Compute, push shards to the parameter servers, receive their means, apply."""
         if self.config.use_ops:
             return self._step_ps_ops(step_id, fetch_stats)
         out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                         self._feed_dict(), "compute")
         with self._phase("pack and send"):
-            for parts, buffers, ps in zip(self._segments, self._send_buffers, self.ps_actors):
-                arrays = shard_layout.segment_arrays(out["means"], parts, buffers)
-                ps.push.remote(step_id, self.worker_index, object_store.put(arrays))
+            pushes = [ps.push.remote(step_id, self.worker_index,
+                                     object_store.put(shard_layout.segment_arrays(out["means"], parts, buffers)))
+                      for parts, buffers, ps in zip(self._segments, self._send_buffers, self.ps_actors)]
         with self._phase("receive"):
-            pulls = [ps.pull.remote(step_id) for ps in self.ps_actors]
-            mean_refs = [refs[0] for refs in self._wait(pulls, f"the parameter servers' sums for step {step_id}")]
-            stored = self._wait(mean_refs, f"the averaged shards of step {step_id}")
-            shard_means = [object_store.join(chunks, [s.size])[0] for chunks, s in zip(stored, self.layout)]
+            shard_means = [self._mean_of(shard, push, step_id) for shard, push in zip(self.layout, pushes)]
         applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
         stats = self._reduce_stats(out["stats"])
         return {**stats, **(self._phase_s if stats else {}), **applied}
@@ -535,6 +535,7 @@ class SGDWorker:
         feed = self._feed_dict()
         feed[self._step_input] = step_id
         self._callback_error = None
+        self._pushes.clear()
         try:
             out = self._apply({"apply": self._apply_received, "stats": self._stats_fetches(fetch_stats)}, feed,
                               "compute, exchange and apply")

@@ -48,7 +48,8 @@ def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use
         assert any("ApplyGradientDescent" in e["args"].get("op", "") for e in spans[f"worker {w}"])
     for j in range(num_ps):
         assert names(spans[f"parameter server {j}"]) == {
-            "average 2 workers' shards", "put the mean in the object store", "pull (waits for the sum)"}
+            "average 2 workers' shards", "put the mean in the object store",
+            "worker 0's push (waits for the sum)", "worker 1's push (waits for the sum)"}
     [step] = [e for e in spans["driver"] if e["name"] == "step 1"]
     for process, events in spans.items():
         for e in events:  # one clock: everything happens inside the driver's step (1 ms slack)
