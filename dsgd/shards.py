@@ -91,8 +91,9 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
     Variables are packed in the order given (the engine passes them last
     layer first, the order back-propagation produces them). Each dtype gets
     its own shards; within a dtype the shard count is
-    ``ceil(total_bytes / grad_shard_bytes)`` and the elements are spread evenly
-    over them, so shards (and so parameter servers) carry balanced loads.
+    exactly ``ceil(total_bytes / grad_shard_bytes)`` and the elements are
+    spread evenly over them, so shards (and so parameter servers) carry
+    balanced loads.
     ``grad_shard_bytes == 0`` means one shard per dtype. Zero-size variables
     take no room. A variable that fits in one shard is never split (it starts
     a new shard instead), so the read side can hand it to TensorFlow as a
@@ -109,37 +110,54 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
             continue
         total_bytes = total * dtype.itemsize
         count = 1 if grad_shard_bytes == 0 else max(1, math.ceil(total_bytes / grad_shard_bytes))
-        target = math.ceil(total / count)
-        shards.extend(_fill(members, dtype, target, first_index=len(shards)))
+        shards.extend(_fill(members, dtype, count, first_index=len(shards)))
     return shards
 
 
-def _fill(members, dtype: np.dtype, target: int, first_index: int) -> list[Shard]:
-    """Greedily fill shards of ``target`` payload elements, splitting variables."""
+def _fill(members, dtype: np.dtype, count: int, first_index: int) -> list[Shard]:
+    """Greedily fill ``count`` shards, splitting only variables larger than a shard's target.
+
+    Each shard's target is the payload still to place over the shards still
+    to fill, so a shard that ends early or late (a variable kept whole) is
+    made up for by the next ones, and the last shard takes whatever remains.
+    """
     shards: list[Shard] = []
     pieces: list[Piece] = []
+    remaining = sum(spec.size for _, spec in members)
     used = 0  # payload elements in the current shard
     end = 0  # aligned end of the current shard's buffer
+    target = math.ceil(remaining / count)
 
     def close() -> None:
-        nonlocal pieces, used, end
+        nonlocal pieces, used, end, remaining, target
         shards.append(Shard(first_index + len(shards), dtype, end, tuple(pieces)))
+        remaining -= used
         pieces, used, end = [], 0, 0
+        left = count - len(shards)
+        target = math.ceil(remaining / left) if left > 1 else remaining
+
+    def place(var_index: int, offset: int, size: int) -> None:
+        nonlocal used, end
+        start = _align(end, dtype.itemsize)
+        pieces.append(Piece(var_index, offset, start, size))
+        used += size
+        end = start + size
 
     for var_index, spec in members:
-        if used and spec.size <= target and used + spec.size > target:
-            close()
-        offset = 0
-        while offset < spec.size:
-            room = target - used
-            take = min(room, spec.size - offset)
-            start = _align(end, dtype.itemsize)
-            pieces.append(Piece(var_index, offset, start, take))
-            used += take
-            end = start + take
-            offset += take
-            if used >= target:
+        if spec.size <= target:  # whole, in this shard or the next, whichever ends nearer its target
+            if used and used + spec.size - target > target - used:
                 close()
+            place(var_index, 0, spec.size)
+        else:
+            offset = 0
+            while offset < spec.size:
+                take = min(target - used, spec.size - offset)
+                place(var_index, offset, take)
+                offset += take
+                if used >= target and remaining > used:
+                    close()
+        if used >= target and remaining > used:
+            close()
     if pieces:
         close()
     return shards

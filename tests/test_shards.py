@@ -47,6 +47,14 @@ def test_large_variable_is_split_and_shards_are_balanced():
     assert sum(1 for s in layout for p in s.pieces if p.var_index == 0) == 5
 
 
+def test_whole_variables_moved_to_the_next_shard_do_not_add_a_shard():
+    layout = plan_shards(specs((6,), (6,), (6,)), 36)  # 72 bytes -> exactly 2 shards
+    assert [[p.var_index for p in s.pieces] for s in layout] == [[0, 1], [2]]
+    layout = plan_shards(specs((6,), (6,), (6,), (25,)), 40)  # 172 bytes -> exactly 5 shards
+    assert len(layout) == 5
+    assert sum(p.size for s in layout for p in s.pieces) == 43
+
+
 def test_zero_means_one_shard_per_dtype():
     layout = plan_shards(specs((10,)) + specs((4,), dtype=np.float16), 0)
     assert [s.dtype for s in layout] == [F32, np.dtype(np.float16)]
