@@ -2,7 +2,8 @@
 
 A model whose gradients have ResNet-101's shapes (44.5 M float32, 178 MB) and
 near-zero compute (every gradient is a slice of one fed array of ones, which
-TensorFlow aliases without a copy), trained with 2 workers x 1 device. So a
+TensorFlow aliases without a copy), trained with 2 workers x 1 device and, by
+default, 2 parameter servers (``--grad-shard-bytes 90000000``). So a
 step is the exchange plus the optimizer's apply (a read-modify-write of every
 weight), which the bound does not include. Measured side by side in one run:
 
