@@ -325,8 +325,9 @@ class DistributedSGD:
         ``write_timeline=path`` runs the step alone (after the previous one)
         and writes a Chrome trace of it to ``path``: the driver, every worker
         (its Python phases and every TensorFlow op, with the shards' sends and
-        receives) and every parameter server (each worker's shard added, the
-        mean put, the pulls), on one clock, a track group per actor.
+        receives) and every parameter server (the average, the put of the
+        mean, each worker's push waiting for it), on one clock, a track group
+        per actor.
         """
         self._check_open()
         if write_timeline is not None:
