@@ -95,9 +95,10 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
     spread evenly over them, so shards (and so parameter servers) carry
     balanced loads.
     ``grad_shard_bytes == 0`` means one shard per dtype. Zero-size variables
-    take no room. A variable that fits in one shard is never split (it starts
-    a new shard instead), so the read side can hand it to TensorFlow as a
-    view of the received shard; only variables larger than a shard are split.
+    take no room. A variable that fits in one shard is never split (it goes
+    whole into the current shard or the next, whichever then ends nearer its
+    target), so the read side can hand it to TensorFlow as a view of the
+    received shard; only variables larger than a shard are split.
     """
     if grad_shard_bytes < 0:
         raise ValueError(f"grad_shard_bytes must be >= 0, got {grad_shard_bytes}")
@@ -137,11 +138,14 @@ def _fill(members, dtype: np.dtype, count: int, first_index: int) -> list[Shard]
         target = math.ceil(remaining / left) if left > 1 else remaining
 
     def place(var_index: int, offset: int, size: int) -> None:
+        """Add a piece to the current shard; close the shard once it reaches its target."""
         nonlocal used, end
         start = _align(end, dtype.itemsize)
         pieces.append(Piece(var_index, offset, start, size))
         used += size
         end = start + size
+        if used >= target and remaining > used:
+            close()
 
     for var_index, spec in members:
         if spec.size <= target:  # whole, in this shard or the next, whichever ends nearer its target
@@ -154,10 +158,6 @@ def _fill(members, dtype: np.dtype, count: int, first_index: int) -> list[Shard]
                 take = min(target - used, spec.size - offset)
                 place(var_index, offset, take)
                 offset += take
-                if used >= target and remaining > used:
-                    close()
-        if used >= target and remaining > used:
-            close()
     if pieces:
         close()
     return shards
