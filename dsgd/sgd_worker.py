@@ -329,21 +329,23 @@ class SGDWorker:
         means = ops.unpack(received, self.layout, self.exchange_specs)
         self._apply_received = self._apply_ops([means] * len(self.replicas))
 
-    def _push_shard(self, shard: shard_layout.Shard, ref, step: np.ndarray) -> None:
+    @contextlib.contextmanager
+    def _callback(self, span: str):
+        """The body of a graph callback: traced, and its error kept for ``_step_ps_ops`` (TF wraps it)."""
         try:
-            with timeline.maybe_span(self._trace, f"send shard {shard.index}", "exchange"):
-                self._pushes[shard.index] = self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
+            with timeline.maybe_span(self._trace, span, "exchange"):
+                yield
         except BaseException as e:
             self._callback_error = e
             raise
 
+    def _push_shard(self, shard: shard_layout.Shard, ref, step: np.ndarray) -> None:
+        with self._callback(f"send shard {shard.index}"):
+            self._pushes[shard.index] = self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
+
     def _receive_shard(self, shard: shard_layout.Shard, step: np.ndarray) -> np.ndarray:
-        try:
-            with timeline.maybe_span(self._trace, f"receive shard {shard.index}", "exchange"):
-                return self._mean_of(shard, self._pushes.pop(shard.index), int(step))
-        except BaseException as e:
-            self._callback_error = e
-            raise
+        with self._callback(f"receive shard {shard.index}"):
+            return self._mean_of(shard, self._pushes.pop(shard.index), int(step))
 
     def _mean_of(self, shard: shard_layout.Shard, push, step_id: int) -> np.ndarray:
         """The averaged shard that ``push`` (a parameter server's push call) returns a reference to."""
