@@ -264,7 +264,7 @@ class DistributedSGD:
 
     def _connect_parameter_servers(self, workers: list) -> None:
         self._call([w.set_parameter_servers.remote(self.ps_actors) for w in workers],
-                   "the workers to connect to the parameter servers")
+                   "the workers to connect to the parameter servers", self.startup_timeout_s)
 
     # ---- waiting ----------------------------------------------------------
 
