@@ -8,12 +8,12 @@ from typing import Any, Callable
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dsgd import checkpoint, ps_actor, shards, timeline
+from dsgd import checkpoint, shards, timeline
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.ps_actor import StepAborted
+from dsgd.server_group import ServerGroup, plan_servers
 from dsgd.sgd_worker import ALL_REDUCE_ALGS, NAN_POLICIES, SGDWorker, WorkerConfig, WorkerSignature
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,17 @@ class DistributedSGD:
         gpu: place replicas on GPUs (one per replica) instead of virtual CPUs.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver
             averages; a reference for debugging).
-        grad_shard_bytes: target shard size for "ps"; 0 means one shard.
+        grad_shard_bytes: partition size for "ps": the unit that travels
+            to a parameter server and is pipelined with back-propagation.
+            ``None`` (default): dsgd picks about 4 partitions per server, at
+            least 1 MiB each, and logs its choice; 0 means one partition.
+            Never changes how many server processes start.
         all_reduce_alg: local allreduce across a worker's devices: "simple"
             (add_n on device 0) or "nccl" (GPU only).
+        num_parameter_servers: server processes for "ps", each summing many
+            partitions. ``None`` (default): per node holding workers, one,
+            plus one for every 2 CPUs those workers leave free, at most one
+            per worker there; logged. An int is spread over those nodes.
         cpus_per_worker: CPUs each worker reserves; also its TF thread count.
         nan_policy: a step whose averaged gradient holds NaN or Inf is
             "raise"d (naming the variable) or "skip"ped, on every replica
@@ -104,9 +112,10 @@ class DistributedSGD:
         devices_per_worker: int = 1,
         gpu: bool = False,
         strategy: str = "ps",
-        grad_shard_bytes: int = 10_000_000,
+        grad_shard_bytes: int | None = None,
         all_reduce_alg: str = "simple",
         *,
+        num_parameter_servers: int | None = None,
         cpus_per_worker: int = 1,
         nan_policy: str = "raise",
         use_ops: bool | None = None,
@@ -130,7 +139,10 @@ class DistributedSGD:
             raise ValueError("all_reduce_alg='nccl' needs gpu=True; use 'simple' on CPUs")
         num_workers = _check_int("num_workers", num_workers, 1)
         devices_per_worker = _check_int("devices_per_worker", devices_per_worker, 1)
-        grad_shard_bytes = _check_int("grad_shard_bytes", grad_shard_bytes, 0)
+        if grad_shard_bytes is not None:
+            grad_shard_bytes = _check_int("grad_shard_bytes", grad_shard_bytes, 0)
+        if num_parameter_servers is not None:
+            num_parameter_servers = _check_int("num_parameter_servers", num_parameter_servers, 1)
         cpus_per_worker = _check_int("cpus_per_worker", cpus_per_worker, 1)
         max_failures = _check_int("max_failures", max_failures, 0)
         timeout_s = _check_seconds("timeout_s", timeout_s)
@@ -150,9 +162,11 @@ class DistributedSGD:
         self.max_failures = max_failures
         self.failures = 0
         self.workers: list = []
-        self.ps_actors: list = []
+        self.servers: ServerGroup | None = None
+        self._grad_shard_bytes = grad_shard_bytes
+        self._num_parameter_servers = num_parameter_servers
         self._model_creator = model_creator
-        self._config = WorkerConfig(num_workers, devices_per_worker, gpu, all_reduce_alg, grad_shard_bytes,
+        self._config = WorkerConfig(num_workers, devices_per_worker, gpu, all_reduce_alg,
                                     cpus_per_worker, timeout_s, nan_policy,
                                     use_ops=self._uses_ps and _ops_wanted(use_ops))
         self._step_id = 0  # steps submitted; step ids count from 0
@@ -184,6 +198,16 @@ class DistributedSGD:
     @property
     def _uses_ps(self) -> bool:
         return self.strategy == "ps" and self.num_workers > 1
+
+    @property
+    def ps_actors(self) -> list:
+        """The parameter-server actors ("ps" with several workers; else empty)."""
+        return list(self.servers.actors) if self.servers else []
+
+    @property
+    def layout(self) -> list[shards.Shard]:
+        """The gradient partitions ("ps" with several workers; else empty)."""
+        return list(self.servers.layout) if self.servers else []
 
     # ---- set-up -----------------------------------------------------------
 
@@ -239,32 +263,27 @@ class DistributedSGD:
                     f"worker {i} built a model that differs from worker 0's: {'; '.join(diff[:6]) or sig.metrics}")
         self.signature = signatures[0]
 
-    def _new_parameter_server(self, shard):
-        """A PS actor pinned to a node, round robin over the live nodes.
-
-        Ray's SPREAD strategy does not spread actors that reserve no CPU, and
-        soft affinity spills them to other nodes under load, so placement is
-        explicit and hard: shard j goes to live node j mod N, which spreads
-        the summing and the shards' object-store traffic over the cluster. A
-        replacement is placed among the nodes alive at that time.
-        """
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        placement = NodeAffinitySchedulingStrategy(node_id=nodes[shard.index % len(nodes)], soft=False)
-        return ps_actor.start(shard.index, self.num_workers, shard.size, shard.dtype.str,
-                              [(s.start, s.size) for s in shards.segments(shard)], self.timeout_s,
-                              scheduling_strategy=placement)
-
     def _start_parameter_servers(self) -> None:
-        self.layout = self._call(self.workers[0].shard_layout.remote(), "worker 0's shard layout")
-        self.ps_actors = [self._new_parameter_server(s) for s in self.layout]
-        self._call([ps.ping.remote() for ps in self.ps_actors], "the parameter servers to start",
-                   self.startup_timeout_s)
+        """Plan the servers and the partitions on the driver, start them, connect the workers."""
+        worker_nodes = self._call([w.node_id.remote() for w in self.workers], "the workers' nodes")
+        node_cpus = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
+        nodes = plan_servers(worker_nodes, node_cpus, self._config.cpus_per_worker, self._num_parameter_servers)
+        specs = self.signature.exchange
+        shard_bytes = self._grad_shard_bytes
+        if shard_bytes is None:
+            shard_bytes = shards.default_partition_bytes(sum(s.size * s.dtype.itemsize for s in specs), len(nodes))
+        layout = shards.plan_shards(specs, shard_bytes)
+        self.servers = ServerGroup(layout, nodes[:len(layout)], self.num_workers, self.timeout_s)
+        self._call(self.servers.start(), "the parameter servers to start", self.startup_timeout_s)
         self._connect_parameter_servers(self.workers)
-        logger.info("%d parameter servers, shard sizes %s bytes", len(self.layout), [s.nbytes for s in self.layout])
+        logger.info("strategy 'ps': %s%s", self.servers.describe(),
+                    "" if self._grad_shard_bytes is None and self._num_parameter_servers is None else
+                    f" (grad_shard_bytes={self._grad_shard_bytes}, num_parameter_servers={self._num_parameter_servers})")
 
     def _connect_parameter_servers(self, workers: list) -> None:
-        self._call([w.set_parameter_servers.remote(self.ps_actors) for w in workers],
-                   "the workers to connect to the parameter servers", self.startup_timeout_s)
+        group = self.servers
+        self._call([w.connect.remote(group.layout, group.placement, group.actors, self.startup_timeout_s)
+                    for w in workers], "the workers to connect to the parameter servers", self.startup_timeout_s)
 
     # ---- waiting ----------------------------------------------------------
 
@@ -368,7 +387,7 @@ class DistributedSGD:
         finally:
             driver, self._trace = self._trace, None
             workers = self._call([w.collect_trace.remote() for w in self.workers], "the workers' traces")
-        servers = self._call([ps.trace.remote(step_id) for ps in self.ps_actors], "the parameter servers' traces")
+        servers = self._call(self.servers.traces(step_id), "the parameter servers' traces") if self.servers else []
         timeline.write(path, [("driver", driver.events)]
                        + [(f"worker {i}", events) for i, events in enumerate(workers)]
                        + [(f"parameter server {j}", events) for j, events in enumerate(servers)])
@@ -471,8 +490,8 @@ class DistributedSGD:
 
     def _abort_in_flight(self) -> None:
         """Unblock workers waiting on sums that will never complete, then wait for them."""
-        for ps in self.ps_actors:
-            ps.abort.remote()
+        if self.servers:
+            self.servers.abort()
         refs = [r for _, step_refs in self._in_flight for r in step_refs]
         self._in_flight.clear()
         if refs:
@@ -487,10 +506,9 @@ class DistributedSGD:
 
     def _replace_dead_actors(self) -> set[int]:
         """Start new actors for dead ones; the indices of the new workers."""
-        dead_ps = [j for j, ps in enumerate(self.ps_actors) if not self._is_alive(ps)]
+        dead_ps = self.servers.replace_dead(self._is_alive) if self.servers else []
         for j in dead_ps:
-            logger.warning("parameter server %d is dead; starting a new one", j)
-            self.ps_actors[j] = self._new_parameter_server(self.layout[j])
+            logger.warning("parameter server %d is dead; started a new one", j)
         dead_workers = [i for i, w in enumerate(self.workers) if not self._is_alive(w)]
         if len(dead_workers) == self.num_workers:
             raise DSGDError("every worker died, so no replica is left to restore the weights from; "
@@ -515,7 +533,8 @@ class DistributedSGD:
         if behind:
             state = self.workers[source].get_state.remote()
             self._call([w.set_state.remote(state) for w in behind], f"worker {source}'s state to be copied")
-        self._call([ps.reset.remote(applied) for ps in self.ps_actors], "the parameter servers to reset")
+        if self.servers:
+            self._call(self.servers.reset(applied), "the parameter servers to reset")
         return applied
 
     # ---- weights, state and callbacks ------------------------------------
@@ -556,7 +575,8 @@ class DistributedSGD:
         ref = ray.put(state)
         self._call([w.set_state.remote(ref) for w in self.workers], "the workers to load the checkpoint")
         self._step_id = state["applied_steps"]
-        self._call([ps.reset.remote(self._step_id) for ps in self.ps_actors], "the parameter servers to reset")
+        if self.servers:
+            self._call(self.servers.reset(self._step_id), "the parameter servers to reset")
 
     @property
     def num_steps(self) -> int:
@@ -591,9 +611,11 @@ class DistributedSGD:
         if self._scalars is not None:
             self._scalars.close()
         if ray.is_initialized():
-            for actor in self.workers + self.ps_actors:
+            for actor in self.workers:
                 ray.kill(actor)
-        self.workers, self.ps_actors = [], []
+            if self.servers:
+                self.servers.kill()
+        self.workers, self.servers = [], None
 
     def __enter__(self) -> "DistributedSGD":
         return self

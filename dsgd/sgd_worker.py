@@ -31,14 +31,16 @@ import numpy as np
 import ray
 import tensorflow as tf
 
-from dsgd import object_store, timeline
+from dsgd import timeline
 from dsgd import shards as shard_layout
-from dsgd.errors import DSGDError, DSGDTimeoutError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
+from dsgd.ps_client import ParameterServerClient
+from dsgd.errors import DSGDError, ModelCreatorError, NonFiniteGradientError, WorkerMismatchError
 from dsgd.model import Model
 
 logger = logging.getLogger(__name__)
 
 ALL_REDUCE_ALGS = ("simple", "nccl")
+RECEIVE_THREADS = 2
 NAN_POLICIES = ("raise", "skip", "ignore")
 _NONFINITE = re.compile(r"dsgd: non-finite (gradient|value) of '([^']+)'")
 _SCOPE_PREFIX = re.compile(r"^device_\d+(_apply)?/")
@@ -52,7 +54,6 @@ class WorkerConfig:
     devices_per_worker: int
     gpu: bool
     all_reduce_alg: str
-    grad_shard_bytes: int
     cpus_per_worker: int
     timeout_s: float
     nan_policy: str = "raise"
@@ -116,15 +117,13 @@ class SGDWorker:
         self.sess: tf.compat.v1.Session | None = None
         self.models: list[Model] = []
         self.replicas: list[Replica] = []
-        self.ps_actors: list[Any] = []
+        self.client: ParameterServerClient | None = None  # "ps" with several workers, set by connect
         self.applied_steps = 0
         self._callback_error: BaseException | None = None
-        self._pushes: dict[int, ray.ObjectRef] = {}  # shard index -> this step's push call (ops "ps")
         self._trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
         self.exchange_specs: list[shard_layout.VarSpec] = []  # set by setup, in exchange order
-        self._segments: list[tuple[shard_layout.Segment, ...]] = []  # how each shard travels (Python "ps")
-        self._send_buffers: list[list[np.ndarray | None]] = []  # the Python "ps" exchange packs into these
+        self.layout: list[shard_layout.Shard] = []  # the partitions, set by connect
 
     # ---- set-up -----------------------------------------------------------
 
@@ -138,11 +137,8 @@ class SGDWorker:
             self.models = [r.model for r in self.replicas]
             self._check_replicas_agree()
             self.exchange_specs = list(self._specs(self.replicas[0])[1])
-            self.layout = shard_layout.plan_shards(self.exchange_specs, cfg.grad_shard_bytes)
             local_means = self._build_local_allreduce()
             self._build_apply(local_means)
-            if cfg.use_ops:
-                self._build_ops_exchange(local_means[0])
             self._build_state_io()
             init = tf.compat.v1.global_variables_initializer()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
@@ -157,7 +153,8 @@ class SGDWorker:
         threads = max(1, cfg.cpus_per_worker)
         config = tf.compat.v1.ConfigProto(
             intra_op_parallelism_threads=threads,
-            inter_op_parallelism_threads=max(2, threads),
+            # Two more than the compute needs: a receive waiting for its mean holds one.
+            inter_op_parallelism_threads=max(2, threads) + RECEIVE_THREADS,
             allow_soft_placement=False)
         if cfg.gpu:
             config.gpu_options.allow_growth = True
@@ -309,25 +306,32 @@ class SGDWorker:
                     ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
         return tf.group(*ops)
 
-    def _build_ops_exchange(self, local_means: list[tf.Tensor]) -> None:
+    def _build_ops_exchange(self) -> None:
         """The pipelined "ps" exchange, inside the graph (see dsgd/ops).
 
-        Each shard is put in the object store and sent to its parameter
-        server as soon as its gradients exist, while back-propagation of
-        earlier layers goes on.
-        Receives wait for all of this worker's sends, so a receive blocked on
-        ``ray.get`` never holds a thread that one of our sends needs; the
-        averaged shards are read from the object store without a copy.
+        Each partition is sent to its parameter server as soon as its
+        gradients exist, while back-propagation of earlier layers goes on,
+        and received as soon as it is sent. Sends run in layout order (each
+        after the previous one) and receive k waits for send k, so a worker
+        blocks only on partitions that every worker with a longer run of
+        sends has already sent: whichever worker has sent the least always
+        gets its means, and no thread budget can deadlock. Means are read
+        without a copy; the apply runs once every partition has arrived.
         """
         from dsgd import ops
 
-        self._step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
-        sends = [ops.build_send(local_means, shard, self._push_shard, [self._step_input]) for shard in self.layout]
-        with tf.control_dependencies(sends):
-            received = [ops.receive_shard(functools.partial(self._receive_shard, shard), shard, [self._step_input])
-                        for shard in self.layout]
-        means = ops.unpack(received, self.layout, self.exchange_specs)
-        self._apply_received = self._apply_ops([means] * len(self.replicas))
+        with self.graph.as_default():
+            self._step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
+            received, previous = [], []
+            for shard in self.layout:
+                with tf.control_dependencies(previous):
+                    sent = ops.build_send(self._local_means, shard, self._send_shard, [self._step_input])
+                with tf.control_dependencies([sent]):
+                    received.append(ops.receive_shard(functools.partial(self._receive_shard, shard), shard,
+                                                      [self._step_input]))
+                previous = [sent]
+            means = ops.unpack(received, self.layout, self.exchange_specs)
+            self._apply_received = self._apply_ops([means] * len(self.replicas))
 
     @contextlib.contextmanager
     def _callback(self, span: str):
@@ -339,20 +343,13 @@ class SGDWorker:
             self._callback_error = e
             raise
 
-    def _push_shard(self, shard: shard_layout.Shard, ref, step: np.ndarray) -> None:
-        with self._callback(f"send shard {shard.index}"):
-            self._pushes[shard.index] = self.ps_actors[shard.index].push.remote(int(step), self.worker_index, ref)
+    def _send_shard(self, shard: shard_layout.Shard, arrays: list[np.ndarray], step: np.ndarray) -> None:
+        with self._callback(f"send partition {shard.index}"):
+            self.client.send(shard, int(step), arrays)
 
     def _receive_shard(self, shard: shard_layout.Shard, step: np.ndarray) -> np.ndarray:
-        with self._callback(f"receive shard {shard.index}"):
-            return self._mean_of(shard, self._pushes.pop(shard.index), int(step))
-
-    def _mean_of(self, shard: shard_layout.Shard, push, step_id: int) -> np.ndarray:
-        """The averaged shard that ``push`` (a parameter server's push call) returns a reference to."""
-        [mean_ref] = self._wait(push, f"parameter server {shard.index}'s sum of step {step_id}")
-        [mean] = object_store.join(self._wait(mean_ref, f"the averaged shard {shard.index} of step {step_id}"),
-                                   [shard.size])
-        return mean
+        with self._callback(f"receive partition {shard.index}"):
+            return self.client.receive(shard, int(step))
 
     def _build_state_io(self) -> None:
         """Placeholders and assign ops for the weights and the optimizer state."""
@@ -378,17 +375,26 @@ class SGDWorker:
 
     # ---- ps wiring --------------------------------------------------------
 
-    def set_parameter_servers(self, ps_actors: list) -> None:
-        if len(ps_actors) != len(self.layout):
-            raise DSGDError(f"worker {self.worker_index} has {len(self.layout)} shards but got {len(ps_actors)} parameter servers")
-        self.ps_actors = list(ps_actors)
-        if not self.config.use_ops and not self._send_buffers:
-            self._segments = [shard_layout.segments(s) for s in self.layout]
-            self._send_buffers = [[None if seg.view else np.zeros(seg.size, seg.dtype) for seg in parts]
-                                  for parts in self._segments]
+    def connect(self, layout: list[shard_layout.Shard], placement: list[int], servers: list,
+                timeout_s: float) -> int:
+        """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j).
 
-    def shard_layout(self) -> list[shard_layout.Shard]:
-        return self.layout
+        The first call builds the in-graph exchange (with the op library);
+        later calls, after a server or worker was replaced, only re-attach.
+        Returns how many servers are reached through shared memory.
+        """
+        if self.client is None:
+            self.layout = list(layout)
+            self.client = ParameterServerClient(self.worker_index, layout, placement, self.config.timeout_s)
+            if self.config.use_ops:
+                before = len(self.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+                self._build_ops_exchange()
+                if len(self.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)) != before:
+                    raise DSGDError("building the exchange created variables; the optimizer's slots must "
+                                    "exist after its first apply_gradients")
+        elif [s.index for s in layout] != [s.index for s in self.layout] or placement != self.client.placement:
+            raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
+        return self.client.connect(servers, timeout_s)
 
     # ---- stepping ---------------------------------------------------------
 
@@ -515,17 +521,20 @@ class SGDWorker:
         return self._result(self._apply({"apply": self._apply_fed}, dict(zip(self._mean_inputs, means))))
 
     def step_ps(self, step_id: int, fetch_stats: bool) -> dict:
-        """Compute, push shards to the parameter servers, receive their means, apply."""
+        """Compute, push partitions to the parameter servers, receive their means, apply."""
         if self.config.use_ops:
             return self._step_ps_ops(step_id, fetch_stats)
         out = self._run({"means": self._local_means, "stats": self._stats_fetches(fetch_stats)},
                         self._feed_dict(), "compute")
-        with self._phase("pack and send"):
-            pushes = [ps.push.remote(step_id, self.worker_index,
-                                     object_store.put(shard_layout.segment_arrays(out["means"], parts, buffers)))
-                      for parts, buffers, ps in zip(self._segments, self._send_buffers, self.ps_actors)]
-        with self._phase("receive"):
-            shard_means = [self._mean_of(shard, push, step_id) for shard, push in zip(self.layout, pushes)]
+        try:
+            with self._phase("pack and send"):
+                for shard in self.layout:
+                    self.client.send_gradients(shard, step_id, out["means"])
+            with self._phase("receive"):
+                shard_means = [self.client.receive(shard, step_id) for shard in self.layout]
+        except BaseException:
+            self.client.forget_pushes()
+            raise
         applied = self.apply_gradients(shard_layout.unpack(shard_means, self.layout, self.exchange_specs))
         stats = self._reduce_stats(out["stats"])
         return {**stats, **(self._phase_s if stats else {}), **applied}
@@ -537,26 +546,18 @@ class SGDWorker:
         feed = self._feed_dict()
         feed[self._step_input] = step_id
         self._callback_error = None
-        self._pushes.clear()
         try:
             out = self._apply({"apply": self._apply_received, "stats": self._stats_fetches(fetch_stats)}, feed,
                               "compute, exchange and apply")
         except tf.errors.OpError:
             ops.discard_unclaimed()
+            self.client.forget_pushes()
             if self._callback_error is not None:
                 raise self._callback_error from None  # e.g. a dead parameter server: the driver recovers
             raise
         finally:
             ops.drain_released()
         return self._result(out)
-
-    def _wait(self, refs: list, what: str) -> list:
-        try:
-            return ray.get(refs, timeout=self.config.timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise DSGDTimeoutError(
-                f"worker {self.worker_index} waited more than {self.config.timeout_s:.0f}s for {what}; "
-                "a worker or parameter server is stuck or dead") from e
 
     def warmup(self) -> None:
         """Run the gradient computation once without applying it (no weight change)."""

@@ -25,6 +25,8 @@ import numpy as np
 
 ALIGN_BYTES = 64
 VIEW_BYTES = 1 << 16  # pieces this big are sent as views of the gradient, not packed
+PARTITIONS_PER_SERVER = 4  # default: enough to pipeline with back-propagation, few enough to stay cheap
+MIN_PARTITION_BYTES = 1 << 20  # default: smaller partitions cost more in calls than they gain
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,15 @@ class VarSpec:
 def _align(elements: int, itemsize: int) -> int:
     step = max(1, ALIGN_BYTES // itemsize)
     return -(-elements // step) * step
+
+
+def default_partition_bytes(total_bytes: int, num_servers: int) -> int:
+    """The partition size dsgd picks: about ``PARTITIONS_PER_SERVER`` per server, at least 1 MiB.
+
+    Each partition costs a call per worker and step, so a partition is as
+    large as it can be while still giving every server a few to pipeline.
+    """
+    return max(MIN_PARTITION_BYTES, math.ceil(total_bytes / (PARTITIONS_PER_SERVER * max(1, num_servers))))
 
 
 def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:

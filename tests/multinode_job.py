@@ -26,7 +26,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STEPS = 3
 RESULT_PREFIX = "RESULT "
-SHARD_BYTES = 40  # 112 bytes of gradients -> 3 shards, 3 parameter servers
+SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
 
 
 def actor_node(actor) -> str:
@@ -47,6 +47,9 @@ def run() -> dict:
             "worker_nodes": ray.get([w.node_id.remote() for w in sgd.workers]),
             "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
             "ps_nodes": [actor_node(ps) for ps in sgd.ps_actors],
+            # per worker, per partition: read through shared memory (its server's node) or the object store
+            "shared": sgd.foreach_worker(lambda w: [m is not None for m in w.client.means]),
+            "placement": sgd.servers.placement,
             "start": {k: v.tolist() for k, v in start.items()},
             "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
             "steps": STEPS,

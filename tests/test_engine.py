@@ -40,9 +40,31 @@ def test_random_init_is_broadcast_to_every_replica(engines, strategy):
     assert_replicas_identical(engines[strategy])
 
 
-def test_ps_has_one_parameter_server_per_shard(engines):
-    # 5*4 + 4 + 4 float32 = 112 bytes in 24-byte shards: ceil(112 / 24) = 5 shards.
-    assert len(engines["ps"].ps_actors) == 5
+def test_ps_serves_many_partitions_per_server_through_shared_memory(engines):
+    # 5*4 + 4 + 4 float32 = 112 bytes in 24-byte partitions: ceil(112 / 24) = 5 partitions, on the
+    # default servers: one node of 8 CPUs holding two 1-CPU workers -> 2 servers, not 5.
+    sgd = engines["ps"]
+    assert len(sgd.layout) == 5
+    assert len(sgd.ps_actors) == 2
+    assert sorted(set(sgd.servers.placement)) == [0, 1]
+    # Workers and servers share one node: every partition travels through shared memory.
+    assert sgd.foreach_worker(lambda w: [m is not None for m in w.client.means]) == [[True] * 5] * 2
+
+
+def test_explicit_server_count_is_honoured_and_default_partitions_train_correctly(ray_session):
+    with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
+                             num_parameter_servers=1) as sgd:
+        assert len(sgd.ps_actors) == 1
+        assert len(sgd.layout) == 1  # 112 bytes: one partition (dsgd's default is at least 1 MiB)
+        start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
+        expected = start
+        for step in range(2):
+            sgd.step()
+            expected = numpy_step(expected, REPLICAS, step)
+        got = sgd.get_weights()
+        assert_replicas_identical(sgd)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_foreach_model_is_flat_in_worker_then_device_order(engines):

@@ -64,9 +64,16 @@ def test_workers_run_on_both_nodes(job):
     assert sorted(job["worker_nodes"]) == job["nodes"]
     # The GCS actor table, used for the parameter servers, agrees with the workers' own view.
     assert job["worker_nodes_gcs"] == job["worker_nodes"]
-    # SPREAD is best effort for the CPU-less parameter servers: seen split 2+1 and 3+0.
-    assert len(job["ps_nodes"]) == 3
-    assert set(job["ps_nodes"]) == set(job["nodes"])  # round robin over the nodes
+    # One parameter server per node holding a worker (3 CPUs, 1 worker of 1 CPU: no spare pair).
+    assert sorted(job["ps_nodes"]) == job["nodes"]
+
+
+def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_rest_from_the_store(job):
+    ps_nodes, placement = job["ps_nodes"], job["placement"]
+    assert len(placement) == 3 and set(placement) == {0, 1}
+    for worker_node, shared in zip(job["worker_nodes"], job["shared"]):
+        assert shared == [ps_nodes[server] == worker_node for server in placement]
+        assert any(shared) and not all(shared)  # both transports are exercised
 
 
 def test_replicas_are_identical_and_equal_the_numpy_reference(job):

@@ -1,104 +1,170 @@
-"""The parameter-server actor: averages in a fixed order, and a bad push fails the step, not hangs it."""
+"""The parameter-server actor: many partitions per process, two transports, a fixed summing order,
+and a bad push fails the step instead of hanging it."""
+
+import time
 
 import numpy as np
 import pytest
 import ray
 
-from dsgd import object_store, ps_actor
+from dsgd import object_store, ps_actor, shared_memory
 from dsgd.errors import DSGDTimeoutError
 from dsgd.ps_actor import StepAborted
+from dsgd.shards import VarSpec, plan_shards, segments
 
-SEGMENTS = [(0, 5), (16, 1000), (1024, 3)]  # (start, size): gaps between them stay zero
-SIZE = 1027
+# Two partitions: one of two small variables (packed together), one of a large one (its own segment).
+SPECS = [VarSpec("a", (5,), np.dtype(np.float32)), VarSpec("b", (3,), np.dtype(np.float32)),
+         VarSpec("c", (20000,), np.dtype(np.float32))]
+LAYOUT = plan_shards(SPECS, 50_000)  # 80 KB in 2 partitions
+SEGMENT_0 = segments(LAYOUT[0])[0].size
 
 
 def _server(num_workers, timeout_s=30.0):
-    return ps_actor.start(0, num_workers, SIZE, "<f4", SEGMENTS, timeout_s)
+    return ps_actor.start(0, num_workers, LAYOUT, timeout_s)
 
 
-def _pushed(rng):
-    return [rng.standard_normal(n).astype(np.float32) for _, n in SEGMENTS]
+def _data(rng):
+    """One worker's flat copy of every partition (alignment gaps zero)."""
+    out = []
+    for shard in LAYOUT:
+        flat = np.zeros(shard.size, np.float32)
+        for p in shard.pieces:
+            flat[p.shard_offset:p.shard_offset + p.size] = rng.standard_normal(p.size)
+        out.append(flat)
+    return out
 
 
-def _mean(push):
-    [ref] = ray.get(push, timeout=30)
-    [mean] = object_store.join(ray.get(ref, timeout=30), [SIZE])
-    return mean
+def _stored(shard, flat):
+    """What a remote worker pushes: the partition's segments as one object."""
+    return object_store.put([flat[s.start:s.start + s.size] for s in segments(shard)])
 
 
-def test_every_push_returns_the_mean_summed_in_worker_order_whatever_the_arrival_order(ray_session):
+class LocalWorker:
+    """This process, attached to a server as a worker on its node: pushes through shared memory."""
+
+    def __init__(self, server, worker_index):
+        self.server, self.worker_index = server, worker_index
+        info = ray.get(server.attach.remote(worker_index, ray.get_runtime_context().get_node_id()), timeout=30)
+        assert info is not None, "a worker on the server's node gets shared buffers"
+        inputs = shared_memory.attach(info["input"], writable=True)
+        means = shared_memory.attach(info["mean"], writable=False)
+        self.inputs = [shared_memory.array(inputs, s.dtype, info["offsets"][s.index], s.size) for s in LAYOUT]
+        self.means = [shared_memory.array(means, s.dtype, info["offsets"][s.index], s.size) for s in LAYOUT]
+
+    def push(self, step, shard, flat):
+        np.copyto(self.inputs[shard.index], flat)
+        return self.server.push.remote(step, self.worker_index, shard.index)
+
+
+def _wait_until(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def _expected(parts):
+    """The "simple" strategy's order: ((w0 + w1) + w2) / 3."""
+    out = []
+    for k in range(len(LAYOUT)):
+        total = parts[0][k] + parts[1][k]
+        for more in parts[2:]:
+            total += more[k]
+        out.append(total / np.float32(len(parts)))
+    return out
+
+
+def test_one_server_sums_many_partitions_in_worker_order_over_both_transports(ray_session):
+    assert len(LAYOUT) == 2
     rng = np.random.default_rng(0)
-    parts = [_pushed(rng) for _ in range(3)]
-    expected = np.zeros(SIZE, np.float32)
-    for k, (start, n) in enumerate(SEGMENTS):
-        total = parts[0][k] + parts[1][k]  # the "simple" strategy's order: ((w0 + w1) + w2) / 3
-        total += parts[2][k]
-        expected[start:start + n] = total / np.float32(3)
     server = _server(3)
-    for step, order in enumerate([(0, 1, 2), (2, 0, 1)]):
-        pushes = [server.push.remote(step, w, object_store.put(parts[w])) for w in order]
-        for push in pushes:
-            np.testing.assert_array_equal(_mean(push), expected)  # bit for bit, for every worker
-        assert len({ray.get(push, timeout=30)[0] for push in pushes}) == 1  # one object, shared
+    local = LocalWorker(server, 1)  # workers 0 and 2 stay remote
+    for step, order in enumerate([(0, 1, 2), (2, 1, 0)]):
+        parts = [_data(rng) for _ in range(3)]
+        expected = _expected(parts)
+        for shard in reversed(LAYOUT):  # partitions complete independently, in any order
+            pushes = {w: (local.push(step, shard, parts[w][shard.index]) if w == 1 else
+                          server.push.remote(step, w, shard.index, _stored(shard, parts[w][shard.index])))
+                      for w in order}
+            replies = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
+            assert replies[1] == []  # the local worker reads the mean from shared memory
+            np.testing.assert_array_equal(local.means[shard.index], expected[shard.index])  # bit for bit
+            for w in (0, 2):
+                [ref] = replies[w]
+                [mean] = object_store.join(ray.get(ref, timeout=30), [shard.size])
+                np.testing.assert_array_equal(mean, expected[shard.index])
+            assert replies[0] == replies[2]  # one object of the mean, shared by the remote workers
     ray.kill(server)
 
 
 def test_a_push_waits_for_every_worker(ray_session):
     server = _server(2)
-    parts = _pushed(np.random.default_rng(2))
-    first = server.push.remote(0, 0, object_store.put(parts))
+    shard = LAYOUT[0]
+    flat = _data(np.random.default_rng(2))[0]
+    first = server.push.remote(0, 0, 0, _stored(shard, flat))
     ready, _ = ray.wait([first], timeout=1.0)
     assert not ready  # worker 1 has not pushed yet
-    np.testing.assert_array_equal(_mean(server.push.remote(0, 1, object_store.put(parts)))[:5], parts[0])
-    np.testing.assert_array_equal(_mean(first)[:5], parts[0])
+    ray.get(server.push.remote(0, 1, 0, _stored(shard, flat)), timeout=30)
+    [ref] = ray.get(first, timeout=30)
+    np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], flat)
     ray.kill(server)
 
 
 @pytest.mark.parametrize("bad, message", [
-    ([np.zeros(5, np.float32), np.zeros(999, np.float32), np.zeros(3, np.float32)], "segments of sizes"),
-    ([np.zeros(5, np.float64), np.zeros(1000, np.float64), np.zeros(3, np.float64)], "float64"),
+    ([np.zeros(7, np.float32)], "segments of sizes"),
+    ([np.zeros(SEGMENT_0, np.float64)], "float64"),
 ])
 def test_a_bad_push_fails_the_step_for_every_pusher(ray_session, bad, message):
     server = _server(3)
-    waiting = server.push.remote(0, 0, object_store.put(_pushed(np.random.default_rng(3))))
+    shard = LAYOUT[0]
+    good = _data(np.random.default_rng(3))[0]
+    waiting = server.push.remote(0, 0, 0, _stored(shard, good))
     with pytest.raises(ValueError, match=message):
-        ray.get(server.push.remote(0, 1, object_store.put(bad)), timeout=30)
-    for ref in (waiting, server.push.remote(0, 2, object_store.put(_pushed(np.random.default_rng(4))))):
+        ray.get(server.push.remote(0, 1, 0, object_store.put(bad)), timeout=30)
+    for ref in (waiting, server.push.remote(0, 2, 0, _stored(shard, good))):
         with pytest.raises(ValueError, match=message):
             ray.get(ref, timeout=30)  # an error at once, not a wait for a sum that cannot come
     ray.kill(server)
 
 
-def test_push_of_the_wrong_step_or_twice_is_refused(ray_session):
+def test_push_of_the_wrong_step_partition_or_twice_is_refused(ray_session):
     server = _server(2)
-    parts = _pushed(np.random.default_rng(1))
-    waiting = server.push.remote(0, 0, object_store.put(parts))
-    with pytest.raises(ValueError, match="pushed shard 0 of step 0 twice"):
-        ray.get(server.push.remote(0, 0, object_store.put(parts)), timeout=30)
-    with pytest.raises(ValueError, match="is summing step 0 but worker 1 pushed step 5"):
-        ray.get(server.push.remote(5, 1, object_store.put(parts)), timeout=30)
+    shard = LAYOUT[0]
+    flat = _data(np.random.default_rng(1))[0]
+    waiting = server.push.remote(0, 0, 0, _stored(shard, flat))
+    with pytest.raises(ValueError, match="pushed partition 0 of step 0 twice"):
+        ray.get(server.push.remote(0, 0, 0, _stored(shard, flat)), timeout=30)
+    with pytest.raises(ValueError, match="is summing step 0 of partition 0 but worker 1 pushed step 5"):
+        ray.get(server.push.remote(5, 1, 0, _stored(shard, flat)), timeout=30)
     with pytest.raises(ValueError, match="twice"):
         ray.get(waiting, timeout=30)  # the step failed for its waiting push too
+    with pytest.raises(ValueError, match=r"does not serve partition 9 .* it serves \[0, 1\]"):
+        ray.get(server.push.remote(0, 0, 9, _stored(shard, flat)), timeout=30)
+    with pytest.raises(ValueError, match="no shared input buffer"):
+        ray.get(server.push.remote(0, 1, 1), timeout=30)  # no data and not attached on this node
     ray.kill(server)
 
 
-def test_abort_and_reset_release_a_waiting_push(ray_session):
+@pytest.mark.parametrize("release", ["abort", "reset"])
+def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     server = _server(2)
-    parts = _pushed(np.random.default_rng(5))
-    for release in ("abort", "reset"):
-        waiting = server.push.remote(0, 0, object_store.put(parts))
-        ray.wait([waiting], timeout=0.5)
-        ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
-        with pytest.raises(StepAborted):
-            ray.get(waiting, timeout=30)
-        ray.get(server.reset.remote(0), timeout=30)
-    pushes = [server.push.remote(0, w, object_store.put(parts)) for w in range(2)]  # usable again
-    np.testing.assert_array_equal(_mean(pushes[1])[:5], parts[0])
+    shard = LAYOUT[1]
+    flat = _data(np.random.default_rng(5))[1]
+    waiting = server.push.remote(0, 0, 1, _stored(shard, flat))
+    _wait_until(lambda: ray.get(server.waiting_for.remote(), timeout=30) == {1: [1]})  # the push waits
+    ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
+    with pytest.raises(StepAborted):
+        ray.get(waiting, timeout=30)
+    ray.get(server.reset.remote(0), timeout=30)
+    pushes = [server.push.remote(0, w, 1, _stored(shard, flat)) for w in range(2)]  # usable again
+    [ref] = ray.get(pushes[1], timeout=30)
+    np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], flat)
     ray.kill(server)
 
 
 def test_a_push_whose_peers_never_come_times_out_with_their_names(ray_session):
     server = _server(3, timeout_s=0.5)
-    with pytest.raises(DSGDTimeoutError, match=r"workers \[1, 2\] to push shard 0 of step 0"):
-        ray.get(server.push.remote(0, 0, object_store.put(_pushed(np.random.default_rng(6)))), timeout=30)
+    flat = _data(np.random.default_rng(6))[0]
+    with pytest.raises(DSGDTimeoutError, match=r"workers \[1, 2\] to push partition 0 of step 0"):
+        ray.get(server.push.remote(0, 0, 0, _stored(LAYOUT[0], flat)), timeout=30)
     ray.kill(server)

@@ -31,8 +31,9 @@ def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use
         stats = sgd.step(fetch_stats=True, write_timeline=str(path))
         assert stats["loss"] > 0 and stats["step"] == 1
         num_ps = len(sgd.ps_actors)
+        placement = sgd.servers.placement
     processes, spans = load_trace(path)
-    assert num_ps == 3
+    assert (num_ps, len(placement)) == (2, 3)  # 112 bytes in 40-byte partitions, on 2 servers
     assert sorted(processes.values()) == sorted(
         ["driver", "worker 0", "worker 1"] + [f"parameter server {j}" for j in range(num_ps)])
     assert {"step 1", "submit", "wait for the workers"} <= names(spans["driver"])
@@ -40,16 +41,17 @@ def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use
         worker = names(spans[f"worker {w}"])
         assert "get_feed_dict" in worker
         if use_ops:
-            assert {f"send shard {j}" for j in range(num_ps)} <= worker
-            assert {f"receive shard {j}" for j in range(num_ps)} <= worker
+            assert {f"send partition {p}" for p in range(3)} <= worker
+            assert {f"receive partition {p}" for p in range(3)} <= worker
             assert any(n.startswith("dsgd_send_") for n in worker)  # TensorFlow's own op events
         else:
             assert {"compute", "pack and send", "receive", "apply"} <= worker
         assert any("ApplyGradientDescent" in e["args"].get("op", "") for e in spans[f"worker {w}"])
     for j in range(num_ps):
-        assert names(spans[f"parameter server {j}"]) == {
-            "average 2 workers' shards", "put the mean in the object store",
-            "worker 0's push (waits for the sum)", "worker 1's push (waits for the sum)"}
+        mine = [p for p, server in enumerate(placement) if server == j]
+        assert names(spans[f"parameter server {j}"]) == (
+            {f"average partition {p} of 2 workers" for p in mine}
+            | {f"worker {w}'s push of partition {p} (waits for the sum)" for p in mine for w in range(2)})
     [step] = [e for e in spans["driver"] if e["name"] == "step 1"]
     for process, events in spans.items():
         for e in events:  # one clock: everything happens inside the driver's step (1 ms slack)

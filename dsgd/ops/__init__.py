@@ -1,10 +1,11 @@
 """Loader and graph helpers for the dsgd C++ op library.
 
-Write side: ``build_send`` hands a shard to the object store from inside the
+Write side: ``build_send`` hands a shard to a Python callback from inside the
 graph, so each shard leaves as soon as its gradients exist. The shard travels
 as segments (``dsgd.shards.segments``): large pieces as zero-copy views of the
-gradient tensors, runs of small pieces packed by ``pack`` (one C++ pass), and
-the object store's serializer copies them all into the new object once.
+gradient tensors, runs of small pieces packed by ``pack`` (one C++ pass); the
+callback (``dsgd.ps_client``) copies them once, into a shared buffer or the
+object store.
 
 Read side: ``receive_shard`` turns the numpy array a fetch function returns
 (normally the zero-copy view ``ray.get`` gives) into a tensor aliasing the same
@@ -108,14 +109,15 @@ def pack(grads: Sequence[tf.Tensor], part: Shard | Segment) -> tf.Tensor:
 def build_send(grads: Sequence[tf.Tensor], shard: Shard,
                on_ready: Callable[[Shard, Any], None],
                inputs: Sequence[tf.Tensor] = (), view_bytes: int = VIEW_BYTES) -> tf.Tensor:
-    """Put ``shard``'s gradients in the object store from inside the graph.
+    """Hand ``shard``'s gradients to ``on_ready`` from inside the graph.
 
-    When the graph runs, as soon as the shard's gradients exist, its segments
-    (views of large pieces, packed runs of small ones) are put in the object
-    store as one object (``object_store.put``: one copy of every byte) and
-    ``on_ready(shard, object_ref, *input_values)`` is called (it typically
-    sends the ref to the shard's parameter server). ``inputs`` are extra
-    tensors whose numpy values are passed along (e.g. a step number).
+    When the graph runs, as soon as the shard's gradients exist,
+    ``on_ready(shard, arrays, *input_values)`` is called with one flat array
+    per segment (zero-copy views of large pieces, packed runs of small ones;
+    valid only during the call), which typically copies them to the shard's
+    parameter server. ``inputs`` are extra tensors whose numpy values are
+    passed along (e.g. a step number); control dependencies on the returned
+    token order sends.
     ``view_bytes``: see ``dsgd.shards.segments``.
     Returns an int64 scalar token (the shard index) to fetch or depend on.
     """
@@ -131,7 +133,7 @@ def build_send(grads: Sequence[tf.Tensor], shard: Shard,
 
     def send(*values: np.ndarray) -> np.int64:
         arrays = [piece_view(a, seg.pieces[0]) if seg.view else a for a, seg in zip(values, parts)]
-        on_ready(shard, object_store.put(arrays), *values[len(parts):])
+        on_ready(shard, arrays, *values[len(parts):])
         return np.int64(shard.index)
 
     token = tf.numpy_function(send, [*tensors, *inputs], tf.int64, stateful=True,

@@ -1,0 +1,128 @@
+"""The driver's parameter servers: how many, where, which partitions each sums.
+
+Partitions and server processes are separate choices. A partition (about
+``grad_shard_bytes``) is what travels and is pipelined with back-propagation;
+a server process sums many partitions. By default the driver starts a few
+servers on the nodes that hold workers, from each node's CPUs and the
+workers placed there (``plan_servers``), and picks the partition size from
+the model and the server count (``dsgd.shards.default_partition_bytes``);
+partitions are spread over the servers by bytes (``assign_partitions``).
+Workers reach a server on their own node through shared memory, others
+through the object store (``dsgd.ps_client``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dsgd import ps_actor
+from dsgd.shards import Shard
+
+CPUS_PER_SERVER = 2  # spare CPUs on a node that justify one more server there
+
+
+def plan_servers(worker_nodes: Sequence[str], node_cpus: dict[str, float], cpus_per_worker: int,
+                 requested: int | None) -> list[str]:
+    """The node of every server to start.
+
+    ``requested`` servers are spread round robin over the nodes holding
+    workers (most workers first). ``None`` picks per such node: one server,
+    plus one for every ``CPUS_PER_SERVER`` CPUs the node's workers leave
+    free, at most one per worker there.
+    """
+    counts: dict[str, int] = {}
+    for node in worker_nodes:
+        counts[node] = counts.get(node, 0) + 1
+    nodes = sorted(counts, key=lambda n: (-counts[n], n))
+    if requested is not None:
+        return [nodes[j % len(nodes)] for j in range(requested)]
+    plan = []
+    for node in nodes:
+        spare = node_cpus.get(node, 0) - counts[node] * cpus_per_worker
+        plan += [node] * max(1, min(counts[node], int(spare // CPUS_PER_SERVER)))
+    return plan
+
+
+def assign_partitions(layout: Sequence[Shard], num_servers: int) -> list[int]:
+    """``placement[j]``: the server of partition j, balancing bytes.
+
+    In layout order (the order back-propagation produces gradients) each
+    partition goes to the server with the fewest bytes so far, so partitions
+    ready at about the same time are summed by different servers.
+    """
+    load = [0] * num_servers
+    placement = []
+    for shard in layout:
+        j = min(range(num_servers), key=lambda k: (load[k], k))
+        placement.append(j)
+        load[j] += shard.nbytes
+    return placement
+
+
+class ServerGroup:
+    """Starts, replaces, aborts, resets and traces the parameter servers of one engine."""
+
+    def __init__(self, layout: Sequence[Shard], nodes: Sequence[str], num_workers: int, timeout_s: float):
+        """``nodes[j]``: where server j runs."""
+        self.layout = list(layout)
+        self.nodes = list(nodes)
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.placement = assign_partitions(self.layout, len(self.nodes))
+        self.actors: list[Any] = [None] * len(self.nodes)
+
+    def partitions_of(self, server: int) -> list[Shard]:
+        return [s for s, j in zip(self.layout, self.placement) if j == server]
+
+    def start(self, indices: Sequence[int] | None = None) -> list:
+        """Start servers (all, or ``indices``); their ping refs, to wait on."""
+        indices = range(len(self.nodes)) if indices is None else indices
+        for j in indices:
+            self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.timeout_s,
+                                            scheduling_strategy=self._placement(j))
+        return [self.actors[j].ping.remote() for j in indices]
+
+    def _placement(self, server: int) -> NodeAffinitySchedulingStrategy:
+        """Hard affinity to the planned node, or the first live node if it is gone.
+
+        Ray's SPREAD does not spread actors that reserve no CPU, and soft
+        affinity spills them to other nodes under load, so placement is explicit.
+        """
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        if self.nodes[server] not in alive:
+            self.nodes[server] = alive[server % len(alive)]
+        return NodeAffinitySchedulingStrategy(node_id=self.nodes[server], soft=False)
+
+    def replace_dead(self, is_alive: Callable[[Any], bool]) -> list[int]:
+        """Start new servers for the dead ones; their indices."""
+        dead = [j for j, actor in enumerate(self.actors) if not is_alive(actor)]
+        if dead:
+            self.start(dead)
+        return dead
+
+    def abort(self) -> None:
+        """Fail every waiting and future push until ``reset`` (fire and forget)."""
+        for actor in self.actors:
+            actor.abort.remote()
+
+    def reset(self, step_id: int) -> list:
+        """Refs of every server's reset to expect ``step_id`` next."""
+        return [actor.reset.remote(step_id) for actor in self.actors]
+
+    def traces(self, step_id: int) -> list:
+        return [actor.trace.remote(step_id) for actor in self.actors]
+
+    def describe(self) -> str:
+        sizes = [sum(s.nbytes for s in self.partitions_of(j)) for j in range(len(self.nodes))]
+        return (f"{len(self.layout)} partitions of about {math.ceil(max(s.nbytes for s in self.layout) / 2**20)} MiB "
+                f"on {len(self.nodes)} parameter servers ({', '.join(f'{b / 2**20:.1f}' for b in sizes)} MiB each)")
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            if actor is not None:
+                ray.kill(actor)
+        self.actors = [None] * len(self.nodes)
