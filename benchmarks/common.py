@@ -1,20 +1,27 @@
-"""Timing, summaries and JSON records shared by the benchmark scripts."""
+"""What the benchmark scripts share: flags, starting Ray, interleaved rounds, records."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import ray
 
 from benchmarks.resnet import BLOCKS_PER_STAGE
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 @dataclass
@@ -35,7 +42,7 @@ class BenchConfig:
         return self.batch_size * self.num_workers * self.devices_per_worker
 
 
-def add_run_flags(parser) -> None:
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """The argparse flags that fill a BenchConfig (same names, dashes for underscores)."""
     defaults = BenchConfig()
     parser.add_argument("--model", choices=sorted(BLOCKS_PER_STAGE), default=defaults.model)
@@ -51,37 +58,112 @@ def add_run_flags(parser) -> None:
                         help="steps run first and excluded from the summary")
 
 
-def bench_config_from_args(args) -> BenchConfig:
+def bench_config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(**{name: getattr(args, name) for name in BenchConfig.__dataclass_fields__})
 
 
-def time_steps(step: Callable[[], dict[str, float] | None], cfg: BenchConfig, label: str,
-               verbose: bool = True) -> tuple[list[float], list[dict[str, float]], bool]:
-    """Run `cfg.warmup + cfg.num_iters` steps; if verbose, print images/s after each.
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for dsgd.DistributedSGD's tuning arguments; each left unset runs the engine's default."""
+    parser.add_argument("--grad-shard-bytes", type=int, default=None,
+                        help="partition size (default: the engine's choice)")
+    parser.add_argument("--num-parameter-servers", type=int, default=None,
+                        help="parameter-server processes (default: the engine's choice)")
+    parser.add_argument("--nan-policy", choices=["raise", "skip", "ignore"], default=None,
+                        help="what a non-finite gradient does (default: the engine's)")
+    parser.add_argument("--no-ops", action="store_true",
+                        help='"ps" moves shards through Python instead of the C++ op library')
 
-    Returns (wall time of each step in seconds, what each step returned,
-    whether Ctrl-C stopped the loop early). Ctrl-C never loses finished steps.
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """DistributedSGD keyword arguments for the engine flags given, and only those."""
+    kwargs = {name: getattr(args, name) for name in ("grad_shard_bytes", "num_parameter_servers", "nan_policy")
+              if getattr(args, name) is not None}
+    if args.no_ops:
+        kwargs["use_ops"] = False
+    return kwargs
+
+
+def start_ray(address: str | None = None, **init_kwargs: Any) -> None:
+    """Connect to the cluster at `address`, or start Ray here with `init_kwargs` (no dashboard
+    unless they ask for one).
+
+    Either way the job's workers find the `benchmarks` package (the repository
+    root is put on their PYTHONPATH) and TensorFlow's C++ logging is quiet.
     """
-    total = cfg.warmup + cfg.num_iters
-    times: list[float] = []
-    outputs: list[dict[str, float]] = []
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env_vars = {"PYTHONPATH": pythonpath, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if address:
+        # Code in the workers that looks the cluster up (Ray Train does) finds this one.
+        env_vars["RAY_ADDRESS"] = address
+        ray.init(address=address, runtime_env={"env_vars": env_vars}, logging_level="ERROR")
+    else:
+        init_kwargs.setdefault("include_dashboard", False)
+        ray.init(runtime_env={"env_vars": env_vars}, logging_level="ERROR", **init_kwargs)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that made a run: this process's own, or `python -m module argv` when
+    `main(argv)` was called from Python."""
+    if argv is None:
+        return shlex.join(sys.orig_argv)
+    return shlex.join(["python", "-m", module, *argv])
+
+
+Step = Callable[[], float]  # runs one step of a system, returns its time in seconds
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """`names` rotated left by `round_index`: each name goes first in turn."""
+    shift = round_index % len(names)
+    return list(names[shift:]) + list(names[:shift])
+
+
+def run_rounds(systems: dict[str, Step], rounds: int, warmup: int = 0,
+               describe: Callable[[float], str] = lambda s: f"{s * 1000:8.1f} ms",
+               settle_s: float = 0.0) -> tuple[dict[str, list[float]], list[str], bool]:
+    """Run the systems interleaved: in round r each takes one step, in order rotated by r.
+
+    So machine noise falls on every system alike and none always goes
+    first. `settle_s` is a pause before every step, which keeps one
+    system's trailing work (Ray freeing objects, garbage collection) off the
+    next one's clock. Prints each step, the first `warmup` rounds marked as
+    warm-up.
+
+    Returns (every step's time per system, the order the steps ran in,
+    whether Ctrl-C stopped the rounds early). Ctrl-C never loses finished steps.
+    """
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    order: list[str] = []
+    width = max(map(len, systems))
     try:
-        for i in range(total):
-            start = time.perf_counter()
-            out = step() or {}
-            elapsed = time.perf_counter() - start
-            times.append(elapsed)
-            outputs.append(out)
-            if not verbose:
-                continue
-            phase = "warm-up" if i < cfg.warmup else "measure"
-            loss = f"  loss {out['loss']:.3f}" if "loss" in out else ""
-            print(f"[{label}] step {i + 1}/{total} ({phase}): {cfg.global_batch / elapsed:8.2f} images/s"
-                  f"  {elapsed:7.3f} s{loss}", flush=True)
+        for r in range(rounds):
+            phase = "warm-up" if r < warmup else "measure"
+            for name in rotated(list(systems), r):
+                time.sleep(settle_s)
+                seconds = systems[name]()
+                times[name].append(seconds)
+                order.append(name)
+                print(f"[round {r + 1}/{rounds} {phase}] {name:<{width}} {describe(seconds)}", flush=True)
     except KeyboardInterrupt:
-        print(f"[{label}] interrupted after {len(times)} steps", flush=True)
-        return times, outputs, True
-    return times, outputs, False
+        print(f"interrupted in round {len(order) // len(systems) + 1}", flush=True)
+        return times, order, True
+    return times, order, False
+
+
+def images_per_s(global_batch: int) -> Callable[[float], str]:
+    """How `run_rounds` prints a training step: images/s and seconds."""
+    return lambda seconds: f"{global_batch / seconds:8.2f} images/s  {seconds:7.3f} s"
+
+
+def timed(fn: Callable[[], Any]) -> Step:
+    """A Step that calls `fn` and returns its wall time."""
+
+    def step() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return step
 
 
 def summarize(step_times: list[float], images_per_step: int, warmup: int) -> dict[str, Any]:
@@ -130,6 +212,13 @@ def make_record(system: str, cfg: BenchConfig, step_times: list[float], interrup
         **summarize(step_times, cfg.global_batch, cfg.warmup),
         "step_times_s": step_times,
         **extra,
+        **machine(),
+    }
+
+
+def machine() -> dict[str, Any]:
+    """The host, the versions that matter and the time, for a JSON record."""
+    return {
         "host": {"cores": os.cpu_count(), "cpu_model": _cpu_model(), "platform": platform.platform()},
         "versions": {"python": platform.python_version(),
                      **{p: _version(p) for p in ("tensorflow", "ray", "numpy", "dsgd")}},
@@ -138,6 +227,7 @@ def make_record(system: str, cfg: BenchConfig, step_times: list[float], interrup
 
 
 def print_summary(record: dict[str, Any]) -> None:
+    """One line: the system's mean images/s over its measured steps."""
     mean, std = record["images_per_sec_mean"], record["images_per_sec_std"]
     if mean is None:
         print(f"[{record['system']}] no measured steps (warm-up {record['warmup']})", flush=True)
@@ -148,6 +238,7 @@ def print_summary(record: dict[str, Any]) -> None:
 
 
 def write_json(record: Any, path: str | os.PathLike) -> Path:
+    """`record` as indented JSON at `path` (directories made as needed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")

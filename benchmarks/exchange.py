@@ -1,30 +1,43 @@
-"""Exchange benchmark: how close one "ps" step comes to the memory-bound minimum.
+"""Exchange benchmark: what a 2-worker step costs beyond one worker alone, against the bound.
 
-A model whose gradients have ResNet-101's shapes (44.5 M float32, 178 MB) and
-near-zero compute (every gradient is a slice of one fed array of ones, which
-TensorFlow aliases without a copy), trained with 2 workers x 1 device and, by
-default, 2 parameter servers (``--grad-shard-bytes 90000000``). So a
-step is the exchange plus the optimizer's apply (a read-modify-write of every
-weight), which the bound does not include. Measured side by side in one run:
+Three model shapes, each 2 workers x 1 device, every gradient computed by
+TensorFlow (loss = sum over variables of reduce_sum(v) * x, x a random
+scalar drawn in the graph each step: each gradient is a fresh full-size
+tensor, while compute stays a read and a write of every weight):
 
-- bound: one process averaging the same 2 gradient sets into a preallocated
-  buffer (numpy add + scale), the in-process floor for a 2-way average. It is
-  timed after every engine step, so each ratio compares times taken under
-  the same machine conditions;
-- dsgd "ps" with the op library (in-graph send, zero-copy receive);
-- dsgd "ps" with use_ops=False (Python exchange after the gradients);
-- dsgd "simple" (the driver averages).
+  resnet101  ResNet-101's trainable variables (314 tensors, 44.5 M float32)
+  huge       two embedding-like matrices of the same 44.5 M float32 in all
+  tiny       3000 tensors of 256 float32 (3 MB)
 
-Prints step times and ratios to the bound, and the object-store memory in use
-before and after a long "ps" run (it must not grow). Run from the repo root:
+For each shape, four systems run interleaved in one run (round r: each takes
+one step, in an order rotated by r, so machine noise hits all of them alike):
 
-    .venv/bin/python -m benchmarks.exchange
+  floor   dsgd.DistributedSGD(model, num_workers=1): one worker computing alone
+  simple  DistributedSGD(model, num_workers=2, strategy="simple")
+  ps      DistributedSGD(model, num_workers=2, strategy="ps")
+  bound   the driver averaging 2 gradient-sized float32 arrays into a
+          preallocated buffer (numpy add, then multiply by 1/2): the
+          in-process bound of a 2-way average
+
+Every engine runs at dsgd's defaults unless an engine flag says otherwise.
+A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
+step of each system over `--steps` rounds after `--warmup` warm-up rounds
+(and, with `--steady-warmup N`, again after N more rounds, labelled steady),
+"ps"/"simple" (target <= 0.7) and (ps - floor)/bound (target <= 2.0).
+Writes benchmarks/results/exchange.json. From the repository root:
+
+    .venv/bin/python benchmarks/exchange.py
+    .venv/bin/python -m benchmarks.exchange --shapes huge --steady-warmup 20
 """
 
 from __future__ import annotations
 
+if not __package__:  # run as `python benchmarks/exchange.py`
+    import _repo_path  # noqa: F401
+
 import argparse
-import json
+import contextlib
+import functools
 import os
 import re
 import statistics
@@ -37,13 +50,19 @@ import ray
 import tensorflow as tf
 
 import dsgd
+from benchmarks import common
 from benchmarks.resnet import resnet_v1
 
-RESULTS = Path(__file__).parent / "results"
+SHAPES = ("resnet101", "huge", "tiny")
+SYSTEMS = ("floor", "simple", "ps", "bound")
+HUGE_ROWS, HUGE_COLS = 174_020, 128  # two of these: ResNet-101's 44.5 M float32
+TINY_SHAPE = [32, 8]
+LEARNING_RATE = 0.01
+TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0}
 
 
-def gradient_shapes(model: str) -> list[tuple[str, list[int]]]:
-    """Names and shapes of the model's trainable variables."""
+def resnet_shapes(model: str) -> list[tuple[str, list[int]]]:
+    """Names and shapes of a ResNet's trainable variables."""
     shapes = []
 
     def record(name, shape, initializer, trainable):
@@ -56,78 +75,59 @@ def gradient_shapes(model: str) -> list[tuple[str, list[int]]]:
     return shapes
 
 
-def aligned_ones(size: int, align: int = 64) -> np.ndarray:
-    """A float32 array of ones whose data starts on an ``align``-byte boundary."""
-    raw = np.empty(size * 4 + align, np.uint8)
-    start = -raw.ctypes.data % align
-    ones = raw[start:start + size * 4].view(np.float32)
-    ones.fill(1.0)
-    return ones
+def variable_shapes(shape: str, scale: float = 1.0, tiny_count: int = 3000) -> list[tuple[str, list[int]]]:
+    """The variables of model shape `shape`; `scale` < 1 shrinks each to a 1-D tensor
+    of that fraction of its elements (at least one), for smoke runs."""
+    if shape == "resnet101":
+        variables = resnet_shapes("resnet101")
+    elif shape == "huge":
+        variables = [(f"embedding_{i}", [HUGE_ROWS, HUGE_COLS]) for i in range(2)]
+    elif shape == "tiny":
+        variables = [(f"tiny_{i:04d}", TINY_SHAPE) for i in range(tiny_count)]
+    else:
+        raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+    if scale == 1.0:
+        return variables
+    return [(name, [max(1, round(int(np.prod(dims)) * scale))]) for name, dims in variables]
 
 
-class FixedGradients(dsgd.Model):
-    """Variables of the given shapes whose gradients cost (almost) nothing to compute.
+class ExchangeModel(dsgd.Model):
+    """Variables of the given shapes; loss = sum_k reduce_sum(v_k) * x_k, x random each step.
 
-    Every variable's gradient is a slice of one array of ones fed each step.
-    TensorFlow aliases an aligned fed array, and aligned dim-0 slices of it,
-    so no gradient is computed or copied: a step is the exchange and the
-    optimizer's apply alone.
+    TensorFlow computes each gradient, x_k broadcast to v_k's shape: a new
+    full-size tensor every step (nothing fed, nothing aliased), for the cost
+    of one read and one write of every weight.
     """
 
     def __init__(self, worker_index: int, device_index: int, shapes: list[tuple[str, list[int]]]):
-        sizes = [int(np.prod(shape)) for _, shape in shapes]
-        offsets = np.cumsum([0] + [-(-n // 16) * 16 for n in sizes])  # 64-byte aligned slices
-        self.gradients = tf.compat.v1.placeholder(tf.float32, [int(offsets[-1])], name="gradients")
-        self.ones = aligned_ones(int(offsets[-1]))
+        scales = tf.unstack(tf.random.uniform([len(shapes)], 0.5, 1.5))
         terms = []
-        for (name, shape), offset, size in zip(shapes, offsets, sizes):
-            variable = tf.compat.v1.get_variable(name, shape, initializer=tf.compat.v1.zeros_initializer())
-            gradient = tf.reshape(tf.slice(self.gradients, [int(offset)], [size]), shape)
-            terms.append(_loss_with_gradient(variable.read_value(), gradient))
+        for (name, shape), scale in zip(shapes, scales):
+            variable = tf.compat.v1.get_variable(name, shape, tf.float32,
+                                                 initializer=tf.compat.v1.zeros_initializer())
+            terms.append(tf.reduce_sum(variable) * scale)
         self.loss = tf.add_n(terms)
 
     def get_loss(self) -> tf.Tensor:
         return self.loss
 
     def get_optimizer(self) -> tf.compat.v1.train.Optimizer:
-        return tf.compat.v1.train.GradientDescentOptimizer(0.0)
-
-    def get_feed_dict(self) -> dict:
-        return {self.gradients: self.ones}
-
-
-def _loss_with_gradient(value: tf.Tensor, gradient: tf.Tensor) -> tf.Tensor:
-    """A scalar that reads one element of ``value`` and whose gradient is ``gradient``."""
-
-    @tf.custom_gradient
-    def loss(x):
-        return tf.reduce_sum(tf.reshape(x, [-1])[:1]), lambda dy: gradient
-
-    return loss(value)
+        return tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE)
 
 
 class Bound:
-    """The in-process bound: average ``workers`` arrays into a preallocated buffer (numpy).
-
-    ``time_once`` runs it once; the engine loops call it after every step, so
-    the bound and the engine are timed under the same machine conditions
-    (on a shared 2-core VM the bound alone varies by +-30% over minutes).
-    It first waits ``SETTLE_S`` so that the engine's after-step work in other
-    processes (Ray freeing objects, garbage collection) does not slow it down.
-    """
-
-    SETTLE_S = 0.3
+    """The in-process bound: average `workers` gradient-sized arrays into a preallocated buffer."""
 
     def __init__(self, num_elements: int, workers: int):
-        self.arrays = [np.random.rand(num_elements).astype(np.float32) for _ in range(workers)]
-        self.out = np.zeros(num_elements, np.float32)
+        rng = np.random.default_rng(0)
+        self.arrays = [rng.random(num_elements, np.float32) for _ in range(workers)]
+        self.out = np.empty(num_elements, np.float32)
 
-    def time_once(self) -> float:
-        time.sleep(self.SETTLE_S)
+    def step(self) -> float:
         start = time.perf_counter()
         np.add(self.arrays[0], self.arrays[1], out=self.out)
-        for a in self.arrays[2:]:
-            np.add(self.out, a, out=self.out)
+        for array in self.arrays[2:]:
+            np.add(self.out, array, out=self.out)
         np.multiply(self.out, 1.0 / len(self.arrays), out=self.out)
         return time.perf_counter() - start
 
@@ -153,7 +153,7 @@ def private_mib() -> float:
 
 
 def soak(sgd: dsgd.DistributedSGD, steps: int, every: int = 100) -> list[dict[str, Any]]:
-    """Memory samples every ``every`` steps of a long run: it must stay flat."""
+    """Memory samples every `every` steps of a long run: they must stay flat."""
     samples = []
     for i in range(steps + 1):
         if i % every == 0:
@@ -168,81 +168,159 @@ def soak(sgd: dsgd.DistributedSGD, steps: int, every: int = 100) -> list[dict[st
     return samples
 
 
-def time_engine(shapes, workers: int, strategy: str, use_ops: bool | None, steps: int, warmup: int,
-                shard_bytes: int, bound: Bound, soak_steps: int = 0) -> dict[str, Any]:
-    """Median step time of one system, and of the bound timed after each of its steps."""
-    label = strategy if strategy == "simple" else f"ps-{'ops' if use_ops else 'python'}"
-    with dsgd.DistributedSGD(lambda w, d: FixedGradients(w, d, shapes), num_workers=workers, strategy=strategy,
-                             grad_shard_bytes=shard_bytes, use_ops=use_ops, nan_policy="ignore") as sgd:
-        for _ in range(warmup):
-            sgd.step(fetch_stats=True)  # the timed call, so its session signature is compiled here
-        times, bound_times = [], []
-        for i in range(steps):
+def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any]:
+    """Median ms of each system over the steps after `warmup`, and the two target ratios."""
+    medians = {name: statistics.median(t[warmup:]) * 1000 if t[warmup:] else None for name, t in times.items()}
+    ratios = dict.fromkeys(TARGETS)
+    if all(medians[name] is not None for name in SYSTEMS):
+        ratios = {"ps/simple": medians["ps"] / medians["simple"],
+                  "(ps - floor)/bound": (medians["ps"] - medians["floor"]) / medians["bound"]}
+    return {"warmup": warmup, "measured_steps": min(len(t[warmup:]) for t in times.values()),
+            "median_ms": medians, "ratios": ratios, "step_s": times}
+
+
+def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Build the shape's three engines and the bound, run the interleaved rounds; the shape's record."""
+    variables = variable_shapes(shape, args.scale, args.tiny_count)
+    num_elements = sum(int(np.prod(dims)) for _, dims in variables)
+    print(f"\n== {shape}: {len(variables)} tensors, {num_elements / 1e6:.2f} M float32 "
+          f"({num_elements * 4 / 1e6:.1f} MB), {args.num_workers} workers", flush=True)
+    creator = functools.partial(ExchangeModel, shapes=variables)
+    record: dict[str, Any] = {"shape": shape, "tensors": len(variables), "elements": num_elements,
+                              "setup_s": {}, "interrupted": False}
+    with contextlib.ExitStack() as engines_alive:
+        engines = {}
+        for name, workers, strategy in (("floor", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
+                                        ("ps", args.num_workers, {"strategy": "ps"})):
             start = time.perf_counter()
-            sgd.step(fetch_stats=True)  # returns once the step is done on every worker
-            times.append(time.perf_counter() - start)
-            bound_times.append(bound.time_once())
-            print(f"  {label}: step {i + 1}/{steps} {times[-1] * 1000:.0f} ms "
-                  f"(bound {bound_times[-1] * 1000:.0f} ms)", end="\r", flush=True)
-        print()
-        record = {"system": label, "step_s": times, "mean_s": statistics.mean(times),
-                  "median_s": statistics.median(times), "bound_s": bound_times,
-                  "bound_median_s": statistics.median(bound_times),
-                  "ratio_to_bound": statistics.median(times) / statistics.median(bound_times),
-                  "num_ps": len(sgd.ps_actors)}
-        if soak_steps:
-            record["soak"] = soak(sgd, soak_steps)
+            engines[name] = engines_alive.enter_context(
+                dsgd.DistributedSGD(creator, num_workers=workers, **strategy, **kwargs))
+            record["setup_s"][name] = time.perf_counter() - start
+            print(f"  {name}: built in {record['setup_s'][name]:.1f} s", flush=True)
+        ps = engines["ps"]
+        record["num_parameter_servers"] = len(ps.ps_actors)
+        record["num_partitions"] = len(getattr(ps, "layout", []))
+        print(f"  ps: {record['num_parameter_servers']} parameter servers, "
+              f"{record['num_partitions']} partitions", flush=True)
+        bound = Bound(num_elements, args.num_workers)
+        systems = {name: common.timed(functools.partial(engines[name].step, fetch_stats=True))
+                   for name in ("floor", "simple", "ps")}
+        systems["bound"] = bound.step
+
+        times, record["order"], interrupted = common.run_rounds(
+            systems, args.warmup + args.steps, args.warmup, settle_s=args.settle_s)
+        record["first"] = summarize_phase(times, args.warmup)
+        if args.steady_warmup and not interrupted:
+            times, order, interrupted = common.run_rounds(
+                systems, args.steady_warmup + args.steps, args.steady_warmup, settle_s=args.settle_s)
+            record["order"] += order
+            record["steady"] = summarize_phase(times, args.steady_warmup)
+        if args.soak_steps and not interrupted:
+            record["soak"] = soak(ps, args.soak_steps)
+        record["interrupted"] = interrupted
+    print_shape(record, args)
     return record
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def _ratio(name: str, value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.2f} ({'meets' if value <= TARGETS[name] else 'misses'} <= {TARGETS[name]})"
+
+
+def phases(record: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(label, summary) of the shape's measured phases: the first steps, and steady state if run."""
+    labelled = [(f"first {args.steps} after {args.warmup} warm-up", record["first"])]
+    if "steady" in record:
+        labelled.append((f"steady: {args.steps} after {args.warmup + args.steps + args.steady_warmup}",
+                         record["steady"]))
+    return labelled
+
+
+def print_shape(record: dict[str, Any], args: argparse.Namespace) -> None:
+    """The shape's medians per system and its two ratios, one column per phase."""
+    labelled = phases(record, args)
+    print(f"\n{record['shape']}: {record['tensors']} tensors, {record['elements'] / 1e6:.2f} M float32; "
+          f"ps: {record.get('num_parameter_servers', '?')} parameter servers, "
+          f"{record.get('num_partitions', '?')} partitions")
+    print(f"{'median step, ms':<22}" + "".join(f"{label:>40}" for label, _ in labelled))
+    for name in SYSTEMS:
+        print(f"{name:<22}" + "".join(f"{_ms(phase['median_ms'][name]):>40}" for _, phase in labelled))
+    for name in TARGETS:
+        print(f"{name:<22}" + "".join(f"{_ratio(name, phase['ratios'][name]):>40}" for _, phase in labelled))
+    if "soak" in record:
+        first, last = record["soak"][0], record["soak"][-1]
+        print(f"ps over {last['step']} soak steps: object store {first['object_store_mib']:.0f} -> "
+              f"{last['object_store_mib']:.0f} MiB ({first['objects']} -> {last['objects']} objects); worker "
+              f"private memory {first['worker_private_mib']} -> {last['worker_private_mib']} MiB")
+
+
+def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """A markdown table of every shape and phase: medians, ratios, servers and partitions."""
+    lines = [("| shape | steps | floor ms | simple ms | ps ms | bound ms | ps/simple | (ps − floor)/bound "
+              "| servers / partitions |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        for label, phase in phases(r, args):
+            ms, ratios = phase["median_ms"], phase["ratios"]
+            ratio_cells = " | ".join("–" if ratios[n] is None else f"{ratios[n]:.2f}" for n in TARGETS)
+            lines.append(f"| {r['shape']} | {label} | " + " | ".join(_ms(ms[n]) for n in SYSTEMS)
+                         + f" | {ratio_cells} | {r.get('num_parameter_servers', '?')} / "
+                           f"{r.get('num_partitions', '?')} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="resnet101", help="whose gradient shapes to exchange")
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--soak-steps", type=int, default=200, help="ps-ops steps for the memory check (0: skip)")
-    p.add_argument("--grad-shard-bytes", type=int, default=90_000_000,
-                   help="the default makes 2 parameter servers for ResNet-101's 178 MB, the issue's setup")
-    p.add_argument("--object-store-memory", type=int, default=2 << 30)
-    p.add_argument("--systems", default="ps-ops,ps-python,simple")
-    p.add_argument("--out", default=str(RESULTS / "exchange.json"))
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--num-workers", type=int, default=2, help="workers of simple and ps (at least 2)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up rounds, not measured")
+    p.add_argument("--steps", type=int, default=10, help="measured rounds (one step per system each)")
+    p.add_argument("--steady-warmup", type=int, default=0,
+                   help="then N more rounds and --steps more measured: steady state, reported beside")
+    p.add_argument("--settle-s", type=float, default=0.1,
+                   help="pause before every step, so one system's trailing work does not slow the next")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
+    p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
+    p.add_argument("--soak-steps", type=int, default=0,
+                   help="after the rounds, run ps this many steps sampling memory (it must stay flat)")
+    common.add_engine_flags(p)
+    p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="logical CPUs when starting Ray here (default: the 1 + 2 x workers the engines reserve)")
+    p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes, when starting Ray here")
+    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "exchange.json")
     args = p.parse_args(argv)
+    if args.num_workers < 2:
+        p.error("--num-workers must be at least 2: the exchange is between workers")
+    return args
 
-    shapes = gradient_shapes(args.model)
-    num_elements = sum(int(np.prod(s)) for _, s in shapes)
-    print(f"{args.model} gradients: {len(shapes)} tensors, {num_elements / 1e6:.1f} M float32 "
-          f"({num_elements * 4 / 1e6:.0f} MB); {args.num_workers} workers")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    bound = Bound(num_elements, args.num_workers)
-    quiet = [bound.time_once() for _ in range(10)]  # before Ray starts anything
-    ray.init(num_cpus=max(2, args.num_workers), object_store_memory=args.object_store_memory,
-             include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(Path(__file__).parent.parent)}})
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    command = common.command_line("benchmarks.exchange", argv)
+    kwargs = common.engine_kwargs(args)
+    print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
+    if not ray.is_initialized():
+        common.start_ray(args.address, num_cpus=args.num_cpus or 1 + 2 * args.num_workers,
+                         object_store_memory=args.object_store_memory)
     records = []
-    settings = {"ps-ops": ("ps", True), "ps-python": ("ps", False), "simple": ("simple", False)}
-    for name in args.systems.split(","):
-        strategy, use_ops = settings[name]
-        records.append(time_engine(shapes, args.num_workers, strategy, use_ops, args.steps, args.warmup,
-                                   args.grad_shard_bytes, bound, args.soak_steps if name == "ps-ops" else 0))
-    ray.shutdown()
-
-    print(f"\nbound alone, before Ray started: median {statistics.median(quiet) * 1000:.1f} ms")
-    print(f"{'system':<12} {'servers':>7} {'median ms':>10} {'mean ms':>9} {'bound ms':>9} {'x bound':>8}")
-    for r in records:
-        print(f"{r['system']:<12} {r['num_ps']:7d} {r['median_s'] * 1000:10.1f} {r['mean_s'] * 1000:9.1f} "
-              f"{r['bound_median_s'] * 1000:9.1f} {r['ratio_to_bound']:8.2f}")
-    for r in records:
-        if "soak" in r:
-            first, last = r["soak"][0], r["soak"][-1]
-            print(f"{r['system']} over {last['step']} steps: object store {first['object_store_mib']:.0f} -> "
-                  f"{last['object_store_mib']:.0f} MiB ({first['objects']} -> {last['objects']} objects); worker "
-                  f"private memory {first['worker_private_mib']} -> {last['worker_private_mib']} MiB")
-    result = {"model": args.model, "elements": num_elements, "workers": args.num_workers,
-              "grad_shard_bytes": args.grad_shard_bytes, "cpus": os.cpu_count(),
-              "quiet_bound_s": quiet, "records": records}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    for shape in args.shapes:
+        records.append(run_shape(shape, args, kwargs))
+        if records[-1]["interrupted"]:
+            break
+    table = summary_table(records, args)
+    print(f"\n{command}\n\n{table}")
+    result = {"command": command, "engine_kwargs": kwargs, "num_workers": args.num_workers,
+              "settle_s": args.settle_s, "scale": args.scale, "shapes": records, "table": table,
+              **common.machine()}
+    common.write_json(result, args.out)
+    print(f"\nrecord written to {args.out}")
     return result
 
 

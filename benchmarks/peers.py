@@ -1,60 +1,176 @@
-"""dsgd against its peers on the same ResNet, global batch and workers.
+"""dsgd against its peers on the same ResNet, global batch and workers, interleaved.
 
 Systems, all fed by the same in-graph synthetic ImageNet and all running the
 graph built by `benchmarks.resnet.resnet_v1`:
-  single   one plain TensorFlow process (tf.compat.v1 Session, all cores) doing
-           the whole global batch: the no-distribution baseline;
+  single   one plain TensorFlow process (tf.compat.v1 Session, all cores, in
+           this driver) doing the whole global batch: the no-distribution baseline;
   raytrain Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy, one
            replica of `devices_per_worker * batch_size` images per worker;
-  simple   dsgd, strategy="simple";
-  ps       dsgd, strategy="ps".
-Writes one JSON record per system, report.md and throughput.png into
-benchmarks/results/. Run from the repository root:
+  simple   dsgd, strategy="simple", otherwise at dsgd's defaults;
+  ps       dsgd, strategy="ps", otherwise at dsgd's defaults.
 
-    python -m benchmarks.peers --model resnet101 --image-size 64 --batch-size 8
+Every system is built first and kept alive; then they run in alternating
+rounds: in round r each system takes one step, in an order rotated by r, so
+machine noise falls on all of them alike. Ray Train runs its loop inside its
+own `fit()` (in a driver thread here); before each step its workers wait for
+a turnstile actor that the driver opens when the round reaches Ray Train, so
+it too is interleaved step by step. Its step time is rank 0's `tf.function`
+step, timed inside the worker; the others' are timed in the driver.
+
+`--two-node` runs on a simulated two-node cluster (ray.cluster_utils.Cluster,
+two raylets and two object stores on this machine): dsgd and Ray Train place
+one worker per node, so gradient shards cross between object stores; the
+single process stays in the driver.
+
+Writes one JSON record per system, report.md and throughput.png into
+benchmarks/results/. From the repository root:
+
+    python benchmarks/peers.py --model resnet101 --image-size 64 --batch-size 8
+    python -m benchmarks.peers --model resnet101 --image-size 64 --batch-size 8 --two-node
 """
 
 from __future__ import annotations
 
+if not __package__:  # run as `python benchmarks/peers.py`
+    import _repo_path  # noqa: F401
+
 import argparse
+import asyncio
+import contextlib
 import dataclasses
+import math
+import os
 import shutil
 import tempfile
+import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import tensorflow as tf
 
 from benchmarks import common, resnet
+from benchmarks.resnet101 import DsgdRun
 
 SYSTEMS = ("single", "raytrain", "simple", "ps")
 SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms",
                 "simple": "dsgd-simple", "ps": "dsgd-ps"}
+RAY_TRAIN_STOP_S = 120.0
 
 
-def run_single_process(cfg: common.BenchConfig) -> dict[str, Any]:
+class Run(Protocol):
+    """A system built and ready to step (dsgd's is benchmarks.resnet101.DsgdRun)."""
+
+    label: str
+
+    def step(self) -> float:
+        """One training step; its time in seconds."""
+
+    def details(self) -> dict[str, Any]:
+        """What the system's record holds beyond the common fields."""
+
+    def close(self) -> None:
+        """Release the system's processes and sessions."""
+
+
+class SingleProcessRun:
     """The whole global batch in this process, one tf.compat.v1 Session on all cores."""
+
     label = SYSTEM_NAMES["single"]
-    start = time.perf_counter()
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, accuracy = resnet.build_v1_replica(cfg.model, cfg.global_batch, cfg.image_size)
-        with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
-            train_op = resnet.make_optimizer().minimize(loss)
-        init = tf.compat.v1.global_variables_initializer()
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(init)
-        setup_s = time.perf_counter() - start
 
-        def step() -> dict[str, float]:
-            _, loss_value, accuracy_value = sess.run([train_op, loss, accuracy])
-            return {"loss": float(loss_value), "accuracy": float(accuracy_value)}
+    def __init__(self, cfg: common.BenchConfig):
+        print(f"[{self.label}] building", flush=True)
+        start = time.perf_counter()
+        graph = tf.Graph()
+        with graph.as_default():
+            self.loss, _ = resnet.build_v1_replica(cfg.model, cfg.global_batch, cfg.image_size)
+            with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+                self.train_op = resnet.make_optimizer().minimize(self.loss)
+            init = tf.compat.v1.global_variables_initializer()
+        self.sess = tf.compat.v1.Session(graph=graph)
+        self.sess.run(init)
+        self.setup_s = time.perf_counter() - start
+        self.losses: list[float] = []
 
-        times, stats, interrupted = common.time_steps(step, cfg, label)
-    return common.make_record(label, cfg, times, interrupted, threads="all cores", setup_s=setup_s,
-                              final_loss=stats[-1]["loss"] if stats else None)
+    def step(self) -> float:
+        start = time.perf_counter()
+        _, loss = self.sess.run([self.train_op, self.loss])
+        elapsed = time.perf_counter() - start
+        self.losses.append(float(loss))
+        return elapsed
+
+    def details(self) -> dict[str, Any]:
+        return {"threads": "all cores", "setup_s": self.setup_s,
+                "final_loss": self.losses[-1] if self.losses else None}
+
+    def close(self) -> None:
+        self.sess.close()
+
+
+@ray.remote(num_cpus=0)
+class Turnstile:
+    """Lets Ray Train's workers take a step only when the driver's round opens their turn.
+
+    Workers call `arrive` once built, then `next_turn(t)` before step t and
+    `finish` after it; the driver calls `run_turn(t)`, which opens turn t and
+    returns once every worker has finished it.
+    """
+
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self.arrived = 0
+        self.opened = 0  # turns opened so far
+        self.stopped = False
+        self.finished: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
+        self.changed = asyncio.Condition()
+
+    async def arrive(self) -> None:
+        async with self.changed:
+            self.arrived += 1
+            self.changed.notify_all()
+
+    async def all_arrived(self) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.arrived == self.num_workers)
+
+    async def next_turn(self, turn: int) -> bool:
+        """Wait until `turn` is opened (True) or the run is stopped (False)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.stopped or self.opened > turn)
+            return self.opened > turn
+
+    async def finish(self, turn: int, rank: int, seconds: float, loss: float) -> None:
+        async with self.changed:
+            self.finished[turn][rank] = (seconds, loss)
+            self.changed.notify_all()
+
+    async def run_turn(self, turn: int) -> tuple[float, float]:
+        """Open `turn` and wait for every worker's step: rank 0's (seconds, loss)."""
+        async with self.changed:
+            self.opened = turn + 1
+            self.changed.notify_all()
+            await self.changed.wait_for(lambda: len(self.finished[turn]) == self.num_workers)
+            return self.finished.pop(turn)[0]
+
+    async def stop(self) -> None:
+        async with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
+
+
+def take_turns(turnstile: Any, rank: int, step: Callable[[], tuple[float, float]]) -> int:
+    """A worker's side of the turnstile: `step()` -> (seconds, loss) once per opened turn,
+    until the driver stops; returns the number of steps taken."""
+    ray.get(turnstile.arrive.remote())
+    turn = 0
+    while ray.get(turnstile.next_turn.remote(turn)):
+        seconds, loss = step()
+        ray.get(turnstile.finish.remote(turn, rank, seconds, loss))
+        turn += 1
+    return turn
 
 
 class VariableStore:
@@ -92,10 +208,11 @@ class VariableStore:
 
 
 def _ray_train_loop(config: dict[str, Any]) -> None:
-    """Ray Train worker: MultiWorkerMirroredStrategy around the shared ResNet graph."""
+    """Ray Train worker: MultiWorkerMirroredStrategy around the shared ResNet graph,
+    stepping when the turnstile gives it the turn."""
     from ray import train
 
-    cfg = common.BenchConfig(**config)
+    cfg = common.BenchConfig(**config["cfg"])
     tf.config.threading.set_intra_op_parallelism_threads(cfg.cpus_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, cfg.cpus_per_worker))  # as dsgd's workers
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -122,50 +239,123 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     def train_step() -> tf.Tensor:
         return strategy.experimental_local_results(strategy.run(replica_step))[0]
 
-    rank = train.get_context().get_world_rank()
-    times, stats, interrupted = common.time_steps(
-        lambda: {"loss": float(train_step())}, cfg, f"{SYSTEM_NAMES['raytrain']} rank {rank}",
-        verbose=rank == 0)
-    metrics = {"step_times_s": times, "interrupted": interrupted,
-               "final_loss": stats[-1]["loss"] if stats else None}
-    # Ray Train v2 only returns metrics attached to a checkpoint: rank 0 sends an empty one.
-    with tempfile.TemporaryDirectory() as empty:
-        checkpoint = train.Checkpoint.from_directory(empty) if rank == 0 else None
-        train.report(metrics, checkpoint=checkpoint)
+    def step() -> tuple[float, float]:
+        start = time.perf_counter()
+        loss = float(train_step())
+        return time.perf_counter() - start, loss
+
+    take_turns(config["turnstile"], train.get_context().get_world_rank(), step)
 
 
-def run_ray_train(cfg: common.BenchConfig) -> dict[str, Any]:
-    """Ray Train's TensorflowTrainer with MultiWorkerMirroredStrategy, one replica per worker."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.tensorflow import TensorflowTrainer
+class RayTrainRun:
+    """Ray Train's TensorflowTrainer, its `fit()` in a driver thread, stepped through a Turnstile."""
 
     label = SYSTEM_NAMES["raytrain"]
-    print(f"[{label}] starting {cfg.num_workers} worker(s)", flush=True)
-    storage = tempfile.mkdtemp(prefix="dsgd-raytrain-")
-    try:
+
+    def __init__(self, cfg: common.BenchConfig, spread: bool):
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.tensorflow import TensorflowTrainer
+
+        print(f"[{self.label}] starting {cfg.num_workers} worker(s)", flush=True)
+        self.replica_batch = cfg.batch_size * cfg.devices_per_worker
+        self.turnstile = Turnstile.remote(cfg.num_workers)
+        self.storage = tempfile.mkdtemp(prefix="dsgd-raytrain-")
         trainer = TensorflowTrainer(
-            _ray_train_loop, train_loop_config=dataclasses.asdict(cfg),
+            _ray_train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": self.turnstile},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers,
-                                         resources_per_worker={"CPU": cfg.cpus_per_worker}),
-            run_config=RunConfig(name="resnet", storage_path=storage))
+                                         resources_per_worker={"CPU": cfg.cpus_per_worker},
+                                         placement_strategy="SPREAD" if spread else "PACK"),
+            run_config=RunConfig(name="resnet", storage_path=self.storage))
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._fit, args=(trainer,), name="ray-train-fit", daemon=True)
         start = time.perf_counter()
-        metrics = trainer.fit().metrics
-        total_s = time.perf_counter() - start
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    return common.make_record(label, cfg, metrics["step_times_s"], metrics["interrupted"],
-                              replica_batch=cfg.batch_size * cfg.devices_per_worker,
-                              fit_s=total_s, final_loss=metrics["final_loss"])
+        self.thread.start()
+        self._wait(self.turnstile.all_arrived.remote(), "its workers to build the model")
+        self.setup_s = time.perf_counter() - start
+        self.losses: list[float] = []
+
+    def _fit(self, trainer: Any) -> None:
+        try:
+            trainer.fit()
+        except Exception as e:  # noqa: BLE001 - raised by _wait, in the driver's thread
+            self.error = e
+
+    def _wait(self, ref: ray.ObjectRef, what: str) -> Any:
+        """ray.get(ref), failing if Ray Train's fit() ends (its workers died) meanwhile."""
+        while not ray.wait([ref], timeout=1.0)[0]:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"Ray Train's fit() ended while waiting for {what}: {self.error!r}")
+        return ray.get(ref)
+
+    def step(self) -> float:
+        seconds, loss = self._wait(self.turnstile.run_turn.remote(len(self.losses)),
+                                   f"step {len(self.losses) + 1}")
+        self.losses.append(loss)
+        return seconds
+
+    def details(self) -> dict[str, Any]:
+        return {"replica_batch": self.replica_batch, "setup_s": self.setup_s,
+                "timed": "rank 0's tf.function step, inside the worker",
+                "final_loss": self.losses[-1] if self.losses else None}
+
+    def close(self) -> None:
+        ray.get(self.turnstile.stop.remote())
+        self.thread.join(timeout=RAY_TRAIN_STOP_S)
+        shutil.rmtree(self.storage, ignore_errors=True)
 
 
-def run_system(system: str, cfg: common.BenchConfig) -> dict[str, Any]:
-    """One system's record; `system` is one of SYSTEMS."""
+def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any], two_node: bool) -> Run:
+    """`system` (one of SYSTEMS), built and ready to step."""
     if system == "single":
-        return run_single_process(cfg)
+        return SingleProcessRun(cfg)
     if system == "raytrain":
-        return run_ray_train(cfg)
-    from benchmarks.resnet101 import run_dsgd
-    return run_dsgd(cfg, strategy=system)
+        return RayTrainRun(cfg, spread=two_node)
+    return DsgdRun(cfg, strategy=system, **engine_kwargs)
+
+
+def run_interleaved(systems: list[str], cfg: common.BenchConfig, engine_kwargs: dict[str, Any],
+                    two_node: bool, **record_fields: Any) -> list[dict[str, Any]]:
+    """Build every system, run them in alternating rounds, close them; one record per system."""
+    runs: list[Run] = []
+    try:
+        for system in systems:
+            runs.append(build_run(system, cfg, engine_kwargs, two_node))
+        times, order, interrupted = common.run_rounds(
+            {run.label: run.step for run in runs}, cfg.warmup + cfg.num_iters, cfg.warmup,
+            describe=common.images_per_s(cfg.global_batch))
+        return [common.make_record(run.label, cfg, times[run.label], interrupted, run_order=order,
+                                   **record_fields, **run.details()) for run in runs]
+    finally:
+        for run in runs:
+            run.close()
+
+
+@contextlib.contextmanager
+def two_node_cluster(cpus_per_node: int, object_store_memory: int, **init_kwargs: Any) -> Iterator[None]:
+    """Two raylets with their own object stores on this machine, connected to while open.
+
+    Ray keeps the cluster under a private temp dir (RAY_TMPDIR): otherwise its
+    address file would send other Ray drivers on this machine to it.
+    """
+    from ray.cluster_utils import Cluster
+
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = private = tempfile.mkdtemp(prefix="dsgd-2n-")
+    cluster = Cluster()
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_memory, **init_kwargs)
+        cluster.wait_for_nodes()
+        common.start_ray(cluster.address)
+        yield
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if previous is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
@@ -174,28 +364,36 @@ def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
     return f"{record['images_per_sec_mean'] / peer['images_per_sec_mean']:.2f}"
 
 
-def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir: Path) -> Path:
-    """A markdown table of images/s with ratios to the single process and to Ray Train."""
+def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir: Path,
+                 command: str, cluster: str = "one node") -> Path:
+    """A markdown table of images/s with ratios to the single process, Ray Train and dsgd "simple"."""
     by_system = {r["system"]: r for r in records}
-    single, raytrain = by_system.get(SYSTEM_NAMES["single"]), by_system.get(SYSTEM_NAMES["raytrain"])
+    peers = [by_system.get(SYSTEM_NAMES[s]) for s in ("single", "raytrain", "simple")]
     host = records[0]["host"] if records else {"cpu_model": "?", "cores": "?"}
     lines = [
         f"# {cfg.model} on synthetic ImageNet: dsgd and its peers",
         "",
-        f"{cfg.image_size}x{cfg.image_size} images, {cfg.batch_size} per replica, "
-        f"{cfg.num_workers} worker(s) x {cfg.devices_per_worker} device(s), global batch "
-        f"{cfg.global_batch}; {cfg.cpus_per_worker} CPU(s)/threads per worker; {cfg.warmup} warm-up "
-        f"steps excluded, {cfg.num_iters} measured. Host: {host['cpu_model']}, {host['cores']} cores.",
+        f"`{command}`",
         "",
-        "| system | images/s (mean ± std) | steps | vs single process | vs Ray Train |",
-        "|---|---|---|---|---|",
+        (f"{cfg.image_size}x{cfg.image_size} images, {cfg.batch_size} per replica, "
+         f"{cfg.num_workers} worker(s) x {cfg.devices_per_worker} device(s), global batch "
+         f"{cfg.global_batch}; {cfg.cpus_per_worker} CPU(s)/threads per worker; {cluster}. "
+         f"The systems ran interleaved: {cfg.warmup} warm-up rounds, then {cfg.num_iters} measured, "
+         f"each round one step of every system, in an order rotated every round. "
+         f"Host: {host['cpu_model']}, {host['cores']} cores."),
+        "",
+        "| system | images/s (mean ± std) | steps | vs single process | vs Ray Train | vs dsgd-simple |",
+        "|---|---|---|---|---|---|",
     ]
     for r in records:
         mean, std = r["images_per_sec_mean"], r["images_per_sec_std"]
         rate = "–" if mean is None else f"{mean:.2f} ± {std:.2f}"
-        lines.append(f"| {r['system']} | {rate} | {r['measured_steps']} | {_ratio(r, single)} | "
-                     f"{_ratio(r, raytrain)} |")
-    lines += ["", f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `python -m benchmarks.peers`.", ""]
+        lines.append(f"| {r['system']} | {rate} | {r['measured_steps']} | "
+                     + " | ".join(_ratio(r, peer) for peer in peers) + " |")
+    nodes = [f"{r['system']} on {len(set(r['worker_nodes']))} node(s)" for r in records if "worker_nodes" in r]
+    if nodes:
+        lines += ["", "dsgd workers: " + ", ".join(nodes) + "."]
+    lines += ["", f"Generated {time.strftime('%Y-%m-%d %H:%M')}.", ""]
     path = out_dir / "report.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -226,24 +424,41 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_run_flags(parser)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    common.add_engine_flags(parser)
+    parser.add_argument("--two-node", action="store_true",
+                        help="start a simulated two-node cluster here (one worker of each system per node)")
     parser.add_argument("--object-store-memory", type=int, default=None,
-                        help="bytes, when this script starts Ray itself")
+                        help="bytes (per node with --two-node, default 1 GiB), when this script starts Ray")
     parser.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     parser.add_argument("--no-plot", action="store_true", help="skip throughput.png (needs matplotlib)")
     args = parser.parse_args(argv)
     cfg = common.bench_config_from_args(args)
-    if not ray.is_initialized():
-        ray.init(object_store_memory=args.object_store_memory)
-    records = []
-    try:
-        for system in args.systems:
-            record = run_system(system, cfg)
-            common.print_summary(record)
-            common.write_json(record, args.results_dir / f"{record['system']}.json")
-            records.append(record)
-    except KeyboardInterrupt:
-        print("interrupted: reporting the systems that finished", flush=True)
-    report = write_report(records, cfg, args.results_dir)
+    command = common.command_line("benchmarks.peers", argv)
+    print(f"command: {command}", flush=True)
+    distributed = len([s for s in args.systems if s != "single"])
+    # Ray Train's own bookkeeping reads the state API, which Ray's dashboard process serves.
+    dashboard = {"include_dashboard": None if "raytrain" in args.systems else False}
+    if args.two_node:
+        if ray.is_initialized():
+            parser.error("--two-node starts its own cluster: run it without a Ray instance already started")
+        where = "a two-node cluster (ray.cluster_utils)"
+        workers_per_node = math.ceil(cfg.num_workers / 2)
+        ray_context = two_node_cluster(workers_per_node * cfg.cpus_per_worker * distributed + 1,
+                                       args.object_store_memory or 1 << 30, **dashboard)
+    else:
+        where = "one node"
+        if not ray.is_initialized():
+            # Logical CPUs for every system's workers at once: they take turns, so they share the cores.
+            common.start_ray(num_cpus=cfg.num_workers * cfg.cpus_per_worker * distributed + 1,
+                             object_store_memory=args.object_store_memory, **dashboard)
+        ray_context = contextlib.nullcontext()
+    with ray_context:
+        records = run_interleaved(args.systems, cfg, common.engine_kwargs(args), args.two_node,
+                                  command=command, cluster=where)
+    for record in records:
+        common.print_summary(record)
+        common.write_json(record, args.results_dir / f"{record['system']}.json")
+    report = write_report(records, cfg, args.results_dir, command, where)
     print(report.read_text())
     if records and not args.no_plot:
         print(f"plot written to {plot_throughput(records, cfg, args.results_dir)}")

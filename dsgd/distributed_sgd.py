@@ -9,7 +9,7 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
-from dsgd import checkpoint, shards, timeline
+from dsgd import checkpoint, shards, strategies, timeline
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.ps_actor import StepAborted
@@ -169,6 +169,7 @@ class DistributedSGD:
         self._config = WorkerConfig(num_workers, devices_per_worker, gpu, all_reduce_alg,
                                     cpus_per_worker, timeout_s, nan_policy,
                                     use_ops=self._uses_ps and _ops_wanted(use_ops))
+        self._strategy = strategies.make(strategy, num_workers, self._call, self._span)
         self._step_id = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []
         self._closed = False
@@ -354,13 +355,14 @@ class DistributedSGD:
         start = time.perf_counter()
         step_id = self._step_id
         self._step_id += 1
-        if self.strategy == "simple" and self.num_workers > 1:
-            self._drain()
-            per_worker = self._recovering(lambda: self._step_simple(step_id, fetch_stats), fetch_stats)
-        else:
-            with timeline.maybe_span(self._trace, "submit"):
-                self._in_flight.append((step_id, self._submit(step_id, fetch_stats)))
-            with timeline.maybe_span(self._trace, "wait for the workers"):
+
+        def submit() -> None:
+            with self._span("submit"):
+                self._in_flight.append((step_id, self._strategy.submit(self.workers, step_id, fetch_stats)))
+
+        per_worker = self._recovering(submit, fetch_stats)  # None, unless recovery completed the step
+        if per_worker is None:
+            with self._span("wait for the workers"):
                 per_worker = self._drain(keep_last=not fetch_stats, fetch_stats=fetch_stats)
         if not fetch_stats:
             return None
@@ -393,10 +395,8 @@ class DistributedSGD:
                        + [(f"parameter server {j}", events) for j, events in enumerate(servers)])
         return stats if fetch_stats else None
 
-    def _submit(self, step_id: int, fetch_stats: bool) -> list:
-        if self.num_workers == 1:
-            return [self.workers[0].step_local.remote(fetch_stats)]
-        return [w.step_ps.remote(step_id, fetch_stats) for w in self.workers]
+    def _span(self, name: str):
+        return timeline.maybe_span(self._trace, name)
 
     def _drain(self, keep_last: bool = False, fetch_stats: bool = False) -> list | None:
         """Wait for submitted steps (all, or all but the newest); recover from faults.
@@ -418,8 +418,8 @@ class DistributedSGD:
         if skipped:
             logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
 
-    def _recovering(self, run: Callable[[], list], fetch_stats: bool) -> list:
-        """``run()``; recover from a dead actor, or settle the workers after another error."""
+    def _recovering(self, run: Callable[[], list | None], fetch_stats: bool) -> list | None:
+        """``run()``; recover from a dead actor (the re-run steps' results), or settle the workers after another error."""
         try:
             return run()
         except ActorFailure as e:
@@ -430,25 +430,6 @@ class DistributedSGD:
         except DSGDError:
             self._step_id = self._settle()
             raise
-
-    def _step_simple(self, step_id: int, fetch_stats: bool) -> list[dict]:
-        """Gather every worker's averaged gradients, average on the driver, apply."""
-        with timeline.maybe_span(self._trace, "gather gradients"):
-            results = self._call([w.compute_gradients.remote(fetch_stats) for w in self.workers],
-                                 f"the workers' gradients of step {step_id}")
-        with timeline.maybe_span(self._trace, "average"):
-            means = [np.copy(g) for g in results[0][0]]
-            for grads, _ in results[1:]:
-                for total, g in zip(means, grads):
-                    np.add(total, g, out=total)
-            for total in means:
-                np.divide(total, self.num_workers, out=total)
-            means_ref = ray.put(means)
-        with timeline.maybe_span(self._trace, "apply on the workers"):
-            applied = self._call([w.apply_gradients.remote(means_ref) for w in self.workers],
-                                 f"the workers to apply step {step_id}")
-        self._warn_skipped(applied)
-        return [stats for _, stats in results]
 
     # ---- recovery ---------------------------------------------------------
 
@@ -473,11 +454,9 @@ class DistributedSGD:
                 results = []
                 for step_id in range(applied, self._step_id):
                     last = step_id == self._step_id - 1
-                    if self.strategy == "simple":
-                        results = self._step_simple(step_id, fetch_stats and last)
-                    else:
-                        results = self._call(self._submit(step_id, fetch_stats and last), f"re-run of step {step_id}")
-                        self._warn_skipped(results)
+                    refs = self._strategy.submit(self.workers, step_id, fetch_stats and last)
+                    results = self._call(refs, f"re-run of step {step_id}")
+                    self._warn_skipped(results)
                 return results
             except ActorFailure as e:
                 error = e

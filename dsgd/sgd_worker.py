@@ -516,9 +516,10 @@ class SGDWorker:
         stats = self._reduce_stats(out["stats"])
         return out["means"], {**stats, **self._phase_s} if stats else stats
 
-    def apply_gradients(self, means: Sequence[np.ndarray]) -> dict:
-        """Apply the global mean of the exchange tensors on every replica."""
-        return self._result(self._apply({"apply": self._apply_fed}, dict(zip(self._mean_inputs, means))))
+    def apply_gradients(self, means: Sequence[np.ndarray], stats: dict | None = None) -> dict:
+        """Apply the global mean of the exchange tensors on every replica; ``stats`` come back with the result."""
+        applied = self._result(self._apply({"apply": self._apply_fed}, dict(zip(self._mean_inputs, means))))
+        return {**(stats or {}), **applied}
 
     def step_ps(self, step_id: int, fetch_stats: bool) -> dict:
         """Compute, push partitions to the parameter servers, receive their means, apply."""

@@ -1,15 +1,25 @@
-"""Smoke tests of the benchmark entry points at a tiny size (resnet50, 32x32, batch 2)."""
+"""Smoke tests of the benchmark entry points at a tiny size; nothing here asserts on timings."""
 
+import argparse
 import json
+import os
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
+import ray
 import tensorflow as tf
 
-from benchmarks import common, peers, resnet, resnet101
+from benchmarks import common, exchange, peers, resnet, resnet101
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
         "--num-iters", "1", "--warmup", "1"]
+# Random labels at this size can drive the loss to infinity within steps; the
+# default nan_policy="raise" would then stop a smoke run that times nothing.
+NAN_IGNORE = ["--nan-policy", "ignore"]
 RECORD_FIELDS = {
     "system", "model", "image_size", "batch_size_per_replica", "global_batch", "num_workers",
     "devices_per_worker", "cpus_per_worker", "num_iters", "warmup", "interrupted", "measured_steps",
@@ -55,23 +65,132 @@ def test_tf2_variable_store_runs_batch_norm_updates():
     assert np.any(moving_mean.numpy() != 0.0)
 
 
-def test_single_process_baseline(ray_session, tmp_path):
-    (record,) = peers.main(TINY + ["--num-workers", "2", "--systems", "single",
-                                   "--results-dir", str(tmp_path), "--no-plot"])
-    check_record(record, "single-process", num_workers=2)
-    assert json.loads((tmp_path / "single-process.json").read_text()) == record
-    assert "| single-process |" in (tmp_path / "report.md").read_text()
+def test_rounds_rotate_the_order_of_the_systems():
+    ran = []
+    systems = {name: (lambda name=name: ran.append(name) or 0.001) for name in "abc"}
+    times, order, interrupted = common.run_rounds(systems, rounds=4, warmup=1)
+    assert order == ran == list("abc" "bca" "cab" "abc")
+    assert {name: len(t) for name, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert not interrupted
+
+
+def test_engine_flags_pass_only_what_was_given():
+    parser = argparse.ArgumentParser()
+    common.add_engine_flags(parser)
+    assert common.engine_kwargs(parser.parse_args([])) == {}
+    given = parser.parse_args(["--grad-shard-bytes", "1000", "--num-parameter-servers", "2",
+                               "--nan-policy", "ignore", "--no-ops"])
+    assert common.engine_kwargs(given) == {"grad_shard_bytes": 1000, "num_parameter_servers": 2,
+                                           "nan_policy": "ignore", "use_ops": False}
+
+
+def test_exchange_shapes():
+    sizes = {shape: [int(np.prod(dims)) for _, dims in exchange.variable_shapes(shape)]
+             for shape in exchange.SHAPES}
+    assert (len(sizes["resnet101"]), sum(sizes["resnet101"])) == (314, 44_549_160)
+    assert len(sizes["huge"]) == 2 and abs(sum(sizes["huge"]) - 44_549_160) < 1000
+    assert len(sizes["tiny"]) == 3000 and sum(sizes["tiny"]) == 3000 * 256
+    scaled = exchange.variable_shapes("huge", scale=0.001)
+    assert [dims for _, dims in scaled] == [[22_275], [22_275]]
+
+
+def test_exchange_gradients_are_computed_by_tensorflow():
+    shapes = [("a", [3, 4]), ("b", [5])]
+    with tf.Graph().as_default():
+        model = exchange.ExchangeModel(0, 0, shapes)
+        variables = tf.compat.v1.trainable_variables()
+        grads = tf.gradients(model.get_loss(), variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            values = sess.run(grads)
+    assert [g.shape for g in values] == [(3, 4), (5,)]
+    for g in values:  # x_k broadcast over v_k, x_k drawn from [0.5, 1.5)
+        assert np.all(g == g.flat[0]) and 0.5 <= g.flat[0] < 1.5
+
+
+def test_exchange_benchmark_interleaves_floor_simple_ps_and_bound(ray_session, tmp_path):
+    out = tmp_path / "exchange.json"
+    result = exchange.main(["--shapes", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "2",
+                            "--steady-warmup", "1", "--settle-s", "0", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["engine_kwargs"] == {}  # the engine's defaults
+    assert result["command"].startswith("python -m benchmarks.exchange --shapes huge")
+    (shape,) = result["shapes"]
+    assert shape["shape"] == "huge" and shape["tensors"] == 2 and not shape["interrupted"]
+    assert shape["num_parameter_servers"] >= 1
+    first_rounds = shape["order"][:12]  # 3 rounds of the 4 systems, each round starting one later
+    assert first_rounds == [*exchange.SYSTEMS, *exchange.SYSTEMS[1:], *exchange.SYSTEMS[:1],
+                            *exchange.SYSTEMS[2:], *exchange.SYSTEMS[:2]]
+    for phase in ("first", "steady"):
+        summary = shape[phase]
+        assert summary["measured_steps"] == 2
+        assert set(summary["median_ms"]) == set(exchange.SYSTEMS)
+        assert all(summary["ratios"][name] is not None for name in exchange.TARGETS)
+    assert "| huge |" in result["table"]
+
+
+def test_peers_run_interleaved(ray_session, tmp_path):
+    records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple",
+                                              "--results-dir", str(tmp_path), "--no-plot"])
+    assert [r["system"] for r in records] == ["single-process", "dsgd-simple"]
+    for record in records:
+        check_record(record, record["system"], num_workers=1)
+        assert record["run_order"] == ["single-process", "dsgd-simple", "dsgd-simple", "single-process"]
+        assert json.loads((tmp_path / f"{record['system']}.json").read_text()) == record
+    assert records[1]["engine_kwargs"] == {"nan_policy": "ignore"}  # only the flags given
+    report = (tmp_path / "report.md").read_text()
+    assert "| single-process |" in report and "| dsgd-simple |" in report
+    assert "`python -m benchmarks.peers --model resnet50" in report
+
+
+def test_turnstile_gives_every_worker_each_turn_in_step(ray_session):
+    turnstile = peers.Turnstile.remote(2)
+    events, steps_taken = [], {}
+
+    def worker(rank):
+        def step():
+            events.append(rank)
+            return 0.5 + rank, float(rank)
+
+        steps_taken[rank] = peers.take_turns(turnstile, rank, step)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    ray.get(turnstile.all_arrived.remote(), timeout=60)
+    assert events == []  # nobody steps before the driver opens a turn
+    for turn in range(3):
+        assert ray.get(turnstile.run_turn.remote(turn), timeout=60) == (0.5, 0.0)  # rank 0's
+        assert len(events) == 2 * (turn + 1) and sorted(events[-2:]) == [0, 1]
+    ray.get(turnstile.stop.remote())
+    for t in threads:
+        t.join(timeout=60)
+    assert steps_taken == {0: 3, 1: 3}
 
 
 @pytest.mark.parametrize("strategy,num_workers", [("simple", 1), ("ps", 2)])
 def test_dsgd_benchmark_cli(ray_session, tmp_path, strategy, num_workers):
     out = tmp_path / "run.json"
-    record = resnet101.main(TINY + ["--num-workers", str(num_workers), "--strategy", strategy,
-                                    "--out", str(out)])
+    record = resnet101.main(TINY + NAN_IGNORE + ["--num-workers", str(num_workers), "--strategy", strategy,
+                                                 "--out", str(out)])
     check_record(record, f"dsgd-{strategy}", num_workers)
-    assert record["strategy"] == strategy
+    assert record["strategy"] == strategy and record["engine_kwargs"] == {"nan_policy": "ignore"}
     assert len(record["engine_step_times_s"]) == 2
     assert json.loads(out.read_text()) == record
+
+
+@pytest.mark.parametrize("command", [
+    ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"],
+    ["-m", "benchmarks.exchange"],
+], ids=" ".join)
+def test_benchmarks_run_as_scripts_and_modules(command, tmp_path):
+    # A script runs from any directory; `-m` from the repository root.
+    script = command[0] != "-m"
+    args = [os.path.join(REPO_ROOT, command[0])] if script else command
+    out = subprocess.run([sys.executable, *args, "--help"], cwd=tmp_path if script else REPO_ROOT,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:")
 
 
 @pytest.mark.slow  # Ray Train's start-up alone takes minutes on a busy 2-core machine
@@ -85,8 +204,10 @@ def test_ray_train_peer(ray_session, tmp_path):
 def test_report_and_plot(tmp_path):
     cfg = common.BenchConfig(model="resnet50", image_size=32, batch_size=2, num_iters=2, warmup=1)
     records = [common.make_record(system, cfg, [1.0, 0.5, seconds], False)
-               for system, seconds in (("single-process", 0.5), ("raytrain-mwms", 1.0), ("dsgd-ps", 0.4))]
-    report = peers.write_report(records, cfg, tmp_path).read_text()
-    assert "| dsgd-ps | 9.00 ± 1.41 | 2 | 1.12 | 1.50 |" in report
+               for system, seconds in (("single-process", 0.5), ("raytrain-mwms", 1.0), ("dsgd-simple", 0.8),
+                                       ("dsgd-ps", 0.4))]
+    report = peers.write_report(records, cfg, tmp_path, "python -m benchmarks.peers").read_text()
+    assert "`python -m benchmarks.peers`" in report
+    assert "| dsgd-ps | 9.00 ± 1.41 | 2 | 1.12 | 1.50 | 1.38 |" in report
     pytest.importorskip("matplotlib")
     assert peers.plot_throughput(records, cfg, tmp_path).stat().st_size > 0

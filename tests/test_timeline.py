@@ -64,5 +64,5 @@ def test_simple_step_trace_shows_the_driver_average(ray_session, tmp_path):
         assert sgd.step(write_timeline=str(path)) is None
     processes, spans = load_trace(path)
     assert sorted(processes.values()) == ["driver", "worker 0", "worker 1"]
-    assert {"gather gradients", "average", "apply on the workers"} <= names(spans["driver"])
+    assert {"submit", "gather gradients", "average", "wait for the workers"} <= names(spans["driver"])
     assert {"compute", "apply"} <= names(spans["worker 1"])

@@ -1,0 +1,37 @@
+"""How many parameter servers, where, and which partitions each sums (no Ray needed)."""
+
+import numpy as np
+
+from dsgd.server_group import assign_partitions, plan_servers
+from dsgd.shards import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_shards
+
+
+def test_default_is_one_server_per_worker_node_plus_one_per_two_spare_cpus():
+    # A 2-core laptop with 2 one-CPU workers: no spare CPUs, one server.
+    assert plan_servers(["a", "a"], {"a": 2}, 1, None) == ["a"]
+    # 8 logical CPUs, 2 workers: 6 spare -> up to 3 more, capped at one server per worker.
+    assert plan_servers(["a", "a"], {"a": 8}, 1, None) == ["a", "a"]
+    # Two nodes, one worker each: a server beside every worker; nodes without workers get none.
+    assert plan_servers(["b", "a"], {"a": 3, "b": 3, "c": 64}, 1, None) == ["a", "b"]
+    # A big node with 4 workers and 32 CPUs: 4 servers, never one per partition.
+    assert plan_servers(["a"] * 4, {"a": 32}, 1, None) == ["a"] * 4
+
+
+def test_an_explicit_server_count_is_spread_over_worker_nodes_most_workers_first():
+    assert plan_servers(["b", "a", "b"], {"a": 2, "b": 2}, 1, 3) == ["b", "a", "b"]
+    assert plan_servers(["a", "a"], {"a": 2}, 1, 1) == ["a"]
+
+
+def test_partitions_are_balanced_over_servers_by_bytes_in_backprop_order():
+    specs = [VarSpec(f"v{i}", (n,), np.dtype(np.float32)) for i, n in enumerate([100, 100, 100, 100, 300, 100])]
+    layout = plan_shards(specs, 400)  # 3200 bytes -> 8 partitions of about 100 floats
+    placement = assign_partitions(layout, 3)
+    assert placement[:3] == [0, 1, 2]  # neighbours go to different servers
+    loads = [sum(s.nbytes for s, j in zip(layout, placement) if j == k) for k in range(3)]
+    assert max(loads) - min(loads) <= max(s.nbytes for s in layout)
+
+
+def test_default_partition_size_gives_each_server_a_few_partitions_of_at_least_1_mib():
+    assert default_partition_bytes(178_000_000, 1) == 44_500_000
+    assert default_partition_bytes(178_000_000, 2) == 22_250_000
+    assert default_partition_bytes(1000, 1) == MIN_PARTITION_BYTES
