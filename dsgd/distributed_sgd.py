@@ -272,7 +272,7 @@ class DistributedSGD:
         specs = self.signature.exchange
         shard_bytes = self._grad_shard_bytes
         if shard_bytes is None:
-            shard_bytes = shards.default_partition_bytes(sum(s.size * s.dtype.itemsize for s in specs), len(nodes))
+            shard_bytes = shards.default_partition_bytes(specs, len(nodes))
         layout = shards.plan_shards(specs, shard_bytes)
         self.servers = ServerGroup(layout, nodes[:len(layout)], self.num_workers, self.timeout_s)
         self._call(self.servers.start(), "the parameter servers to start", self.startup_timeout_s)

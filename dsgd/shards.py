@@ -87,13 +87,20 @@ def _align(elements: int, itemsize: int) -> int:
     return -(-elements // step) * step
 
 
-def default_partition_bytes(total_bytes: int, num_servers: int) -> int:
+def default_partition_bytes(specs: Sequence[VarSpec], num_servers: int) -> int:
     """The partition size dsgd picks: about ``PARTITIONS_PER_SERVER`` per server, at least 1 MiB.
 
     Each partition costs a call per worker and step, so a partition is as
     large as it can be while still giving every server a few to pipeline.
+    A variable is split only into as many pieces as there are servers: its
+    pieces are ready at the same moment, so splitting gains only when they
+    are summed in parallel, and a split variable costs a copy on receive.
     """
-    return max(MIN_PARTITION_BYTES, math.ceil(total_bytes / (PARTITIONS_PER_SERVER * max(1, num_servers))))
+    servers = max(1, num_servers)
+    total = sum(s.size * np.dtype(s.dtype).itemsize for s in specs)
+    largest = max((s.size * np.dtype(s.dtype).itemsize for s in specs), default=0)
+    return max(MIN_PARTITION_BYTES, math.ceil(total / (PARTITIONS_PER_SERVER * servers)),
+               math.ceil(largest / servers))
 
 
 def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:

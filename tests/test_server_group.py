@@ -31,7 +31,20 @@ def test_partitions_are_balanced_over_servers_by_bytes_in_backprop_order():
     assert max(loads) - min(loads) <= max(s.nbytes for s in layout)
 
 
+def floats(*sizes):
+    return [VarSpec(f"v{i}", (n,), np.dtype(np.float32)) for i, n in enumerate(sizes)]
+
+
 def test_default_partition_size_gives_each_server_a_few_partitions_of_at_least_1_mib():
-    assert default_partition_bytes(178_000_000, 1) == 44_500_000
-    assert default_partition_bytes(178_000_000, 2) == 22_250_000
-    assert default_partition_bytes(1000, 1) == MIN_PARTITION_BYTES
+    many = floats(*[445_000] * 100)  # 178 MB in 1.78 MB variables
+    assert default_partition_bytes(many, 1) == 44_500_000
+    assert default_partition_bytes(many, 2) == 22_250_000
+    assert default_partition_bytes(floats(250), 1) == MIN_PARTITION_BYTES
+
+
+def test_default_splits_a_variable_only_across_servers():
+    huge = floats(22_250_000, 22_250_000)  # two 89 MB variables
+    assert len(plan_shards(huge, default_partition_bytes(huge, 1))) == 2  # each whole
+    layout = plan_shards(huge, default_partition_bytes(huge, 2))
+    assert len(layout) == 4  # each in two pieces, one per server
+    assert assign_partitions(layout, 2) == [0, 1, 0, 1]
