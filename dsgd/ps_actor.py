@@ -122,7 +122,9 @@ class ParameterServer:
         through the object store: ``None``.
         """
         with self.changed:
-            self.inputs.pop(worker_index, None)
+            previous = self.inputs.pop(worker_index, None)
+            if previous is not None:  # a re-attach after a recovery: the old buffer goes with its fd
+                previous.close()
             if not self.shared or node_id != self.node_id:
                 self.remote_workers.add(worker_index)
                 return None

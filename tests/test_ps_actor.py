@@ -1,6 +1,7 @@
 """The parameter-server actor: many partitions per process, two transports, a fixed summing order,
 and a bad push fails the step instead of hanging it."""
 
+import os
 import time
 
 import numpy as np
@@ -167,4 +168,15 @@ def test_a_push_whose_peers_never_come_times_out_with_their_names(ray_session):
     flat = _data(np.random.default_rng(6))[0]
     with pytest.raises(DSGDTimeoutError, match=r"workers \[1, 2\] to push partition 0 of step 0"):
         ray.get(server.push.remote(0, 0, 0, _stored(LAYOUT[0], flat)), timeout=30)
+    ray.kill(server)
+
+
+def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session):
+    server = _server(2)
+    pid = ray.get(server.pid.remote(), timeout=30)
+    LocalWorker(server, 1)
+    open_fds = len(os.listdir(f"/proc/{pid}/fd"))
+    for _ in range(5):  # as after recoveries: each attach makes a new input buffer
+        LocalWorker(server, 1)
+    assert len(os.listdir(f"/proc/{pid}/fd")) == open_fds
     ray.kill(server)
