@@ -13,7 +13,6 @@ through the object store (``dsgd.ps_client``).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import ray
@@ -117,9 +116,11 @@ class ServerGroup:
         return [actor.trace.remote(step_id) for actor in self.actors]
 
     def describe(self) -> str:
-        sizes = [sum(s.nbytes for s in self.partitions_of(j)) for j in range(len(self.nodes))]
-        return (f"{len(self.layout)} partitions of about {math.ceil(max(s.nbytes for s in self.layout) / 2**20)} MiB "
-                f"on {len(self.nodes)} parameter servers ({', '.join(f'{b / 2**20:.1f}' for b in sizes)} MiB each)")
+        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log."""
+        loads = ", ".join(f"{sum(s.nbytes for s in self.partitions_of(j)) / 2**20:.1f}" for j in range(len(self.nodes)))
+        largest = max(s.nbytes for s in self.layout) / 2**20
+        return (f"{len(self.layout)} partition{'s' * (len(self.layout) != 1)} of up to {largest:.1f} MiB on "
+                f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)")
 
     def kill(self) -> None:
         for actor in self.actors:
