@@ -2,10 +2,12 @@
 
 A ResNet-101-sized gradient set (44.5 M float32, ResNet-101-like variable
 sizes) split into ~10 MB shards. Write side: (a) numpy pack + ray.put vs.
-(b) in-graph DsgdPack + ray.put of the packed shard (two copies) vs. (c) the
-engine's path, dsgd.ops.build_send: the shard's segments (views of large
-gradients, DsgdPack only for runs of small ones) put as one object, each byte
-copied once by one thread. Read side: (d) ray.get + feed_dict + TF slicing
+(b) in-graph DsgdPack + ray.put of the packed shard (two copies) vs. the
+engine's paths, dsgd.ops.build_send handing over the shard's segments (views
+of large gradients, DsgdPack only for runs of small ones): (c) put as one
+object, each byte copied once by one thread (to a server on another node);
+(c2) copied into a shared-memory buffer made once (to a server on the same
+node, dsgd.ps_client). Read side: (d) ray.get + feed_dict + TF slicing
 vs. (e) the zero-copy DsgdObjectTensor + DsgdUnpack path
 (dsgd.ops.build_receive). Prints wall time and the process's CPU time (all
 threads): on a machine whose cores are busy training, CPU time is what a
@@ -29,7 +31,8 @@ import ray  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dsgd.ops as ops  # noqa: E402
-from dsgd.shards import VarSpec, pack, plan_shards  # noqa: E402
+from dsgd import object_store, shared_memory  # noqa: E402
+from dsgd.shards import VarSpec, pack, plan_shards, segments  # noqa: E402
 
 TOTAL_FLOATS = 44_500_000
 
@@ -91,7 +94,16 @@ def main() -> None:
         grad_vars = [tf.Variable(g) for g in grads]  # gradients that already sit in TF memory
         grad_tensors = [v.read_value() for v in grad_vars]
         sent = []
-        tokens = [ops.build_send(grad_tensors, s, lambda s, ref: sent.append(ref)) for s in layout]
+        tokens = [ops.build_send(grad_tensors, s, lambda s, arrays: sent.append(object_store.put(arrays)))
+                  for s in layout]
+        shared = [shared_memory.array(shared_memory.SharedBuffer(s.nbytes).memory, s.dtype, 0, s.size)
+                  for s in layout]
+
+        def copy_to_shared(shard, arrays):
+            for seg, a in zip(segments(shard), arrays):
+                np.copyto(shared[shard.index][seg.start:seg.start + seg.size], a.reshape(-1))
+
+        shared_tokens = [ops.build_send(grad_tensors, s, copy_to_shared) for s in layout]
         packed = [ops.pack(grad_tensors, s) for s in layout]
         pack_only = [ops.data_address(p) for p in packed]  # runs the packs, copies nothing out
 
@@ -111,6 +123,7 @@ def main() -> None:
 
     results["(b) DsgdPack + ray.put of the packed shard"] = timed(lambda: graph_run(pack_put), args.reps)
     results["(c) dsgd.ops.build_send (segments, one copy)"] = timed(lambda: graph_run(tokens), args.reps)
+    results["(c2) build_send into shared memory (same node)"] = timed(lambda: graph_run(shared_tokens), args.reps)
 
     refs = [ray.put(pack(grads, s, np.empty(s.size, s.dtype))) for s in layout]
     with graph.as_default():
