@@ -70,15 +70,14 @@ class ParameterServerClient:
         self._pushes.clear()
         return len(shared)
 
-    def send(self, shard: Shard, step_id: int, arrays: Sequence[np.ndarray]) -> None:
-        """Push ``arrays``, one per segment of ``shard`` (``dsgd.shards.segments``)."""
+    def send(self, shard: Shard, step_id: int, arrays: Sequence[np.ndarray]) -> ray.ObjectRef:
+        """Push ``arrays``, one per segment of ``shard`` (``dsgd.shards.segments``); the push call."""
         target = self.inputs[shard.index]
         if target is None:
-            self._push(shard, step_id, object_store.put(arrays))
-            return
+            return self._push(shard, step_id, object_store.put(arrays))
         for seg, a in zip(self.segments[shard.index], arrays):
             np.copyto(target[seg.start:seg.start + seg.size], a.reshape(-1))
-        self._push(shard, step_id, None)
+        return self._push(shard, step_id, None)
 
     def send_gradients(self, shard: Shard, step_id: int, grads: Sequence[np.ndarray]) -> None:
         """Push ``shard``'s pieces of ``grads`` (every exchange tensor, in layout order)."""
@@ -93,9 +92,10 @@ class ParameterServerClient:
         parts = self.segments[shard.index]
         self._push(shard, step_id, object_store.put(segment_arrays(grads, parts, self._pack_buffers[shard.index])))
 
-    def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None) -> None:
+    def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None) -> ray.ObjectRef:
         server = self.servers[self.placement[shard.index]]
         self._pushes[shard.index] = server.push.remote(step_id, self.worker_index, shard.index, stored)
+        return self._pushes[shard.index]
 
     def receive(self, shard: Shard, step_id: int) -> np.ndarray:
         """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push)."""

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import ray
 
-from dsgd import object_store, ps_actor, shared_memory
+from dsgd import object_store, ps_actor
 from dsgd.errors import DSGDTimeoutError
 from dsgd.ps_actor import StepAborted
+from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
 
 # Two partitions: one of two small variables (packed together), one of a large one (its own segment).
@@ -35,26 +36,21 @@ def _data(rng):
     return out
 
 
+def _segments_of(shard, flat):
+    """A worker's copy of a partition as it travels: one array per segment."""
+    return [flat[s.start:s.start + s.size] for s in segments(shard)]
+
+
 def _stored(shard, flat):
     """What a remote worker pushes: the partition's segments as one object."""
-    return object_store.put([flat[s.start:s.start + s.size] for s in segments(shard)])
+    return object_store.put(_segments_of(shard, flat))
 
 
-class LocalWorker:
-    """This process, attached to a server as a worker on its node: pushes through shared memory."""
-
-    def __init__(self, server, worker_index):
-        self.server, self.worker_index = server, worker_index
-        info = ray.get(server.attach.remote(worker_index, ray.get_runtime_context().get_node_id()), timeout=30)
-        assert info is not None, "a worker on the server's node gets shared buffers"
-        inputs = shared_memory.attach(info["input"], writable=True)
-        means = shared_memory.attach(info["mean"], writable=False)
-        self.inputs = [shared_memory.array(inputs, s.dtype, info["offsets"][s.index], s.size) for s in LAYOUT]
-        self.means = [shared_memory.array(means, s.dtype, info["offsets"][s.index], s.size) for s in LAYOUT]
-
-    def push(self, step, shard, flat):
-        np.copyto(self.inputs[shard.index], flat)
-        return self.server.push.remote(step, self.worker_index, shard.index)
+def _local_worker(server, worker_index):
+    """This process as a worker on the server's node: the engine's client, over shared memory."""
+    client = ParameterServerClient(worker_index, LAYOUT, [0] * len(LAYOUT), timeout_s=30)
+    assert client.connect([server], timeout_s=30) == 1  # a worker on the server's node gets shared buffers
+    return client
 
 
 def _wait_until(condition, timeout_s=30.0):
@@ -79,12 +75,12 @@ def test_one_server_sums_many_partitions_in_worker_order_over_both_transports(ra
     assert len(LAYOUT) == 2
     rng = np.random.default_rng(0)
     server = _server(3)
-    local = LocalWorker(server, 1)  # workers 0 and 2 stay remote
+    local = _local_worker(server, 1)  # workers 0 and 2 stay remote
     for step, order in enumerate([(0, 1, 2), (2, 1, 0)]):
         parts = [_data(rng) for _ in range(3)]
         expected = _expected(parts)
         for shard in reversed(LAYOUT):  # partitions complete independently, in any order
-            pushes = {w: (local.push(step, shard, parts[w][shard.index]) if w == 1 else
+            pushes = {w: (local.send(shard, step, _segments_of(shard, parts[w][shard.index])) if w == 1 else
                           server.push.remote(step, w, shard.index, _stored(shard, parts[w][shard.index])))
                       for w in order}
             replies = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
@@ -174,9 +170,9 @@ def test_a_push_whose_peers_never_come_times_out_with_their_names(ray_session):
 def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session):
     server = _server(2)
     pid = ray.get(server.pid.remote(), timeout=30)
-    LocalWorker(server, 1)
+    _local_worker(server, 1)
     open_fds = len(os.listdir(f"/proc/{pid}/fd"))
     for _ in range(5):  # as after recoveries: each attach makes a new input buffer
-        LocalWorker(server, 1)
+        _local_worker(server, 1)
     assert len(os.listdir(f"/proc/{pid}/fd")) == open_fds
     ray.kill(server)
