@@ -29,21 +29,20 @@ pushed step s+1.
 The actor is threaded (``start``): a push blocks its thread while it waits
 for the other workers, so there is a thread for every worker's push of every
 partition, and ``CONTROL_THREADS`` more for ``abort``, ``reset``, ``trace``,
-``attach`` and ``ping``.
+``attach`` and ``identity``.
 
 This module must not import TensorFlow: a parameter server is a light process.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 
-from dsgd import object_store, shared_memory, strategies, timeline
+from dsgd import actor_identity, object_store, shared_memory, strategies, timeline
 from dsgd.errors import DSGDTimeoutError
 from dsgd.shards import Shard, segments
 
@@ -276,8 +275,6 @@ class ParameterServer:
             return {j: sorted(set(range(self.num_workers)) - set(p.waiting))
                     for j, p in self.partitions.items() if p.waiting}
 
-    def ping(self) -> int:
-        return self.server_index
-
-    def pid(self) -> int:
-        return os.getpid()
+    def identity(self) -> actor_identity.ActorIdentity:
+        """Who this actor is (the driver's liveness check and error names)."""
+        return actor_identity.current("parameter server", self.server_index)

@@ -78,12 +78,12 @@ class ServerGroup:
         return [s for s, j in zip(self.layout, self.placement) if j == server]
 
     def start(self, indices: Sequence[int] | None = None) -> list:
-        """Start servers (all, or ``indices``); their ping refs, to wait on."""
+        """Start servers (all, or ``indices``); the actors started (they start in the background)."""
         indices = range(len(self.nodes)) if indices is None else indices
         for j in indices:
             self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.timeout_s,
                                             scheduling_strategy=self._placement(j))
-        return [self.actors[j].ping.remote() for j in indices]
+        return [self.actors[j] for j in indices]
 
     def _placement(self, server: int) -> NodeAffinitySchedulingStrategy:
         """Hard affinity to the planned node, or the first live node if it is gone.
@@ -96,12 +96,10 @@ class ServerGroup:
             self.nodes[server] = alive[server % len(alive)]
         return NodeAffinitySchedulingStrategy(node_id=self.nodes[server], soft=False)
 
-    def replace_dead(self, is_alive: Callable[[Any], bool]) -> list[int]:
-        """Start new servers for the dead ones; their indices."""
+    def replace_dead(self, is_alive: Callable[[Any], bool]) -> list:
+        """Start new servers for the dead ones; the new actors."""
         dead = [j for j, actor in enumerate(self.actors) if not is_alive(actor)]
-        if dead:
-            self.start(dead)
-        return dead
+        return self.start(dead) if dead else []
 
     def abort(self) -> None:
         """Fail every waiting and future push until ``reset`` (fire and forget)."""

@@ -82,6 +82,12 @@ class VarSpec:
         return math.prod(self.shape)
 
 
+def spec_difference(ours: Sequence[VarSpec], theirs: Sequence[VarSpec], limit: int = 6) -> str:
+    """The variables only one side has (name, shape, dtype), for an error message."""
+    differ = sorted(set(map(str, ours)) ^ set(map(str, theirs)))
+    return "; ".join(differ[:limit]) + (f" (and {len(differ) - limit} more)" if len(differ) > limit else "")
+
+
 def _align(elements: int, itemsize: int) -> int:
     step = max(1, ALIGN_BYTES // itemsize)
     return -(-elements // step) * step

@@ -11,10 +11,13 @@ server call it, so the two strategies agree bit for bit. No TensorFlow here.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import ray
+
+logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 1 << 18
 
@@ -38,6 +41,13 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray]) -> np.ndarray:
                 np.add(target, a[lo:hi], out=target)
         np.divide(target, n, out=target)
     return out
+
+
+def warn_if_skipped(results: Sequence[dict]) -> None:
+    """Log the reason when the workers' results say they skipped the step (nan_policy="skip")."""
+    skipped = [r["skipped"] for r in results if isinstance(r, dict) and "skipped" in r]
+    if skipped:
+        logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
 
 
 class Strategy:

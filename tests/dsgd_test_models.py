@@ -49,9 +49,15 @@ def reset_data(model: TanhNet) -> None:
     model.step = 0
 
 
+def replica_weights(sgd) -> list[dict[str, np.ndarray]]:
+    """Every replica's weights, worker then device order, read from the workers' graphs."""
+    per_worker = sgd.foreach_worker(lambda w: w.sess.run([dict(r.weights) for r in w.built.replicas]))
+    return [r for replicas in per_worker for r in replicas]
+
+
 def assert_replicas_identical(sgd, num_replicas: int) -> None:
     """Every replica on every worker holds bit-identical weights."""
-    replicas = [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights()) for r in per_worker]
+    replicas = replica_weights(sgd)
     assert len(replicas) == num_replicas
     for i, other in enumerate(replicas[1:], start=1):
         assert other.keys() == replicas[0].keys()

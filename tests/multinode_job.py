@@ -6,7 +6,7 @@ of ``ray.cluster_utils.Cluster`` has its own raylet and object store, so
 gradient shards really move between object stores, as on separate machines.
 
 Prints one stdout line, ``RESULT`` and a JSON object: the cluster's node
-ids, the node of every worker (by its ``node_id()`` and by the GCS actor
+ids, the node of every worker (by its ``identity()`` and by the GCS actor
 table) and of every parameter server (GCS actor table), the start weights
 and every replica's final weights as nested lists.
 """
@@ -20,7 +20,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import dsgd
-from dsgd_test_models import TanhNet, set_start_weights
+from dsgd_test_models import TanhNet, replica_weights, set_start_weights
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
@@ -40,11 +40,10 @@ def run() -> dict:
         start = set_start_weights(sgd)
         for step in range(STEPS):
             sgd.step(fetch_stats=(step == STEPS - 1))
-        replicas = [r for per_worker in sgd.foreach_worker(lambda w: w.get_replica_weights())
-                    for r in per_worker]
+        replicas = replica_weights(sgd)
         return {
             "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-            "worker_nodes": ray.get([w.node_id.remote() for w in sgd.workers]),
+            "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
             "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
             "ps_nodes": [actor_node(ps) for ps in sgd.ps_actors],
             # per worker, per partition: read through shared memory (its server's node) or the object store

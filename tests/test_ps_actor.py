@@ -169,7 +169,7 @@ def test_a_push_whose_peers_never_come_times_out_with_their_names(ray_session):
 
 def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session):
     server = _server(2)
-    pid = ray.get(server.pid.remote(), timeout=30)
+    pid = ray.get(server.identity.remote(), timeout=30).pid
     _local_worker(server, 1)
     open_fds = len(os.listdir(f"/proc/{pid}/fd"))
     for _ in range(5):  # as after recoveries: each attach makes a new input buffer

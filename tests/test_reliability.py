@@ -20,11 +20,11 @@ REPLICAS_2x1 = [(0, 0), (1, 0)]
 
 def kill(actor):
     """SIGKILL the actor's process and wait until Ray sees it dead."""
-    os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
+    os.kill(ray.get(actor.identity.remote(), timeout=30).pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            ray.get(actor.ping.remote(), timeout=5)
+            ray.get(actor.identity.remote(), timeout=5)
         except ray.exceptions.RayActorError:
             return
         time.sleep(0.2)
@@ -64,12 +64,12 @@ def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session,
         start = set_start_weights(sgd)
         sgd.step()
         sgd.step()
-        old_pid = ray.get(sgd.workers[1].pid.remote())
+        old_pid = ray.get(sgd.workers[1].identity.remote()).pid
         kill(sgd.workers[1])
         stats = sgd.step(fetch_stats=True)
         assert np.isfinite(stats["loss"])
         assert "worker 1 is dead" in warnings_seen.text
-        assert ray.get(sgd.workers[1].pid.remote()) != old_pid
+        assert ray.get(sgd.workers[1].identity.remote()).pid != old_pid
         sgd.step()
         assert_replicas_identical(sgd, 2)
         # Momentum slots came along: the result equals an uninterrupted run.

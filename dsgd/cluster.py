@@ -1,0 +1,245 @@
+"""The engine's actors on Ray: starts, places, waits on, replaces and kills them.
+
+``Cluster`` owns the worker actors and the parameter servers
+(``dsgd.server_group``), checks the Ray cluster can hold them before starting
+any, and is the one place that waits on Ray: every wait has a bound, and
+Ray's errors come out as dsgd's, naming the actor that failed
+(``ActorFailure`` for a dead actor, which the driver recovers from).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import ray
+
+from dsgd import shards
+from dsgd.actor_identity import ActorIdentity
+from dsgd.config import Options, WorkerConfig
+from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
+from dsgd.model import Model
+from dsgd.ps_actor import StepAborted
+from dsgd.server_group import ServerGroup, plan_servers
+from dsgd.sgd_worker import SGDWorker
+from dsgd.worker_graph import WorkerSignature
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 10.0
+
+# Errors that mean an actor (or an object it owned) is gone: recoverable.
+_FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
+
+
+def _fault_of(error: BaseException) -> BaseException | None:
+    """The actor failure behind ``error``, if that is what it is."""
+    if isinstance(error, _FAULTS):
+        return error
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, _FAULTS):
+        return error.cause
+    return None
+
+
+class Cluster:
+    """The workers and parameter servers of one engine."""
+
+    def __init__(self, options: Options, model_creator: Callable[[int, int], Model], worker_config: WorkerConfig):
+        self.options = options
+        self.worker_config = worker_config
+        self.workers: list[Any] = []
+        self.servers: ServerGroup | None = None
+        self.signature: WorkerSignature | None = None  # what every worker built
+        self._model_creator = model_creator
+        self._identities: dict[str, ActorIdentity] = {}  # actor id -> who it is
+
+    # ---- start ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the cluster can hold the actors, then start and connect them."""
+        self.check_resources()
+        self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
+        identities = self._identify(self.workers)
+        self._build_models(range(self.options.num_workers))
+        if self.options.uses_ps:
+            self.check_object_store()
+            self._start_parameter_servers([i.node_id for i in identities])
+
+    def check_resources(self) -> None:
+        """Fail fast, naming what is missing, instead of waiting forever."""
+        total = ray.cluster_resources()
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        opts = self.options
+        need = {"CPU": opts.cpus_per_worker, "GPU": opts.devices_per_worker if opts.gpu else 0}
+        for resource, per_worker in need.items():
+            if per_worker == 0:
+                continue
+            have = total.get(resource, 0)
+            largest = max((n.get(resource, 0) for n in nodes), default=0)
+            what = f"{'gpu=True with ' if resource == 'GPU' else ''}{opts.num_workers} workers x {per_worker} {resource}"
+            if per_worker > largest:
+                raise ValueError(
+                    f"{what}: each worker needs {per_worker} {resource} on one node, but the largest "
+                    f"Ray node has {largest:g} (cluster total {have:g})")
+            if per_worker * opts.num_workers > have:
+                raise ValueError(
+                    f"{what} needs {per_worker * opts.num_workers} {resource} in all, but the Ray cluster "
+                    f"has {have:g}; lower num_workers/cpus_per_worker or start Ray with more")
+
+    def check_object_store(self) -> None:
+        """Each step may hold every worker's partitions plus their means in the store."""
+        exchange = sum(s.size * s.dtype.itemsize for s in self.signature.exchange)
+        need = exchange * (self.options.num_workers + 1)
+        have = ray.cluster_resources().get("object_store_memory", 0)
+        if need > have:
+            raise ValueError(
+                f"the exchange needs {need / 2**20:.0f} MiB of Ray object-store memory per step "
+                f"({self.options.num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
+                f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
+
+    def _new_worker(self, index: int):
+        opts = self.options
+        return ray.remote(SGDWorker).options(
+            num_cpus=opts.cpus_per_worker,
+            num_gpus=opts.devices_per_worker if opts.gpu else 0,
+            scheduling_strategy="SPREAD").remote(index, self.worker_config)
+
+    def _identify(self, actors: list) -> list[ActorIdentity]:
+        """Wait for ``actors`` to start; remember who they are, to name them in errors."""
+        identities = self.call_startup([a.identity.remote() for a in actors], "the actors to start")
+        self._identities.update((i.actor_id, i) for i in identities)
+        return identities
+
+    def _build_models(self, indices) -> None:
+        """Workers ``indices`` build their models; all must build the same one."""
+        signatures = self.call_startup([self.workers[i].setup.remote(self._model_creator) for i in indices],
+                                       "the workers to build their models")
+        expected = self.signature or signatures[0]
+        for i, sig in zip(indices, signatures):
+            if sig != expected:
+                raise WorkerMismatchError(
+                    f"worker {i} built a model that differs from worker 0's: "
+                    f"{shards.spec_difference(sig.weights + sig.exchange, expected.weights + expected.exchange) or sig.metrics}")
+        self.signature = expected
+
+    def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
+        """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
+        opts = self.options
+        node_cpus = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
+        nodes = plan_servers(worker_nodes, node_cpus, opts.cpus_per_worker, opts.num_parameter_servers)
+        specs = self.signature.exchange
+        shard_bytes = opts.grad_shard_bytes
+        if shard_bytes is None:
+            shard_bytes = shards.default_partition_bytes(specs, len(nodes))
+        layout = shards.plan_shards(specs, shard_bytes)
+        self.servers = ServerGroup(layout, nodes[:len(layout)], opts.num_workers, opts.timeout_s)
+        self._identify(self.servers.start())
+        self.connect_parameter_servers()
+        logger.info("strategy 'ps': %s%s", self.servers.describe(),
+                    "" if opts.grad_shard_bytes is None and opts.num_parameter_servers is None else
+                    f" (grad_shard_bytes={opts.grad_shard_bytes}, num_parameter_servers={opts.num_parameter_servers})")
+
+    def connect_parameter_servers(self) -> None:
+        group = self.servers
+        timeout = self.options.startup_timeout_s
+        self.call_startup([w.connect.remote(group.layout, group.placement, group.actors, timeout) for w in self.workers],
+                          "the workers to connect to the parameter servers")
+
+    # ---- waiting ----------------------------------------------------------
+
+    def call(self, refs, what: str, timeout: float | None = None):
+        """ray.get bounded by ``timeout_s`` (or ``timeout``), Ray's errors turned into dsgd's naming the actor.
+
+        Results are taken as they complete, so the first failure is raised at
+        once rather than after the slowest of the other calls.
+        """
+        return self._wait(refs, what, self.options.timeout_s if timeout is None else timeout,
+                          "raise timeout_s if steps are legitimately this slow")
+
+    def call_startup(self, refs, what: str):
+        """``call`` for set-up work (starting actors, building models), bounded by ``startup_timeout_s``."""
+        return self._wait(refs, what, self.options.startup_timeout_s,
+                          "raise startup_timeout_s if building is legitimately this slow, or check with "
+                          "`ray status` that nothing else holds the CPUs the actors need")
+
+    def _wait(self, refs, what: str, timeout: float, hint: str):
+        pending = list(refs) if isinstance(refs, list) else [refs]
+        deadline = time.monotonic() + timeout
+        values = {}
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
+                values[ready[0]] = ray.get(ready[0])
+        except ray.exceptions.RayError as e:
+            fault = _fault_of(e)
+            if fault is not None:
+                raise ActorFailure(f"{self._describe(fault)} while waiting for {what}: {fault}") from e
+            if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
+                raise e.cause.with_traceback(None) from None
+            raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
+        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+
+    def wait_finished(self, refs: list) -> None:
+        """Wait (bounded by ``timeout_s``) until calls have returned or failed; their results are not wanted."""
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.options.timeout_s)
+            if len(ready) < len(refs):
+                logger.warning("%d calls had not finished after %.0fs; going on without them",
+                               len(refs) - len(ready), self.options.timeout_s)
+
+    def _describe(self, error: BaseException) -> str:
+        """'worker 1 (pid 4242 on node 3fa2c1e0) failed', for the actor behind an error."""
+        identity = self._identities.get(getattr(error, "actor_id", None))
+        return f"{identity} failed ({identity.where})" if identity else "an actor failed"
+
+    def is_alive(self, actor) -> bool:
+        try:
+            self.call(actor.identity.remote(), "a liveness check", PING_TIMEOUT_S)
+            return True
+        except (ActorFailure, DSGDTimeoutError):
+            return False
+
+    # ---- recovery's operations ------------------------------------------
+
+    def replace_dead(self) -> set[int]:
+        """Start new actors for dead ones, reconnect; the indices of the new workers."""
+        new_servers = self.servers.replace_dead(self.is_alive) if self.servers else []
+        for identity in self._identify(new_servers):
+            logger.warning("parameter server %d is dead; started a new one, pid %d", identity.index, identity.pid)
+        dead_workers = [i for i, w in enumerate(self.workers) if not self.is_alive(w)]
+        if len(dead_workers) == self.options.num_workers:
+            raise DSGDError("every worker died, so no replica is left to restore the weights from; "
+                            "restore from a checkpoint (DistributedSGD.restore) in a new engine")
+        for i in dead_workers:
+            logger.warning("worker %d is dead; starting a new one", i)
+            self.workers[i] = self._new_worker(i)
+        if dead_workers:
+            self._identify([self.workers[i] for i in dead_workers])
+            self._build_models(dead_workers)
+        if self.servers and (new_servers or dead_workers):
+            self.connect_parameter_servers()
+        return set(dead_workers)
+
+    def abort_servers(self) -> None:
+        """Make every waiting and future push fail until ``reset_servers`` (no-op without servers)."""
+        if self.servers:
+            self.servers.abort()
+
+    def reset_servers(self, step_id: int) -> None:
+        """Servers forget partial sums and expect ``step_id`` next (no-op without servers)."""
+        if self.servers:
+            self.call(self.servers.reset(step_id), "the parameter servers to reset")
+
+    # ---- teardown ---------------------------------------------------------
+
+    def kill(self) -> None:
+        """Kill every actor (if Ray is still up). Safe to call twice."""
+        if ray.is_initialized():
+            for actor in self.workers:
+                ray.kill(actor)
+            if self.servers:
+                self.servers.kill()
+        self.workers, self.servers = [], None

@@ -1,0 +1,124 @@
+"""The engine's options: their allowed values, their checks, and what a worker is given.
+
+``Options.checked`` turns ``DistributedSGD``'s arguments into one frozen
+value or raises a ``ValueError`` naming the argument, what it got and what
+it expects; nothing here touches Ray. ``WorkerConfig`` is the part of the
+options a worker needs to build its graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+STRATEGIES = ("ps", "simple")
+ALL_REDUCE_ALGS = ("simple", "nccl")
+NAN_POLICIES = ("raise", "skip", "ignore")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs to build its graph, fixed at construction."""
+
+    num_workers: int
+    devices_per_worker: int
+    gpu: bool
+    all_reduce_alg: str
+    cpus_per_worker: int
+    timeout_s: float
+    nan_policy: str = "raise"
+    use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
+
+
+@dataclass(frozen=True)
+class Options:
+    """``DistributedSGD``'s arguments, checked (see its docstring for each)."""
+
+    strategy: str
+    num_workers: int
+    devices_per_worker: int
+    gpu: bool
+    grad_shard_bytes: int | None
+    all_reduce_alg: str
+    num_parameter_servers: int | None
+    cpus_per_worker: int
+    nan_policy: str
+    use_ops: bool | None
+    max_failures: int
+    timeout_s: float
+    startup_timeout_s: float
+    logdir: str | None
+    batch_size: int | None
+
+    @classmethod
+    def checked(cls, **given: Any) -> "Options":
+        """The options, each checked; a ValueError names the first bad one."""
+        _check_choice("strategy", given["strategy"], STRATEGIES)
+        _check_choice("all_reduce_alg", given["all_reduce_alg"], ALL_REDUCE_ALGS)
+        _check_choice("nan_policy", given["nan_policy"], NAN_POLICIES)
+        if not isinstance(given["gpu"], bool):
+            raise ValueError(f"gpu must be True or False, got {given['gpu']!r}")
+        if given["all_reduce_alg"] == "nccl" and not given["gpu"]:
+            raise ValueError("all_reduce_alg='nccl' needs gpu=True; use 'simple' on CPUs")
+        if given["use_ops"] not in (None, True, False):
+            raise ValueError(f"use_ops must be None, True or False, got {given['use_ops']!r}")
+        if given["logdir"] is not None and not isinstance(given["logdir"], str):
+            raise ValueError(f"logdir must be a directory path (str) or None, got {given['logdir']!r}")
+        return cls(
+            strategy=given["strategy"],
+            num_workers=_check_int("num_workers", given["num_workers"], 1),
+            devices_per_worker=_check_int("devices_per_worker", given["devices_per_worker"], 1),
+            gpu=given["gpu"],
+            grad_shard_bytes=_check_optional_int("grad_shard_bytes", given["grad_shard_bytes"], 0),
+            all_reduce_alg=given["all_reduce_alg"],
+            num_parameter_servers=_check_optional_int("num_parameter_servers", given["num_parameter_servers"], 1),
+            cpus_per_worker=_check_int("cpus_per_worker", given["cpus_per_worker"], 1),
+            nan_policy=given["nan_policy"],
+            use_ops=given["use_ops"],
+            max_failures=_check_int("max_failures", given["max_failures"], 0),
+            timeout_s=_check_seconds("timeout_s", given["timeout_s"]),
+            startup_timeout_s=_check_seconds("startup_timeout_s", given["startup_timeout_s"]),
+            logdir=given["logdir"],
+            batch_size=_check_optional_int("batch_size", given["batch_size"], 1),
+        )
+
+    @property
+    def uses_ps(self) -> bool:
+        """Parameter servers run: "ps" with more than one worker."""
+        return self.strategy == "ps" and self.num_workers > 1
+
+    @property
+    def samples_per_step(self) -> int | None:
+        """Samples in one step over all replicas, if ``batch_size`` was given."""
+        if self.batch_size is None:
+            return None
+        return self.batch_size * self.num_workers * self.devices_per_worker
+
+    def worker_config(self, use_ops: bool) -> WorkerConfig:
+        """What every worker is built with; ``use_ops`` as resolved by the driver."""
+        return WorkerConfig(self.num_workers, self.devices_per_worker, self.gpu, self.all_reduce_alg,
+                            self.cpus_per_worker, self.timeout_s, self.nan_policy, use_ops=use_ops)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_optional_int(name: str, value: Any, minimum: int) -> int | None:
+    return None if value is None else _check_int(name, value, minimum)
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)

@@ -1,0 +1,365 @@
+"""A worker's TensorFlow graph: one replica of the model per device, built once.
+
+``build`` runs the user's ``model_creator`` once per device, each call under
+its own ``tf.device`` and ``variable_scope("device_<i>")``, checks what it
+returns, and adds: every replica's gradients, their mean over the worker's
+devices (the local allreduce), the apply ops, and the ops that read and write
+the weights and optimizer state. It returns a frozen ``WorkerGraph``; the
+worker actor (``dsgd.sgd_worker``) only runs it.
+
+What is exchanged between workers is the list of *exchange tensors*: the
+averaged gradient of every trainable variable and, for models with
+``UPDATE_OPS`` (batch norm), the updated value of every non-trainable float
+variable, so that moving statistics stay identical on every replica too.
+
+Variables are named ``device_<i>/<name>`` in the graph and ``<name>`` to the
+user; the helpers at the top of this module are the only place that knows
+the scope names.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from dsgd import shards
+from dsgd.config import WorkerConfig
+from dsgd.errors import DSGDError, ModelCreatorError, WorkerMismatchError
+from dsgd.model import Model
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_THREADS = 2  # inter-op threads beyond the compute's: a receive waiting for its mean holds one
+
+_REPLICA_PREFIX = re.compile(r"^device_\d+(_apply)?/")
+
+
+# ---- names ---------------------------------------------------------------
+
+def replica_scope(device_index: int) -> str:
+    """The variable scope of a replica: 'device_1'."""
+    return f"device_{device_index}"
+
+
+def apply_scope(device_index: int) -> str:
+    """The name scope of a replica's apply ops (and the optimizer's slots made there)."""
+    return f"{replica_scope(device_index)}_apply"
+
+
+def strip_scope(name: str, device_index: int) -> str:
+    """'device_1/dense/kernel:0' -> 'dense/kernel'; a variable outside the replica's scope is an error."""
+    prefix = replica_scope(device_index) + "/"
+    name = name.split(":")[0]
+    if not name.startswith(prefix):
+        raise ModelCreatorError(
+            f"variable {name!r} of replica {device_index} was created outside its "
+            f"variable scope {prefix!r}; create variables inside model_creator "
+            "without opening an absolute scope")
+    return name[len(prefix):]
+
+
+def strip_any_scope(name: str) -> str:
+    """'device_0_apply/w/Momentum:0' -> 'w/Momentum': an optimizer variable's name to the user."""
+    return _REPLICA_PREFIX.sub("", name.split(":")[0])
+
+
+def device(index: int, gpu: bool) -> str:
+    return f"/gpu:{index}" if gpu else f"/cpu:{index}"
+
+
+# ---- what is built -------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerSignature:
+    """What a worker built; the driver checks all workers agree."""
+
+    weights: tuple[shards.VarSpec, ...]
+    exchange: tuple[shards.VarSpec, ...]
+    optimizer: tuple[shards.VarSpec, ...]
+    metrics: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One replica's graph pieces; ``exchange`` is in the order of the exchange tensors."""
+
+    index: int
+    model: Model
+    weights: dict[str, tf.Variable]  # every variable it created, by its name without the scope
+    optimizer: tf.compat.v1.train.Optimizer
+    loss: tf.Tensor
+    metrics: dict[str, tf.Tensor]
+    train_vars: tuple[tf.Variable, ...]  # exchange order: back-propagation's, last layers first
+    state_vars: tuple[tf.Variable, ...]  # batch-norm statistics and the like (with UPDATE_OPS)
+    exchange: tuple[tf.Tensor, ...]  # gradients of train_vars, then updated values of state_vars
+
+
+@dataclass(frozen=True)
+class WorkerGraph:
+    """Everything the worker runs, built once by ``build``."""
+
+    replicas: tuple[Replica, ...]
+    signature: WorkerSignature
+    local_means: tuple[tf.Tensor, ...]  # the worker's mean of each exchange tensor
+    apply_local: tf.Operation  # applies local_means on every replica (one worker alone)
+    mean_inputs: tuple[tf.Tensor, ...]  # placeholders for the global means ("simple", Python "ps")
+    apply_fed: tf.Operation  # applies mean_inputs on every replica
+    state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]  # group -> per replica, name -> variable
+    state_inputs: dict[str, dict[str, tf.Tensor]]  # group -> name -> placeholder
+    set_state: dict[str, tf.Operation]  # group -> assigns its inputs on every replica
+    init: tf.Operation
+
+    @property
+    def models(self) -> list[Model]:
+        return [r.model for r in self.replicas]
+
+
+@dataclass(frozen=True)
+class OpsExchange:
+    """The in-graph "ps" exchange (``build_ops_exchange``): one run computes, exchanges and applies."""
+
+    step_input: tf.Tensor
+    apply: tf.Operation
+
+
+def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
+    """A session with one device per replica and the worker's CPUs as threads."""
+    threads = max(1, config.cpus_per_worker)
+    proto = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=threads,
+        inter_op_parallelism_threads=max(2, threads) + RECEIVE_THREADS,
+        allow_soft_placement=False)
+    if config.gpu:
+        proto.gpu_options.allow_growth = True
+    else:
+        proto.device_count["CPU"] = config.devices_per_worker
+        proto.device_count["GPU"] = 0
+    return proto
+
+
+# ---- building --------------------------------------------------------------
+
+def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int, int], Model]) -> WorkerGraph:
+    """Build the worker's graph into the default graph (the worker opens it and its session)."""
+    graph = tf.compat.v1.get_default_graph()
+    replicas = tuple(_build_replica(graph, worker_index, config, model_creator, i)
+                     for i in range(config.devices_per_worker))
+    _check_replicas_agree(replicas, worker_index)
+    weights, exchange = _specs(replicas[0])
+    means = _local_allreduce(replicas, config)
+    mean_inputs = tuple(tf.compat.v1.placeholder(s.dtype, s.shape, name=f"mean_{k}") for k, s in enumerate(exchange))
+    apply_local = _apply_ops(replicas, means, config)
+    apply_fed = _apply_ops(replicas, [mean_inputs] * len(replicas), config)
+    # The optimizer's slots exist once its apply ops do.
+    optimizer_vars = tuple(_optimizer_state(r) for r in replicas)
+    state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
+    state_inputs, set_state = _state_io(state_vars)
+    optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
+    return WorkerGraph(
+        replicas=replicas,
+        signature=WorkerSignature(weights, exchange, optimizer, tuple(sorted(replicas[0].metrics))),
+        local_means=tuple(means[0]),
+        apply_local=apply_local,
+        mean_inputs=mean_inputs,
+        apply_fed=apply_fed,
+        state_vars=state_vars,
+        state_inputs=state_inputs,
+        set_state=set_state,
+        init=tf.group(tf.compat.v1.global_variables_initializer()))
+
+
+def call_user(model: Model, method: str, where: str):
+    """``model.<method>()``, its error turned into one that names the method and the replica."""
+    try:
+        return getattr(model, method)()
+    except Exception as e:
+        raise ModelCreatorError(
+            f"{type(model).__name__}.{method}() raised on {where}: "
+            f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+
+
+def _build_replica(graph: tf.Graph, worker_index: int, config: WorkerConfig,
+                   model_creator: Callable[[int, int], Model], i: int) -> Replica:
+    where = f"worker {worker_index}, device {i}"
+    before = set(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+    with tf.device(device(i, config.gpu)), tf.compat.v1.variable_scope(replica_scope(i)):
+        try:
+            model = model_creator(worker_index, i)
+        except Exception as e:
+            raise ModelCreatorError(
+                f"model_creator raised on {where}: {type(e).__name__}: {e}\n"
+                f"{traceback.format_exc()}") from e
+        if not isinstance(model, Model):
+            raise ModelCreatorError(
+                f"model_creator must return a dsgd.Model, got {type(model).__name__} on {where}")
+        created = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) if v not in before]
+        weights = {strip_scope(v.name, i): v for v in created}
+        return _build_gradients(graph, model, weights, i, where, log_missing=(worker_index, i) == (0, 0))
+
+
+def _build_gradients(graph: tf.Graph, model: Model, weights: dict[str, tf.Variable], index: int,
+                     where: str, log_missing: bool) -> Replica:
+    """The replica's loss, optimizer and metrics, checked; its gradients and updated state."""
+    loss = call_user(model, "get_loss", where)
+    if not isinstance(loss, tf.Tensor) or loss.graph is not graph:
+        raise ModelCreatorError(f"get_loss() must return a tensor of the replica's graph, got {loss!r} on {where}")
+    if loss.shape.rank not in (None, 0):
+        raise ModelCreatorError(f"get_loss() must return a scalar, got shape {loss.shape} on {where}")
+    optimizer = call_user(model, "get_optimizer", where)
+    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise ModelCreatorError(
+            f"get_optimizer() must return a tf.compat.v1.train.Optimizer, got {type(optimizer).__name__} on {where}")
+    metrics = call_user(model, "get_metrics", where) or {}
+    if not isinstance(metrics, dict):
+        raise ModelCreatorError(f"get_metrics() must return a dict of scalar tensors, got {type(metrics).__name__}")
+    trainable = set(graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
+    train_vars = [v for v in weights.values() if v in trainable]
+    if not train_vars:
+        raise ModelCreatorError(
+            f"the model built on {where} has no trainable variables; "
+            "create them inside model_creator with tf.compat.v1.get_variable or tf.Variable")
+    grads = optimizer.compute_gradients(loss, var_list=train_vars, colocate_gradients_with_ops=True)
+    missing = [strip_scope(v.name, index) for g, v in grads if g is None]
+    if missing and log_missing:
+        logger.warning("variables with no gradient are not trained: %s", ", ".join(missing))
+    grads = [(tf.convert_to_tensor(g), v) for g, v in grads if g is not None]
+    if not grads:
+        raise ModelCreatorError(f"the loss on {where} depends on none of the trainable variables")
+    update_ops = graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, scope=replica_scope(index) + "/")
+    state_vars = [v for v in weights.values() if v not in trainable and v.dtype.is_floating] if update_ops else []
+    with tf.control_dependencies(update_ops):
+        state_values = [tf.identity(v.read_value()) for v in state_vars]
+    grads.reverse()  # back-propagation yields the last layers first: exchange them first
+    return Replica(index, model, weights, optimizer, loss, metrics,
+                   train_vars=tuple(v for _, v in grads), state_vars=tuple(state_vars),
+                   exchange=tuple(g for g, _ in grads) + tuple(state_values))
+
+
+def _var_spec(name: str, tensor: tf.Tensor | tf.Variable) -> shards.VarSpec:
+    if not tensor.shape.is_fully_defined():
+        raise ModelCreatorError(f"variable {name!r} has a shape that is not fully defined: {tensor.shape}")
+    return shards.VarSpec(name, tuple(tensor.shape.as_list()), np.dtype(tensor.dtype.as_numpy_dtype))
+
+
+def _specs(r: Replica) -> tuple[tuple[shards.VarSpec, ...], tuple[shards.VarSpec, ...]]:
+    """The replica's weights (by name) and exchange tensors (in exchange order)."""
+    weights = tuple(sorted((_var_spec(n, v) for n, v in r.weights.items()), key=lambda s: s.name))
+    exchange = tuple(_var_spec(strip_scope(v.name, r.index), v) for v in r.train_vars + r.state_vars)
+    return weights, exchange
+
+
+def _check_replicas_agree(replicas: Sequence[Replica], worker_index: int) -> None:
+    first = replicas[0]
+    expected = _specs(first)
+    for r in replicas[1:]:
+        got = _specs(r)
+        if got != expected:
+            raise WorkerMismatchError(
+                f"replica {r.index} on worker {worker_index} built different variables than replica 0: "
+                f"{shards.spec_difference(sum(got, ()), sum(expected, ()))}")
+        if sorted(r.metrics) != sorted(first.metrics):
+            raise WorkerMismatchError(f"replica {r.index} reports metrics {sorted(r.metrics)}, replica 0 {sorted(first.metrics)}")
+
+
+def _local_allreduce(replicas: Sequence[Replica], config: WorkerConfig) -> list[Sequence[tf.Tensor]]:
+    """Mean of every exchange tensor over this worker's replicas, per replica."""
+    n = len(replicas)
+    if n == 1:
+        return [replicas[0].exchange]
+    per_tensor = list(zip(*(r.exchange for r in replicas)))
+    if config.all_reduce_alg == "nccl":
+        from tensorflow.python.ops import nccl_ops  # no public NCCL all-sum in TF; GPU only, not run on CPU CI
+        summed = [nccl_ops.all_sum(list(ts)) for ts in per_tensor]
+        return [[s[r] / n for s in summed] for r in range(n)]
+    with tf.device(device(0, config.gpu)):
+        means = [tf.add_n(list(ts)) / n for ts in per_tensor]
+    return [means] * n
+
+
+def _finite(tensors: Sequence[tf.Tensor], names: Sequence[str], what: str, config: WorkerConfig) -> list[tf.Operation]:
+    """Checks that fail the run, naming the variable, unless nan_policy is "ignore"."""
+    if config.nan_policy == "ignore":
+        return []
+    return [tf.debugging.assert_all_finite(t, f"dsgd: non-finite {what} of '{name}'").op
+            for t, name in zip(tensors, names)]
+
+
+def _apply_ops(replicas: Sequence[Replica], means_per_replica: Sequence[Sequence[tf.Tensor]],
+               config: WorkerConfig) -> tf.Operation:
+    """Apply on every replica, only once every check has passed (never partly)."""
+    n_train = len(replicas[0].train_vars)
+    names = [s.name for s in _specs(replicas[0])[1]]
+    means = means_per_replica[0]
+    grad_checks = _finite(means[:n_train], names[:n_train], "gradient", config)
+    state_checks = _finite(means[n_train:], names[n_train:], "value", config)
+    ops = []
+    for r, means in zip(replicas, means_per_replica):
+        with tf.device(device(r.index, config.gpu)), tf.name_scope(apply_scope(r.index)):
+            with tf.control_dependencies(grad_checks):
+                ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
+            with tf.control_dependencies(state_checks):
+                ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
+    return tf.group(*ops)
+
+
+def _optimizer_state(r: Replica) -> dict[str, tf.Variable]:
+    """The optimizer's slots and counters, keyed like 'w/Momentum', 'beta1_power'."""
+    state = {}
+    for v in r.optimizer.variables():
+        name = strip_any_scope(v.name)
+        if name in state:
+            raise ModelCreatorError(f"two optimizer variables of replica {r.index} are both named {name!r}")
+        state[name] = v
+    return state
+
+
+def _state_io(state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]):
+    """Placeholders per group and name, and per group one op assigning them on every replica."""
+    inputs, assign = {}, {}
+    for group, per_replica in state_vars.items():
+        inputs[group] = {name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"set_{group}_{k}")
+                         for k, (name, v) in enumerate(sorted(per_replica[0].items()))}
+        assign[group] = tf.group(*[v.assign(inputs[group][name])
+                                   for variables in per_replica for name, v in variables.items()])
+    return inputs, assign
+
+
+def build_ops_exchange(built: WorkerGraph, config: WorkerConfig, layout: Sequence[shards.Shard],
+                       send: Callable[..., None], receive: Callable[..., np.ndarray]) -> OpsExchange:
+    """The pipelined "ps" exchange, inside the graph (see dsgd/ops).
+
+    ``send(shard, arrays, step)`` and ``receive(shard, step)`` are the
+    worker's callbacks. Each partition is sent to its parameter server as
+    soon as its gradients exist, while back-propagation of earlier layers
+    goes on, and received as soon as it is sent. Sends run in layout order
+    (each after the previous one) and receive k waits for send k, so a
+    worker blocks only on partitions that every worker with a longer run of
+    sends has already sent: whichever worker has sent the least always gets
+    its means, and no thread budget can deadlock. Means are read without a
+    copy; the apply runs once every partition has arrived.
+    """
+    from dsgd import ops
+
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+    step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
+    received, previous = [], []
+    for shard in layout:
+        with tf.control_dependencies(previous):
+            sent = ops.build_send(built.local_means, shard, send, [step_input])
+        with tf.control_dependencies([sent]):
+            received.append(ops.receive_shard(functools.partial(receive, shard), shard, [step_input]))
+        previous = [sent]
+    means = ops.unpack(received, layout, built.signature.exchange)
+    apply = _apply_ops(built.replicas, [means] * len(built.replicas), config)
+    if len(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)) != before:
+        raise DSGDError("building the exchange created variables; the optimizer's slots must "
+                        "exist after its first apply_gradients")
+    return OpsExchange(step_input, apply)
