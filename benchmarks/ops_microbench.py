@@ -9,7 +9,7 @@ object, each byte copied once by one thread (to a server on another node);
 (c2) copied into a shared-memory buffer made once (to a server on the same
 node, dsgd.ps_client). Read side: (d) ray.get + feed_dict + TF slicing
 vs. (e) the zero-copy DsgdObjectTensor + DsgdUnpack path
-(dsgd.ops.build_receive). Prints wall time and the process's CPU time (all
+(dsgd.ops.receive_shard + unpack). Prints wall time and the process's CPU time (all
 threads): on a machine whose cores are busy training, CPU time is what a
 copy really costs.
 
@@ -134,7 +134,8 @@ def main() -> None:
                      for i, s in enumerate(layout) for p in s.pieces if p.var_index == spec_index]
             flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
             fed.append(tf.reshape(flat, spec.shape))
-        received = ops.build_receive(lambda s: ray.get(refs[s.index]), layout, specs)
+        received = ops.unpack([ops.receive_shard(lambda s=s: ray.get(refs[s.index]), s) for s in layout],
+                              layout, specs)
 
         def consume(ts):
             return tf.add_n([tf.reshape(t, [-1])[0] for t in ts])
@@ -157,7 +158,7 @@ def main() -> None:
 
     results["(d) ray.get + feed_dict + tf.slice"] = timed(get_and_feed, args.reps)
     results["    zero-copy shards only, no unpack"] = timed(receive_shards_only, args.reps)
-    results["(e) dsgd.ops.build_receive (zero-copy)"] = timed(zero_copy_receive, args.reps)
+    results["(e) dsgd.ops.receive_shard + unpack (zero-copy)"] = timed(zero_copy_receive, args.reps)
     sess.close()
     ray.shutdown()
 
@@ -166,7 +167,7 @@ def main() -> None:
         print(f"{name:48s} {seconds * 1e3:8.1f} {nbytes / seconds / 1e9:6.2f} {cpu * 1e3:8.1f}")
     a, b, c = (results[k] for k in ("(a) numpy pack + ray.put", "(b) DsgdPack + ray.put of the packed shard",
                                     "(c) dsgd.ops.build_send (segments, one copy)"))
-    d, e = results["(d) ray.get + feed_dict + tf.slice"], results["(e) dsgd.ops.build_receive (zero-copy)"]
+    d, e = results["(d) ray.get + feed_dict + tf.slice"], results["(e) dsgd.ops.receive_shard + unpack (zero-copy)"]
     print(f"write, wall: (a)/(c) = {a[0] / c[0]:.2f}x, (b)/(c) = {b[0] / c[0]:.2f}x; "
           f"CPU: (a)/(c) = {a[1] / c[1]:.2f}x, (b)/(c) = {b[1] / c[1]:.2f}x   read, wall: (d)/(e) = {d[0] / e[0]:.2f}x")
 

@@ -82,7 +82,7 @@ def test_receive_aliases_object_store_memory(ray_session):
         return fetched[-1]
 
     with tf.Graph().as_default():
-        grad_tensors = ops.build_receive(fetch, layout, specs)
+        grad_tensors = ops.unpack([ops.receive_shard(lambda s=s: fetch(s), s) for s in layout], layout, specs)
         addresses = [ops.data_address(t) for t in grad_tensors]
         values, addresses = _run((grad_tensors, addresses))
     [array] = fetched

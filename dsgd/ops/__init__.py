@@ -12,6 +12,11 @@ Read side: ``receive_shard`` turns the numpy array a fetch function returns
 memory; ``unpack`` splits shards into per-variable gradients that alias them.
 The array is kept in a registry until the last tensor using its memory dies;
 the C++ side then queues its handle and ``drain_released`` drops the array.
+
+Diagnostics, which the engine does not call: ``live_buffers`` counts the
+arrays TensorFlow still holds (a leak check), ``data_address`` gives a
+tensor's data address when the graph runs (to see that a read is zero-copy).
+The tests and benchmarks/ops_microbench.py use both.
 """
 
 from __future__ import annotations
@@ -29,8 +34,7 @@ from dsgd.shards import VIEW_BYTES, Segment, Shard, VarSpec, piece_view, segment
 
 __all__ = [
     "is_available", "load", "pack", "build_send", "receive_shard", "unpack",
-    "build_receive", "drain_released", "discard_unclaimed", "live_buffers",
-    "data_address",
+    "drain_released", "discard_unclaimed", "live_buffers", "data_address",
 ]
 
 _lock = threading.Lock()
@@ -212,17 +216,6 @@ def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
         if grads[v] is None:
             grads[v] = tf.zeros(spec.shape, _tf_dtype(spec.dtype))
     return grads
-
-
-def build_receive(fetch: Callable[..., np.ndarray], layout: Sequence[Shard],
-                  specs: Sequence[VarSpec], inputs: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
-    """Receive every shard of ``layout`` zero-copy and unpack it.
-
-    ``fetch(shard, *input_values)`` returns the averaged array of ``shard``.
-    Returns gradients in ``specs`` order, ready for ``apply_gradients``.
-    """
-    shards = [receive_shard(lambda *values, s=s: fetch(s, *values), s, inputs) for s in layout]
-    return unpack(shards, layout, specs)
 
 
 def _drop_arrays(function_name: str) -> int:

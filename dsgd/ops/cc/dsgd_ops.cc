@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "dsgd/ops/cc/object_registry.h"
-#include "tensorflow/core/common_runtime/dma_helper.h"
 #include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -26,6 +25,10 @@ constexpr uintptr_t kAlignBytes = 64;
 bool IsAligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kAlignBytes == 0;
 }
+
+// A tensor's bytes, through the public Tensor::tensor_data().
+const char* Data(const Tensor& t) { return t.tensor_data().data(); }
+char* MutableData(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
 // Memory owned by the object store; the last tensor using it releases the
 // registry handle so Python can drop the object.
@@ -50,23 +53,25 @@ class ObjectBuffer : public TensorBuffer {
 };
 
 // A byte range of another buffer, keeping that buffer alive.
+// A view of part of another tensor's memory. Holding a Tensor keeps that
+// memory alive, with no need for TensorFlow's private DMAHelper; like
+// ObjectBuffer it does not own the memory, so TensorFlow never forwards it to
+// an op that would write in place (Tensor::Slice's view would allow that).
 class AliasBuffer : public TensorBuffer {
  public:
-  AliasBuffer(TensorBuffer* root, void* data, size_t nbytes)
-      : TensorBuffer(data), root_(root), nbytes_(nbytes) {
-    root_->Ref();
-  }
-  ~AliasBuffer() override { root_->Unref(); }
+  AliasBuffer(const Tensor& owner, void* data, size_t nbytes)
+      : TensorBuffer(data), owner_(owner), nbytes_(nbytes) {}
 
   size_t size() const override { return nbytes_; }
-  TensorBuffer* root_buffer() override { return root_; }
+  TensorBuffer* root_buffer() override { return this; }
   void FillAllocationDescription(AllocationDescription* proto) const override {
-    root_->FillAllocationDescription(proto);
+    proto->set_requested_bytes(nbytes_);
+    proto->set_allocator_name("dsgd_alias");
   }
   bool OwnsMemory() const override { return false; }
 
  private:
-  TensorBuffer* const root_;
+  const Tensor owner_;
   const size_t nbytes_;
 };
 
@@ -164,11 +169,11 @@ class PackOp : public OpKernel {
     Tensor* shard = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shard_size_}), &shard));
     const size_t item = DataTypeSize(shard->dtype());
-    char* out = static_cast<char*>(DMAHelper::base(shard));
+    char* out = MutableData(shard);
     int64_t filled = 0;
     for (const Piece& p : pieces_) {
       std::memset(out + filled * item, 0, (p.shard_offset - filled) * item);
-      const char* in = static_cast<const char*>(DMAHelper::base(&grads[p.input]));
+      const char* in = Data(grads[p.input]);
       std::memcpy(out + p.shard_offset * item, in + p.var_offset * item, p.size * item);
       filled = p.shard_offset + p.size;
     }
@@ -227,7 +232,7 @@ class ObjectTensorOp : public OpKernel {
     if (!IsAligned(buffer.data)) {
       Tensor* out = nullptr;
       absl::Status s = ctx->allocate_output(0, TensorShape({size_}), &out);
-      if (s.ok()) std::memcpy(DMAHelper::base(out), buffer.data, nbytes);
+      if (s.ok()) std::memcpy(MutableData(out), buffer.data, nbytes);
       dsgd::ReleaseBuffer(handle);
       OP_REQUIRES_OK(ctx, s);
       return;
@@ -328,20 +333,18 @@ class UnpackOp : public OpKernel {
     const size_t item = DataTypeSize(dtype);
     if (pieces.size() == 1) {
       const Tensor& shard = shards[pieces[0].input];
-      char* data = const_cast<char*>(static_cast<const char*>(DMAHelper::base(&shard))) +
-                   pieces[0].shard_offset * item;
+      char* data = const_cast<char*>(Data(shard)) + pieces[0].shard_offset * item;
       if (IsAligned(data)) {
-        TensorBuffer* root = const_cast<TensorBuffer*>(DMAHelper::buffer(&shard));
-        core::RefCountPtr<TensorBuffer> alias(new AliasBuffer(root, data, pieces[0].size * item));
+        core::RefCountPtr<TensorBuffer> alias(new AliasBuffer(shard, data, pieces[0].size * item));
         ctx->set_output(k, Tensor(dtype, shapes_[k], std::move(alias)));
         return absl::OkStatus();
       }
     }
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(k, shapes_[k], &out));
-    char* dst = static_cast<char*>(DMAHelper::base(out));
+    char* dst = MutableData(out);
     for (const Piece& p : pieces) {
-      const char* src = static_cast<const char*>(DMAHelper::base(&shards[p.input]));
+      const char* src = Data(shards[p.input]);
       std::memcpy(dst + p.var_offset * item, src + p.shard_offset * item, p.size * item);
     }
     return absl::OkStatus();
@@ -369,7 +372,7 @@ class DataAddressOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() =
-        reinterpret_cast<int64_t>(DMAHelper::base(&ctx->input(0)));
+        reinterpret_cast<int64_t>(Data(ctx->input(0)));
   }
 };
 
