@@ -352,6 +352,12 @@ class DistributedSGD:
         per_worker = self._on_workers("foreach_model", fn, what="foreach_model")
         return [r for results in per_worker for r in results]
 
+    def for_model(self, fn: Callable[[Model], Any]) -> Any:
+        """``fn(model)`` on one replica (worker 0, device 0), its worker's session the default; its result."""
+        self._check_open()
+        self._drain()
+        return self._cluster.call(self.workers[0].for_model.remote(fn), "for_model")
+
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it."""
         self._on_workers("warmup", what="the workers to warm up")

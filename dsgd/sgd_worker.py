@@ -310,6 +310,11 @@ class SGDWorker:
         with self._default_session():
             return fn(self)
 
+    def for_model(self, fn: Callable[[Model], Any]) -> Any:
+        """``fn(model)`` on replica 0, with the worker's session as the default."""
+        with self._default_session():
+            return fn(self.models[0])
+
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
         """``fn(model)`` on every replica, device order, with the worker's session as the default."""
         with self._default_session():

@@ -13,7 +13,6 @@ default command works offline.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import logging
 import os
@@ -26,7 +25,6 @@ import tensorflow as tf
 
 import dsgd
 from dsgd.progress import Progress
-from dsgd.tensorboard import ScalarLogger
 
 IDX_FILES = {
     "x_train": "train-images-idx3-ubyte", "y_train": "train-labels-idx1-ubyte",
@@ -132,8 +130,9 @@ class ConvNet(dsgd.Model):
         self.cursor += self.batch_size
         return {self.images: self.x_train[idx], self.labels: self.y_train[idx]}
 
-    def test_accuracy(self, sess: tf.compat.v1.Session) -> float:
-        return float(sess.run(self.accuracy, {self.images: self.x_test, self.labels: self.y_test}))
+    def test_accuracy(self) -> float:
+        """Accuracy on the test set, in the worker's session (the default while dsgd runs ``fn``)."""
+        return float(self.accuracy.eval({self.images: self.x_test, self.labels: self.y_test}))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,23 +167,20 @@ def main(argv: list[str] | None = None) -> float:
                  runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2"}})
     start = time.perf_counter()
     with dsgd.DistributedSGD(lambda w, d: ConvNet(w, d, args), num_workers=args.num_workers,
-                             devices_per_worker=args.devices_per_worker, strategy=args.strategy) as sgd:
+                             devices_per_worker=args.devices_per_worker, strategy=args.strategy,
+                             logdir=args.logdir, batch_size=args.batch_size) as sgd:
         print(f"built {args.num_workers} x {args.devices_per_worker} replicas ({args.strategy}) "
               f"in {time.perf_counter() - start:.1f}s")
         global_batch = args.batch_size * args.num_workers * args.devices_per_worker
         progress = Progress(args.steps, unit="samples", every=args.log_every)
         train_start = time.perf_counter()
-        with ScalarLogger(args.logdir) if args.logdir else contextlib.nullcontext() as tensorboard:
-            for step in range(1, args.steps + 1):
-                stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
-                values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
-                progress.update(samples=global_batch, values=values)
-                if stats and tensorboard:
-                    rate = global_batch * step / (time.perf_counter() - train_start)
-                    tensorboard.log(step, {**values, "samples_per_s": rate, "step_time_s": stats["step_time_s"]})
+        for step in range(1, args.steps + 1):
+            stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
+            values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
+            progress.update(samples=global_batch, values=values)
         progress.close()
         train_s = time.perf_counter() - train_start
-        accuracy = sgd.foreach_worker(lambda w: w.models[0].test_accuracy(w.sess))[0]
+        accuracy = sgd.for_model(lambda model: model.test_accuracy())
     print(f"test accuracy {accuracy:.4f} after {args.steps} steps; training {train_s:.1f}s "
           f"({train_s / args.steps * 1000:.1f} ms/step), total {time.perf_counter() - start:.1f}s")
     return accuracy

@@ -71,6 +71,27 @@ def test_foreach_model_is_flat_in_worker_then_device_order(engines):
     assert engines["ps"].foreach_model(lambda m: (m.worker_index, m.device_index)) == REPLICAS
 
 
+def _loss_by_eval(model):
+    """The replica's loss on the first batch, by ``Tensor.eval()``: it needs a default session."""
+    x, y = batch(0, 0, 0)
+    return float(model.loss.eval(feed_dict={model.x: x, model.y: y}))
+
+
+def _default_session_is_the_workers(worker):
+    import tensorflow as tf
+
+    return tf.compat.v1.get_default_session() is worker.sess
+
+
+def test_for_model_runs_on_worker_0_device_0_in_the_workers_session(engines):
+    sgd = engines["simple"]
+    assert sgd.for_model(lambda m: (m.worker_index, m.device_index)) == (0, 0)
+    _, _, expected, _ = numpy_forward(sgd.get_weights(), *batch(0, 0, 0))
+    assert sgd.for_model(_loss_by_eval) == pytest.approx(expected, rel=1e-5)
+    assert sgd.foreach_model(_loss_by_eval) == [pytest.approx(expected, rel=1e-5)] * len(REPLICAS)
+    assert sgd.foreach_worker(_default_session_is_the_workers) == [True] * WORKERS
+
+
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strategy):
     sgd = engines[strategy]
