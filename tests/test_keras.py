@@ -1,5 +1,8 @@
 """dsgd.KerasModel (tf_keras) and tf.data input: the same semantics as hand-written graph models."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -197,3 +200,11 @@ def test_iterable_batches_start_a_new_epoch_and_a_one_pass_iterator_says_it_ran_
             once.get_feed_dict()
         with pytest.raises(RuntimeError, match=f"ran out after {km.STEPS} batches.*one-pass iterator"):
             once.get_feed_dict()
+
+
+def test_importing_dsgd_does_not_import_tf_keras():
+    code = ("import sys, dsgd; dsgd.DistributedSGD, dsgd.Model; "
+            "print('tf_keras' in sys.modules, dsgd.KerasModel.__module__, 'tf_keras' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "dsgd.keras_model", "False"]
