@@ -5,14 +5,15 @@
 
 The example and the benchmark live in the repository next to the ``dsgd``
 package, not inside it, so these commands need a checkout (or an editable
-install) of the repository.
+install) of the repository. The library never imports ``benchmarks``: the
+benchmark runs as its own program, ``python benchmarks/resnet101.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -52,21 +53,10 @@ def load_mnist() -> ModuleType:
     return module
 
 
-def load_bench() -> ModuleType:
-    """benchmarks.resnet101, imported as a package from the repository root."""
-    _require(COMMANDS["bench"][1])
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    try:
-        module = importlib.import_module("benchmarks.resnet101")
-    except ImportError as e:
-        raise CommandUnavailable(f"cannot import benchmarks/resnet101.py: {e}") from e
-    # Ray workers on other machines may lack the checkout: send the package's code by value.
-    cloudpickle.register_pickle_by_value(sys.modules["benchmarks"])
-    return module
-
-
-LOADERS = {"mnist": load_mnist, "bench": load_bench}
+def run_bench(flags: list[str]) -> int:
+    """benchmarks/resnet101.py as a separate Python program; its exit code."""
+    path = _require(COMMANDS["bench"][1])
+    return subprocess.run([sys.executable, str(path), *flags], check=False).returncode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        module = LOADERS[args.command]()
+        if args.command == "bench":
+            return run_bench(args.flags)
+        module = load_mnist()
     except CommandUnavailable as e:
         print(f"python -m dsgd {args.command}: {e}", file=sys.stderr)
         return 2

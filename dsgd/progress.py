@@ -1,7 +1,8 @@
-"""A dependency-free progress line: steps done, throughput, latest values, ETA.
+"""A training loop's progress, drawn by tqdm: steps done, throughput, latest values, ETA.
 
-On a terminal the line is redrawn in place (``\\r``); otherwise (a log file,
-CI) a plain line is written every ``every`` steps and at the last step.
+On a terminal, tqdm redraws one line in place. Elsewhere (a log file, CI)
+the same line, in tqdm's format with ASCII bars, is written on its own line
+every ``every`` steps and at the last step, so logs stay readable.
 """
 
 from __future__ import annotations
@@ -10,15 +11,7 @@ import sys
 import time
 from typing import Callable, Mapping, TextIO
 
-BAR_WIDTH = 20
-REDRAW_INTERVAL_S = 0.1  # on a terminal, redraw at most this often (and at the last step)
-
-
-def format_duration(seconds: float) -> str:
-    """0:42, 12:05, 1:02:03."""
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+from tqdm import tqdm
 
 
 class Progress:
@@ -45,8 +38,8 @@ class Progress:
         self.done = 0
         self.count = 0
         self.values: dict[str, float] = {}
-        self._last_draw = float("-inf")
-        self._drawn = False
+        self._bar = (tqdm(total=total, unit="step", file=self.stream, dynamic_ncols=True, leave=True)
+                     if self.interactive else None)
 
     def update(self, steps: int = 1, samples: int = 0, values: Mapping[str, float] | None = None) -> None:
         """Record ``steps`` more steps that handled ``samples`` more units; ``values`` (e.g. loss)
@@ -55,40 +48,26 @@ class Progress:
         self.count += samples
         if values:
             self.values.update(values)
-        now = self.clock()
-        finished = self.done >= self.total
-        if self.interactive:
-            if not (finished or now - self._last_draw >= REDRAW_INTERVAL_S):
-                return
-            self.stream.write("\r" + self.line(now) + "\x1b[K")  # \x1b[K: clear the rest of the old line
-            self._last_draw, self._drawn = now, True
-        elif finished or self.done % self.every == 0:
-            self.stream.write(self.line(now) + "\n")
-        else:
-            return
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(self.clock() - self.start), refresh=False)
+            self._bar.update(steps)  # tqdm redraws at most every 0.1 s
+        elif self.done >= self.total or self.done % self.every == 0:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def _postfix(self, elapsed: float) -> str:
+        parts = [f"{self.count / max(elapsed, 1e-9):.0f} {self.unit}/s"] if self.count else []
+        return ", ".join(parts + [f"{name} {value:.4g}" for name, value in self.values.items()])
 
     def line(self, now: float | None = None) -> str:
-        """The current progress line, without line end."""
-        now = self.clock() if now is None else now
-        elapsed = max(now - self.start, 1e-9)
-        fraction = min(self.done / self.total, 1.0)
-        filled = int(fraction * BAR_WIDTH)
-        parts = [f"step {self.done}/{self.total}", f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}]",
-                 f"{fraction:4.0%}"]
-        if self.count:
-            parts.append(f"{self.count / elapsed:.0f} {self.unit}/s")
-        parts += [f"{name} {value:.4g}" for name, value in self.values.items()]
-        if self.done < self.total:
-            remaining = elapsed / self.done * (self.total - self.done) if self.done else None
-            parts.append(f"ETA {format_duration(remaining) if remaining is not None else '?'}")
-        else:
-            parts.append(f"in {format_duration(elapsed)}")
-        return "  ".join(parts)
+        """The current progress line (tqdm's format, ASCII bar), without line end."""
+        elapsed = (self.clock() if now is None else now) - self.start
+        return tqdm.format_meter(min(self.done, self.total), self.total, elapsed, unit="step",
+                                 postfix=self._postfix(elapsed), ascii=True)
 
     def close(self) -> None:
-        """End the redrawn line on a terminal, so later output starts on a new line."""
-        if self.interactive and self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+        """On a terminal, draw the final state and end the line, so later output starts on a new line."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(self.clock() - self.start), refresh=False)
+            self._bar.close()
+            self._bar = None

@@ -181,7 +181,7 @@ def test_dsgd_benchmark_cli(ray_session, tmp_path, strategy, num_workers):
 
 @pytest.mark.parametrize("command", [
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"],
-    ["-m", "benchmarks.exchange"],
+    ["-m", "benchmarks.exchange"], ["-m", "benchmarks.resnet101"],
 ], ids=" ".join)
 def test_benchmarks_run_as_scripts_and_modules(command, tmp_path):
     # A script runs from any directory; `-m` from the repository root.

@@ -1,7 +1,9 @@
 """`python -m dsgd`: lists its commands and hands flags to them; no Ray is started here."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +43,27 @@ def test_missing_checkout_gives_a_clear_error(command, capsys, monkeypatch, tmp_
     err = capsys.readouterr().err
     assert f"python -m dsgd {command}: " in err
     assert "from a checkout of the dsgd repository" in err
+
+
+def test_bench_runs_the_benchmark_script_as_its_own_program(capfd, monkeypatch):
+    monkeypatch.delitem(sys.modules, "benchmarks", raising=False)
+    assert cli.main(["bench", "--help"]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith("usage: resnet101.py")
+    for flag in ("--num-workers", "--strategy", "--timeline"):
+        assert flag in out
+    assert "benchmarks" not in sys.modules  # run in a child process, not imported here
+
+
+def test_the_library_does_not_import_benchmarks_or_examples():
+    package = Path(cli.__file__).resolve().parent
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in ("benchmarks", "examples"), f"{path} imports {name}"
