@@ -10,6 +10,7 @@ Ray's errors come out as dsgd's, naming the actor that failed
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -28,6 +29,9 @@ from dsgd.worker_graph import WorkerSignature
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
+# TensorFlow's C++ log level in the workers unless the driver's environment sets one:
+# 3 hides its start-up lines, including "failed call to cuInit" on CPU-only machines.
+QUIET_TF_LOG_LEVEL = "3"
 
 # Errors that mean an actor (or an object it owned) is gone: recoverable.
 _FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
@@ -100,9 +104,11 @@ class Cluster:
 
     def _new_worker(self, index: int):
         opts = self.options
+        log_level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
+            runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": log_level}},
             scheduling_strategy="SPREAD").remote(index, self.worker_config)
 
     def _identify(self, actors: list) -> list[ActorIdentity]:

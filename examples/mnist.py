@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -155,7 +154,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     name, data = load_digits(args.data_dir)
     if name != "MNIST 28x28":
         print("No MNIST files found (--data-dir, ~/.keras/datasets); using the digits set scikit-learn ships.")
@@ -163,8 +161,7 @@ def main(argv: list[str] | None = None) -> float:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False,
-                 runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2"}})
+        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False)
     start = time.perf_counter()
     with dsgd.DistributedSGD(lambda w, d: ConvNet(w, d, args), num_workers=args.num_workers,
                              devices_per_worker=args.devices_per_worker, strategy=args.strategy,
