@@ -541,13 +541,17 @@ class DistributedSGD:
         self._call([w.set_weights.remote(ref) for w in self.workers], "the workers to set weights")
 
     def save(self, path: str) -> None:
-        """Write weights, optimizer state and step count to ``path``, atomically."""
+        """Write weights, optimizer state and step count to ``path``, atomically.
+
+        ``path`` is a file, or a directory (existing, or ending in a separator)
+        that gets ``dsgd_checkpoint.npz``: a ``ray.train.Checkpoint`` directory.
+        """
         self._check_open()
         self._drain()
         checkpoint.save(path, self._call(self.workers[0].get_state.remote(), "worker 0's state"))
 
     def restore(self, path: str) -> None:
-        """Load a checkpoint written by ``save`` onto every replica."""
+        """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""
         self._check_open()
         self._drain()
         state = checkpoint.load(path, {"weights": self.signature.weights, "optimizer": self.signature.optimizer})
