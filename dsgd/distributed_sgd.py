@@ -12,6 +12,7 @@ import ray
 from dsgd import checkpoint, shards, strategies, timeline
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
+from dsgd.placement import actor_placement
 from dsgd.ps_actor import StepAborted
 from dsgd.server_group import ServerGroup, plan_servers
 from dsgd.sgd_worker import ALL_REDUCE_ALGS, NAN_POLICIES, SGDWorker, WorkerConfig, WorkerSignature
@@ -249,7 +250,7 @@ class DistributedSGD:
         return ray.remote(SGDWorker).options(
             num_cpus=cfg.cpus_per_worker,
             num_gpus=cfg.devices_per_worker if cfg.gpu else 0,
-            scheduling_strategy="SPREAD").remote(index, cfg)
+            scheduling_strategy=actor_placement()).remote(index, cfg)
 
     def _start_workers(self) -> None:
         self.workers = [self._new_worker(i) for i in range(self.num_workers)]
