@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import ray
 import tensorflow as tf
 from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
@@ -106,15 +107,17 @@ def test_trainable_rejects_bad_arguments():
 
 
 def test_two_learning_rates_report_every_steps_per_report_and_the_larger_wins(ray_session, tmp_path):
-    # Each trial's config sets its engine's num_workers and cpus_per_worker. The two trials fill the
-    # 8-CPU test cluster exactly: 1 + 2 x 1 and 1 + 1 x 4 CPUs. Workers started outside their trial's
-    # placement group, or a resource request that ignored the config, would find no free CPU and the
-    # trial would fail (startup_timeout_s).
-    trainable = dsgd_tune.trainable(regression_creator, steps_per_report=3, strategy="ps",
+    # Each trial's config sets its engine's num_workers and cpus_per_worker, so that the two trials fill
+    # the test cluster exactly: 1 + 2 x 1 CPUs, and 1 + 1 x (the rest). Workers started outside their
+    # trial's placement group, or a resource request that ignored the config, would find no free CPU
+    # and the trial would fail (startup_timeout_s).
+    rest = int(ray.cluster_resources()["CPU"]) - (1 + 2 * 1) - 1
+    assert rest >= 1, "the test Ray instance needs at least 5 CPUs"
+    trainable = dsgd_tune.trainable(regression_creator, steps_per_report=3, checkpoint_every=2, strategy="ps",
                                     num_parameter_servers=1, startup_timeout_s=60, timeout_s=60)
     results = run(trainable, {"lr": tune.grid_search([0.1, 0.01]),
                               "num_workers": tune.sample_from(lambda spec: 2 if spec.config.lr == 0.1 else 1),
-                              "cpus_per_worker": tune.sample_from(lambda spec: 1 if spec.config.lr == 0.1 else 4)},
+                              "cpus_per_worker": tune.sample_from(lambda spec: 1 if spec.config.lr == 0.1 else rest)},
                   tmp_path, iterations=4)
     by_lr = {r.config["lr"]: r for r in results}
     for lr, result in by_lr.items():
@@ -126,6 +129,7 @@ def test_two_learning_rates_report_every_steps_per_report_and_the_larger_wins(ra
         expected = numpy_losses(lr, replicas, 12)
         np.testing.assert_allclose(history["loss"], [expected[s] for s in (2, 5, 8, 11)], rtol=1e-4)
         assert (history["rmse"] > 0).all()  # the model's metric is reported too
+        assert [m["training_iteration"] for _, m in result.best_checkpoints] == [2, 4]  # checkpoint_every=2
     assert results.get_best_result().config["lr"] == 0.1
     assert by_lr[0.1].metrics["loss"] < by_lr[0.01].metrics["loss"]
 
@@ -151,6 +155,7 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
         assert np.array_equal(got[key], expected[key]), key
 
 
+@pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")
 def test_pbt_moves_a_checkpoint_between_trials(ray_session, tmp_path):
     # At iteration 2 the trial with lr=0.001 is in the bottom half: PBT restarts it from the other
     # trial's checkpoint with that trial's lr (the only value in the mutation list). From there
