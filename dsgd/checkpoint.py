@@ -1,4 +1,9 @@
-"""Checkpoint files: a replica's full state in one .npz, written atomically."""
+"""Checkpoint files: a replica's full state in one .npz, written atomically.
+
+A checkpoint path is a file, or a directory (one that exists, or a path
+ending in a separator) holding the file ``CHECKPOINT_FILE``: such a directory
+is a ``ray.train.Checkpoint`` that other Ray tools (Tune) can move around.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,34 @@ from dsgd.shards import VarSpec
 
 FORMAT_VERSION = 1
 GROUPS = ("weights", "optimizer")
+CHECKPOINT_FILE = "dsgd_checkpoint.npz"
 
 
-def save(path: str, state: dict) -> None:
+def file_of(path: str | os.PathLike) -> str:
+    """The checkpoint file ``path`` names.
+
+    That is ``path`` itself, or ``CHECKPOINT_FILE`` inside it when ``path`` is
+    an existing directory or ends in a path separator.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    separators = tuple(s for s in (os.sep, os.altsep) if s)
+    return os.path.join(path, CHECKPOINT_FILE) if os.path.isdir(path) or path.endswith(separators) else path
+
+
+def save(path: str | os.PathLike, state: dict) -> None:
     """Write ``state`` (as SGDWorker.get_state returns it) to ``path``.
 
-    The file is written beside ``path`` and renamed over it, so a crash
-    mid-save leaves the previous checkpoint intact, never a half-written one.
+    ``path`` is a file, or a directory (created if it ends in a separator)
+    that gets ``CHECKPOINT_FILE``. The file is written beside its final
+    name and renamed over it, so a crash mid-save leaves the previous
+    checkpoint intact, never a half-written one.
     """
+    target = file_of(path)
+    if target != os.fspath(path):  # a directory
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+    path = target
     arrays = {f"{group}/{name}": value for group in GROUPS for name, value in state[group].items()}
     meta = {"format": FORMAT_VERSION, "applied_steps": state["applied_steps"]}
     directory = os.path.dirname(os.path.abspath(path))
@@ -36,8 +61,14 @@ def save(path: str, state: dict) -> None:
         raise
 
 
-def load(path: str, expected: dict[str, Sequence[VarSpec]]) -> dict:
-    """Read a checkpoint and check it matches ``expected`` ({group: specs})."""
+def load(path: str | os.PathLike, expected: dict[str, Sequence[VarSpec]]) -> dict:
+    """Read a checkpoint (a file or a directory ``save`` wrote) and check it matches ``expected`` ({group: specs})."""
+    target = file_of(path)
+    if target != os.fspath(path) and not os.path.exists(target):
+        raise FileNotFoundError(f"{os.fspath(path)} is not a checkpoint: it names a directory and holds no "
+                                f"{CHECKPOINT_FILE}; expected a checkpoint file or a directory written by "
+                                "DistributedSGD.save")
+    path = target
     with np.load(path, allow_pickle=False) as f:
         meta = json.loads(str(f["__meta__"]))
         if meta.get("format") != FORMAT_VERSION:

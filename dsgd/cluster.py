@@ -21,6 +21,7 @@ from dsgd.actor_identity import ActorIdentity
 from dsgd.config import Options, WorkerConfig
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
+from dsgd.placement import actor_placement
 from dsgd.ps_actor import StepAborted
 from dsgd.server_group import ServerGroup, plan_servers
 from dsgd.sgd_worker import SGDWorker
@@ -109,7 +110,7 @@ class Cluster:
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
             runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": log_level}},
-            scheduling_strategy="SPREAD").remote(index, self.worker_config)
+            scheduling_strategy=actor_placement()).remote(index, self.worker_config)
 
     def _identify(self, actors: list) -> list[ActorIdentity]:
         """Wait for ``actors`` to start; remember who they are, to name them in errors."""

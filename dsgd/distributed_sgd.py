@@ -329,13 +329,17 @@ class DistributedSGD:
         self._on_workers("set_weights", ray.put(weights), what="the workers to set weights")
 
     def save(self, path: str) -> None:
-        """Write weights, optimizer state and step count to ``path``, atomically."""
+        """Write weights, optimizer state and step count to ``path``, atomically.
+
+        ``path`` is a file, or a directory (existing, or ending in a separator)
+        that gets ``dsgd_checkpoint.npz``: a ``ray.train.Checkpoint`` directory.
+        """
         self._check_open()
         self._drain()
         checkpoint.save(path, self._cluster.call(self.workers[0].get_state.remote(), "worker 0's state"))
 
     def restore(self, path: str) -> None:
-        """Load a checkpoint written by ``save`` onto every replica."""
+        """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""
         self._check_open()
         signature = self._cluster.signature
         state = checkpoint.load(path, {"weights": signature.weights, "optimizer": signature.optimizer})

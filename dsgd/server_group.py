@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dsgd import ps_actor
+from dsgd.placement import Placement, actor_placement
 from dsgd.shards import Shard
 
 CPUS_PER_SERVER = 2  # spare CPUs on a node that justify one more server there
@@ -85,16 +85,17 @@ class ServerGroup:
                                             scheduling_strategy=self._placement(j))
         return [self.actors[j] for j in indices]
 
-    def _placement(self, server: int) -> NodeAffinitySchedulingStrategy:
+    def _placement(self, server: int) -> Placement:
         """Hard affinity to the planned node, or the first live node if it is gone.
 
         Ray's SPREAD does not spread actors that reserve no CPU, and soft
         affinity spills them to other nodes under load, so placement is explicit.
+        Inside a placement group (a Tune trial): the group's bundle on that node.
         """
         alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         if self.nodes[server] not in alive:
             self.nodes[server] = alive[server % len(alive)]
-        return NodeAffinitySchedulingStrategy(node_id=self.nodes[server], soft=False)
+        return actor_placement(self.nodes[server])
 
     def replace_dead(self, is_alive: Callable[[Any], bool]) -> list:
         """Start new servers for the dead ones; the new actors."""

@@ -1,0 +1,36 @@
+"""Where the engine's actors are scheduled: spread over the cluster, or inside the caller's placement group.
+
+A DistributedSGD built inside a placement group (a Ray Tune trial, see
+``dsgd.tune``) must start its workers and parameter servers in that group,
+on the resources reserved with it; scheduled anywhere else they would wait
+for, or take, resources that other trials reserved.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from ray.util.placement_group import get_current_placement_group, placement_group_table
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+# A Ray ``scheduling_strategy`` option.
+Placement = Union[str, NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy]
+
+
+def actor_placement(node_id: str | None = None) -> Placement:
+    """The ``scheduling_strategy`` for one of the engine's actors.
+
+    Inside a placement group (the caller is a task or actor scheduled in one):
+    that group, in a bundle on ``node_id`` if it has one, else in any bundle
+    with room. Outside: hard affinity to ``node_id``, or "SPREAD" without one.
+    """
+    group = get_current_placement_group()
+    if group is None:
+        return "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    bundle = -1
+    if node_id is not None:
+        bundle_nodes = placement_group_table(group).get("bundles_to_node_id", {})
+        bundle = min((int(b) for b, n in bundle_nodes.items() if n == node_id), default=-1)
+    # Capture nothing: the actors' own tasks are not the engine's to place.
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle,
+                                            placement_group_capture_child_tasks=False)

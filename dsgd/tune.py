@@ -1,0 +1,148 @@
+"""Hyperparameter search with Ray Tune: every trial one DistributedSGD.
+
+    from ray import tune
+    import dsgd.tune
+
+    trainable = dsgd.tune.trainable(
+        lambda config: (lambda w, d: MyModel(w, d, lr=config["lr"])),
+        num_workers=2, strategy="ps", steps_per_report=20)
+    tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.1, 0.01])},
+               tune_config=tune.TuneConfig(metric="loss", mode="min"),
+               run_config=tune.RunConfig(stop={"training_iteration": 10})).fit()
+
+A trial reserves its driver (bundle 0: 1 CPU) and its workers (one bundle
+each: ``cpus_per_worker`` CPUs, and ``devices_per_worker`` GPUs with
+``gpu=True``) as one placement group, and the engine starts its workers and
+parameter servers (which reserve no CPU) inside it; so Tune starts only the
+trials the cluster can hold, and no trial waits for another's resources.
+
+Keys of ``config`` named like a DistributedSGD option (``num_workers``,
+``grad_shard_bytes``, ``batch_size``, ...) set that option for the trial,
+over the keyword arguments given to ``trainable``; the resource request
+follows them. The whole ``config`` also goes to ``config_to_model_creator``.
+
+This module needs Ray Tune (``pip install "dsgd[tune]"``); ``import dsgd``
+does not import it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+from typing import Any, Callable
+
+from ray import tune
+
+from dsgd.model import Model
+
+ModelCreator = Callable[[int, int], Model]
+DRIVER_CPUS = 1  # bundle 0: the trial's own process, which runs the engine's driver
+
+
+def _option_names() -> set[str]:
+    """DistributedSGD's keyword options (all its parameters but model_creator)."""
+    from dsgd.distributed_sgd import DistributedSGD
+
+    return set(inspect.signature(DistributedSGD).parameters) - {"model_creator"}
+
+
+def _check_count(name: str, value: Any, minimum: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}{where}")
+    return value
+
+
+class _TrialOptions:
+    """The DistributedSGD options of one trial: ``trainable``'s keywords, then config's."""
+
+    def __init__(self, defaults: dict[str, Any], names: set[str]):
+        self.defaults = defaults
+        self.names = names
+
+    def for_config(self, config: dict) -> dict[str, Any]:
+        if not isinstance(config, dict):
+            raise TypeError(f"a Tune trial's config must be a dict, got {type(config).__name__}")
+        return {**self.defaults, **{k: v for k, v in config.items() if k in self.names}}
+
+    def resources(self, config: dict) -> tune.PlacementGroupFactory:
+        """Bundle 0 for the trial's driver, then one bundle per worker."""
+        options = self.for_config(config)
+        where = " (from the trial's config or dsgd.tune.trainable's keywords)"
+        num_workers = _check_count("num_workers", options.get("num_workers", 1), 1, where)
+        cpus = _check_count("cpus_per_worker", options.get("cpus_per_worker", 1), 1, where)
+        devices = _check_count("devices_per_worker", options.get("devices_per_worker", 1), 1, where)
+        worker = {"CPU": cpus, **({"GPU": devices} if options.get("gpu", False) is True else {})}
+        return tune.PlacementGroupFactory([{"CPU": DRIVER_CPUS}] + [dict(worker) for _ in range(num_workers)])
+
+
+def trainable(config_to_model_creator: Callable[[dict], ModelCreator], *, steps_per_report: int,
+              checkpoint_every: int = 1, **sgd_options: Any) -> Callable[[dict], None]:
+    """A Ray Tune trainable that trains one DistributedSGD per trial.
+
+    Args:
+        config_to_model_creator: ``config -> model_creator``; the model
+            creator is DistributedSGD's ``(worker_index, device_index) ->
+            dsgd.Model``. Both must be picklable.
+        steps_per_report: engine steps per Tune iteration: each iteration
+            runs this many steps and reports the last one's stats (``loss``,
+            the model's metrics, ``step_time_s``, ``samples_per_s`` if
+            ``batch_size`` is set, ``step``: that step's id) and
+            ``num_steps``, the steps applied so far.
+        checkpoint_every: save a checkpoint (``DistributedSGD.save`` into a
+            ``ray.tune.Checkpoint`` directory) with every this many reports;
+            0 never saves. A trial restarted by Tune (``FailureConfig``) or
+            by a scheduler such as PBT restores the checkpoint it is given:
+            weights, optimizer state and step count. A model's own position
+            in its input data is not part of it: its model creator starts
+            afresh.
+        **sgd_options: DistributedSGD's options (``num_workers``,
+            ``strategy``, ...); keys of a trial's ``config`` with the same
+            names override them.
+
+    Returns:
+        a function trainable with its resource request attached
+        (``tune.with_resources``): pass it to ``tune.Tuner``.
+    """
+    if not callable(config_to_model_creator):
+        raise TypeError("config_to_model_creator must be callable: config -> model_creator, got "
+                        f"{config_to_model_creator!r}")
+    steps_per_report = _check_count("steps_per_report", steps_per_report, 1, "")
+    checkpoint_every = _check_count("checkpoint_every", checkpoint_every, 0, " (0: no checkpoints)")
+    names = _option_names()
+    unknown = sorted(set(sgd_options) - names)
+    if unknown:
+        raise TypeError(f"dsgd.tune.trainable got unknown DistributedSGD options {unknown}; "
+                        f"expected some of {sorted(names)}")
+    options = _TrialOptions(dict(sgd_options), names)
+    options.resources({})  # bad counts fail here, not in every trial
+
+    def dsgd_trial(config: dict) -> None:
+        _run_trial(config, config_to_model_creator, options.for_config(config), steps_per_report,
+                   checkpoint_every)
+
+    return tune.with_resources(dsgd_trial, options.resources)
+
+
+def _run_trial(config: dict, config_to_model_creator: Callable[[dict], ModelCreator], options: dict[str, Any],
+               steps_per_report: int, checkpoint_every: int) -> None:
+    """One trial: build the engine, restore Tune's checkpoint if there is one, train and report until stopped."""
+    from dsgd.distributed_sgd import DistributedSGD
+
+    model_creator = config_to_model_creator(config)
+    with DistributedSGD(model_creator, **options) as sgd:
+        resumed = tune.get_checkpoint()
+        if resumed is not None:
+            with resumed.as_directory() as directory:
+                sgd.restore(directory)
+        reports = 0
+        while True:  # Tune ends the trial (stop criteria, schedulers)
+            for i in range(steps_per_report):
+                stats = sgd.step(fetch_stats=i == steps_per_report - 1)
+            reports += 1
+            metrics = {**stats, "num_steps": sgd.num_steps}
+            if checkpoint_every and reports % checkpoint_every == 0:
+                with tempfile.TemporaryDirectory(prefix="dsgd-checkpoint-") as directory:
+                    sgd.save(directory)
+                    tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
+            else:
+                tune.report(metrics)

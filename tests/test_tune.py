@@ -1,0 +1,201 @@
+"""dsgd.tune: DistributedSGD trials under Ray Tune, their resources and checkpoints."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import ray
+import tensorflow as tf
+from ray import tune
+from ray.tune.schedulers import PopulationBasedTraining
+
+import dsgd
+import dsgd.tune as dsgd_tune
+from dsgd import checkpoint
+from dsgd_test_models import batch
+
+W_TRUE = np.array([1.0, -2.0, 0.5, 3.0, -1.0], np.float32)
+TIME_BUDGET_S = 240  # bound on each Tune run; the runs here take seconds
+
+
+class Regression(dsgd.Model):
+    """y = x . W_TRUE on a fixed batch per replica, w from zero, momentum SGD at config's lr.
+
+    With ``kill_at`` set, worker 1 SIGKILLs its own process at that call of
+    get_feed_dict (its step id), once: it leaves ``marker`` behind.
+    """
+
+    def __init__(self, worker_index, device_index, config):
+        self.worker_index, self.calls = worker_index, 0
+        self.kill_at, self.marker = config.get("kill_at"), config.get("marker")
+        self.x_value, _ = batch(worker_index, device_index, 0)
+        self.x = tf.compat.v1.placeholder(tf.float32, [None, len(W_TRUE)])
+        self.y = tf.compat.v1.placeholder(tf.float32, [None])
+        w = tf.compat.v1.get_variable("w", [len(W_TRUE)], initializer=tf.compat.v1.zeros_initializer())
+        self.loss = tf.reduce_mean(tf.square(tf.linalg.matvec(self.x, w) - self.y))
+        self.optimizer = tf.compat.v1.train.MomentumOptimizer(config["lr"], config.get("momentum", 0.0))
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return self.optimizer
+
+    def get_metrics(self):
+        return {"rmse": tf.sqrt(self.loss)}
+
+    def get_feed_dict(self):
+        if self.worker_index == 1 and self.calls == self.kill_at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.calls += 1
+        return {self.x: self.x_value, self.y: self.x_value @ W_TRUE}
+
+
+def regression_creator(config):
+    return lambda worker_index, device_index: Regression(worker_index, device_index, config)
+
+
+def numpy_losses(lr: float, replicas: list, steps: int) -> list[float]:
+    """Plain gradient descent on Regression: the mean loss over replicas before each step."""
+    xs = [batch(w, d, 0)[0].astype(np.float64) for w, d in replicas]
+    w, losses = np.zeros(len(W_TRUE)), []
+    for _ in range(steps):
+        residuals = [x @ w - x @ W_TRUE for x in xs]
+        losses.append(float(np.mean([np.mean(r ** 2) for r in residuals])))
+        w = w - lr * np.mean([2 * x.T @ r / len(r) for x, r in zip(xs, residuals)], axis=0)
+    return losses
+
+
+def run(trainable, param_space, tmp_path, iterations, **tune_config):
+    """Tuner.fit with a stop, a time budget and quiet output; the ResultGrid, its trials in config order."""
+    tuner = tune.Tuner(
+        trainable, param_space=param_space,
+        tune_config=tune.TuneConfig(metric="loss", mode="min", time_budget_s=TIME_BUDGET_S, **tune_config),
+        run_config=tune.RunConfig(name="run", storage_path=str(tmp_path), verbose=0,
+                                  stop={"training_iteration": iterations},
+                                  failure_config=tune.FailureConfig(max_failures=1)))
+    results = tuner.fit()
+    assert results.num_errors == 0, [r.error for r in results]
+    return results
+
+
+def final_state(result) -> dict:
+    with result.checkpoint.as_directory() as directory:
+        with np.load(os.path.join(directory, checkpoint.CHECKPOINT_FILE)) as f:
+            return {k: f[k] for k in f.files}
+
+
+def test_import_dsgd_does_not_import_ray_tune():
+    code = "import sys, dsgd; dsgd.DistributedSGD; print('ray.tune' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_trainable_rejects_bad_arguments():
+    with pytest.raises(TypeError, match=r"unknown DistributedSGD options \['num_wrokers'\]; expected some of"):
+        dsgd_tune.trainable(regression_creator, steps_per_report=2, num_wrokers=2)
+    with pytest.raises(ValueError, match="steps_per_report must be an integer >= 1, got 0"):
+        dsgd_tune.trainable(regression_creator, steps_per_report=0)
+    with pytest.raises(ValueError, match="num_workers must be an integer >= 1, got 0 \\(from the trial's config"):
+        dsgd_tune.trainable(regression_creator, steps_per_report=2, num_workers=0)
+    with pytest.raises(TypeError, match="config_to_model_creator must be callable"):
+        dsgd_tune.trainable(None, steps_per_report=2)
+
+
+def test_two_learning_rates_report_every_steps_per_report_and_the_larger_wins(ray_session, tmp_path):
+    # Each trial's config sets its engine's num_workers and cpus_per_worker, so that the two trials fill
+    # the test cluster exactly: 1 + 2 x 1 CPUs, and 1 + 1 x (the rest). Workers started outside their
+    # trial's placement group, or a resource request that ignored the config, would find no free CPU
+    # and the trial would fail (startup_timeout_s).
+    rest = int(ray.cluster_resources()["CPU"]) - (1 + 2 * 1) - 1
+    assert rest >= 1, "the test Ray instance needs at least 5 CPUs"
+    trainable = dsgd_tune.trainable(regression_creator, steps_per_report=3, checkpoint_every=2, strategy="ps",
+                                    num_parameter_servers=1, startup_timeout_s=60, timeout_s=60)
+    results = run(trainable, {"lr": tune.grid_search([0.1, 0.01]),
+                              "num_workers": tune.sample_from(lambda spec: 2 if spec.config.lr == 0.1 else 1),
+                              "cpus_per_worker": tune.sample_from(lambda spec: 1 if spec.config.lr == 0.1 else rest)},
+                  tmp_path, iterations=4)
+    by_lr = {r.config["lr"]: r for r in results}
+    for lr, result in by_lr.items():
+        history = result.metrics_dataframe.sort_values("training_iteration")
+        assert list(history["training_iteration"]) == [1, 2, 3, 4]
+        assert list(history["num_steps"]) == [3, 6, 9, 12]
+        assert list(history["step"]) == [2, 5, 8, 11]  # the id of the step whose stats are reported
+        replicas = [(w, 0) for w in range(result.config["num_workers"])]
+        expected = numpy_losses(lr, replicas, 12)
+        np.testing.assert_allclose(history["loss"], [expected[s] for s in (2, 5, 8, 11)], rtol=1e-4)
+        assert (history["rmse"] > 0).all()  # the model's metric is reported too
+        assert [m["training_iteration"] for _, m in result.best_checkpoints] == [2, 4]  # checkpoint_every=2
+    assert results.get_best_result().config["lr"] == 0.1
+    assert by_lr[0.1].metrics["loss"] < by_lr[0.01].metrics["loss"]
+
+
+def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_path):
+    # max_failures=0: the engine does not replace the dead worker itself (it would, by default),
+    # so the trial fails and Tune restarts it from its last checkpoint (after step 6).
+    marker = str(tmp_path / "killed")
+    trainable = dsgd_tune.trainable(regression_creator, steps_per_report=2, num_workers=2, strategy="ps",
+                                    num_parameter_servers=1, max_failures=0, timeout_s=60)
+    results = run(trainable, {"lr": 0.1, "momentum": 0.9, "kill_at": tune.grid_search([None, 7]),
+                              "marker": marker}, tmp_path, iterations=5)
+    assert os.path.exists(marker)
+    by_kill = {r.config["kill_at"]: r for r in results}
+    killed, uninterrupted = by_kill[7], by_kill[None]
+    assert killed.metrics["num_steps"] == uninterrupted.metrics["num_steps"] == 10
+    # Resumed at step 6 rather than restarted: after the failure it reported from iteration 4 on.
+    history = killed.metrics_dataframe
+    assert list(history["num_steps"]) == [2, 4, 6, 8, 10]
+    got, expected = final_state(killed), final_state(uninterrupted)
+    assert got.keys() == expected.keys() and any(k.startswith("optimizer/") for k in got)
+    for key in expected:
+        assert np.array_equal(got[key], expected[key]), key
+
+
+@pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")
+def test_pbt_moves_a_checkpoint_between_trials(ray_session, tmp_path):
+    # At iteration 2 the trial with lr=0.001 is in the bottom half: PBT restarts it from the other
+    # trial's checkpoint with that trial's lr (the only value in the mutation list). From there
+    # both run the same steps from the same weights and momentum, so they end bit-identical.
+    trainable = dsgd_tune.trainable(regression_creator, steps_per_report=2, num_workers=1)
+    pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=2,
+                                  hyperparam_mutations={"lr": [0.1]}, quantile_fraction=0.5, synch=True)
+    results = run(trainable, {"lr": tune.grid_search([0.1, 0.001]), "momentum": 0.9}, tmp_path,
+                  iterations=3, scheduler=pbt)
+    assert sorted(r.config["lr"] for r in results) == [0.1, 0.1]
+    states = [final_state(r) for r in results]
+    assert all(r.metrics["num_steps"] == 6 for r in results)
+    for key in states[0]:
+        assert np.array_equal(states[0][key], states[1][key]), key
+    assert not np.array_equal(states[0]["weights/w"], np.zeros_like(W_TRUE))
+
+
+def test_save_and_restore_a_directory_round_trip_exactly(ray_session, tmp_path):
+    config = {"lr": 0.05, "momentum": 0.9}
+    with dsgd.DistributedSGD(regression_creator(config), num_workers=1) as sgd:
+        for _ in range(3):
+            sgd.step()
+        saved = sgd.foreach_worker(lambda w: w.get_state())[0]
+        existing = tmp_path / "existing"
+        existing.mkdir()
+        sgd.save(str(existing))
+        sgd.save(str(tmp_path / "new") + os.sep)  # a path ending in a separator is made a directory
+        assert os.listdir(existing) == [checkpoint.CHECKPOINT_FILE]
+        assert os.listdir(tmp_path / "new") == [checkpoint.CHECKPOINT_FILE]
+        for _ in range(2):
+            sgd.step()
+        for directory in (existing, tmp_path / "new"):
+            sgd.restore(str(directory))
+            assert sgd.num_steps == 3
+            restored = sgd.foreach_worker(lambda w: w.get_state())[0]
+            assert restored["applied_steps"] == saved["applied_steps"] == 3
+            for group in ("weights", "optimizer"):
+                assert restored[group].keys() == saved[group].keys()
+                for name in saved[group]:
+                    assert np.array_equal(restored[group][name], saved[group][name]), name
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(FileNotFoundError, match=f"empty is not a checkpoint: .* no {checkpoint.CHECKPOINT_FILE}"):
+            sgd.restore(str(tmp_path / "empty"))
