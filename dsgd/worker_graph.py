@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import re
 import traceback
-import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -252,7 +252,7 @@ def _all_variables(graph: tf.Graph) -> list:
 
 def _is_number(value: Any) -> bool:
     """A Python or numpy number, or a numpy array of them (what ``Tensor.eval()`` returns)."""
-    if isinstance(value, (bool, numbers.Number, np.generic)):
+    if isinstance(value, (bool, numbers.Number, np.number, np.bool_)):
         return True
     return isinstance(value, np.ndarray) and (np.issubdtype(value.dtype, np.number) or value.dtype == bool)
 
