@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -41,6 +42,12 @@ def _ops_wanted(use_ops: bool | None) -> bool:
     logger.warning("the dsgd op library could not be built or loaded (run `python -m dsgd.ops.build` "
                    "to see why); the 'ps' strategy exchanges shards through Python instead")
     return False
+
+
+def _checkpoint_dir(path: Any, method: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{method} expects a directory path (str or os.PathLike), got {type(path).__name__}")
+    return os.fspath(path)
 
 
 class DistributedSGD:
@@ -346,6 +353,23 @@ class DistributedSGD:
         self._on_workers("set_state", ray.put(state), what="the workers to load the checkpoint")
         self._next_step = state["applied_steps"]
         self._cluster.reset_servers(self._next_step)
+
+    def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:
+        """Ray 0.6's name: ``save`` into the directory ``checkpoint_dir`` (created if missing); the file written."""
+        directory = _checkpoint_dir(checkpoint_dir, "save_checkpoint")
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(f"save_checkpoint expects a directory, got the file {directory!r}; "
+                                     "use save(path) to write a checkpoint file")
+        self.save(os.path.join(directory, ""))
+        return checkpoint.file_of(os.path.join(directory, ""))
+
+    def restore_checkpoint(self, checkpoint_dir: str | os.PathLike) -> None:
+        """Ray 0.6's name: ``restore`` from the directory ``save_checkpoint`` wrote."""
+        directory = _checkpoint_dir(checkpoint_dir, "restore_checkpoint")
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"restore_checkpoint expects a directory written by save_checkpoint, "
+                                    f"got {directory!r}, which is not a directory")
+        self.restore(os.path.join(directory, ""))
 
     def foreach_worker(self, fn: Callable[[SGDWorker], Any]) -> list:
         """``fn(worker)`` on each worker actor, its session the default; the results, worker order."""

@@ -21,6 +21,16 @@ class Model:
     Initial values need not agree: dsgd broadcasts worker 0, replica 0's
     weights to every replica before the first step.
 
+    The weights are the global variables ``model_creator`` creates. Local
+    variables (``tf.compat.v1.GraphKeys.LOCAL_VARIABLES``: a batch cached on
+    the device, ``tf.compat.v1.metrics`` counters) and lookup tables are
+    initialized with them but stay each replica's own: never averaged,
+    broadcast or checkpointed. While ``model_creator`` runs, the worker's
+    session is TensorFlow's default session.
+
+    A model may also define ``get_weights()`` / ``set_weights()`` (Ray 0.6's
+    optional hooks); dsgd never calls them.
+
     Example::
 
         class Linear(dsgd.Model):
@@ -51,8 +61,16 @@ class Model:
         """A ``tf.compat.v1.train.Optimizer``; one per replica, never shared."""
         raise NotImplementedError(f"{type(self).__name__} must implement get_optimizer()")
 
-    def get_metrics(self) -> dict[str, tf.Tensor]:
-        """Scalar tensors to report, averaged over replicas by ``step(fetch_stats=True)``."""
+    def get_metrics(self) -> dict[str, tf.Tensor | float]:
+        """Metrics by name: scalar tensors, or numbers the model evaluates itself.
+
+        dsgd calls it once, after the graph is built and its variables
+        initialized. Tensors are fetched with every step and averaged over
+        replicas by ``step(fetch_stats=True)``. Numbers (as Ray 0.6 models
+        return, e.g. ``self.accuracy.eval(feed_dict=...)``; the worker's
+        session is the default) are not part of the step's stats: read them
+        with ``foreach_model(lambda m: m.get_metrics())``.
+        """
         return {}
 
     def get_feed_dict(self) -> dict[Any, Any]:

@@ -53,13 +53,12 @@ class SGDWorker:
         return actor_identity.current("worker", self.worker_index)
 
     def setup(self, model_creator: Callable[[int, int], Model]) -> worker_graph.WorkerSignature:
-        """Build the replicas and initialize their variables; what was built."""
+        """Build the replicas and initialize their variables (local ones too); what was built."""
         self.graph = tf.Graph()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=worker_graph.session_config(self.config))
         with self._default_session():
-            self.built = worker_graph.build(self.worker_index, self.config, model_creator)
+            self.built = worker_graph.build(self.worker_index, self.config, model_creator, self.sess)
         self.models = self.built.models
-        self.sess.run(self.built.init)
         # The graph's Python objects live as long as the worker: keep the cyclic
         # garbage collector from walking them on every full collection.
         gc.freeze()

@@ -15,16 +15,31 @@ variable, so that moving statistics stay identical on every replica too.
 Variables are named ``device_<i>/<name>`` in the graph and ``<name>`` to the
 user; the helpers at the top of this module are the only place that knows
 the scope names.
+
+A replica's *weights* are the global variables (``GLOBAL_VARIABLES``) its
+``model_creator`` call created: only they are broadcast, averaged (through
+their gradients or, for batch-norm statistics, their values), read by
+``get_weights`` and checkpointed. Local variables (``LOCAL_VARIABLES``: a
+batch cached on the device, ``tf.compat.v1.metrics`` counters) and lookup
+tables are per-replica state: initialized with the weights, then left to
+each replica, never made identical across replicas.
+
+``get_metrics()`` is asked once the graph is built and every variable
+initialized, so a model may evaluate its metrics there (Ray 0.6's contract).
+Entries that are tensors of the graph are fetched with each step's stats;
+entries that are numbers are the model's own to report when the user calls
+``get_metrics()`` and are not part of the stats.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import re
 import traceback
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -95,7 +110,7 @@ class Replica:
     weights: dict[str, tf.Variable]  # every variable it created, by its name without the scope
     optimizer: tf.compat.v1.train.Optimizer
     loss: tf.Tensor
-    metrics: dict[str, tf.Tensor]
+    metrics: dict[str, tf.Tensor]  # the tensors get_metrics() returned; numbers are left out
     train_vars: tuple[tf.Variable, ...]  # exchange order: back-propagation's, last layers first
     state_vars: tuple[tf.Variable, ...]  # batch-norm statistics and the like (with UPDATE_OPS)
     exchange: tuple[tf.Tensor, ...]  # gradients of train_vars, then updated values of state_vars
@@ -114,7 +129,6 @@ class WorkerGraph:
     state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]  # group -> per replica, name -> variable
     state_inputs: dict[str, dict[str, tf.Tensor]]  # group -> name -> placeholder
     set_state: dict[str, tf.Operation]  # group -> assigns its inputs on every replica
-    init: tf.Operation
 
     @property
     def models(self) -> list[Model]:
@@ -146,8 +160,13 @@ def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
 
 # ---- building --------------------------------------------------------------
 
-def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int, int], Model]) -> WorkerGraph:
-    """Build the worker's graph into the default graph (the worker opens it and its session)."""
+def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int, int], Model],
+          session: tf.compat.v1.Session) -> WorkerGraph:
+    """Build the worker's graph into the default graph, initialize it in ``session``, ask the metrics.
+
+    The worker opens the graph and the session and makes them the defaults,
+    so user code can evaluate tensors (``Tensor.eval()``) while it runs.
+    """
     graph = tf.compat.v1.get_default_graph()
     replicas = tuple(_build_replica(graph, worker_index, config, model_creator, i)
                      for i in range(config.devices_per_worker))
@@ -162,6 +181,9 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
     state_inputs, set_state = _state_io(state_vars)
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
+    initialize(session, graph)
+    replicas = tuple(replace(r, metrics=_ask_metrics(graph, session, r, worker_index)) for r in replicas)
+    _check_metrics_agree(replicas, worker_index)
     return WorkerGraph(
         replicas=replicas,
         signature=WorkerSignature(weights, exchange, optimizer, tuple(sorted(replicas[0].metrics))),
@@ -171,8 +193,73 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
         apply_fed=apply_fed,
         state_vars=state_vars,
         state_inputs=state_inputs,
-        set_state=set_state,
-        init=tf.group(tf.compat.v1.global_variables_initializer()))
+        set_state=set_state)
+
+
+def initialize(session: tf.compat.v1.Session, graph: tf.Graph) -> None:
+    """Initialize every variable of ``graph``: the global ones, then local variables and tables.
+
+    Local variables and tables come second because their initial values may
+    read a weight (e.g. a cached copy of one).
+    """
+    with graph.as_default():
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(tf.group(tf.compat.v1.local_variables_initializer(), tf.compat.v1.tables_initializer()))
+
+
+def _ask_metrics(graph: tf.Graph, session: tf.compat.v1.Session, r: Replica, worker_index: int) -> dict[str, tf.Tensor]:
+    """The tensors among ``get_metrics()``'s entries; numbers the model evaluated itself are left out.
+
+    Variables that ``get_metrics()`` creates (a ``tf.compat.v1.metrics``
+    counter made there) are initialized like the local ones: per replica.
+    """
+    where = f"worker {worker_index}, device {r.index}"
+    before = set(_all_variables(graph))
+    metrics = call_user(r.model, "get_metrics", where)
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, dict):
+        raise ModelCreatorError(
+            f"get_metrics() must return a dict of scalar tensors or numbers, got {type(metrics).__name__} "
+            f"({_short_repr(metrics)}) on {where}")
+    tensors, evaluated = {}, []
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise ModelCreatorError(f"get_metrics() must return a dict keyed by metric name (str), got key {name!r} on {where}")
+        if isinstance(value, (tf.Tensor, tf.Variable)):
+            if value.graph is not graph:
+                raise ModelCreatorError(f"get_metrics() entry {name!r} is a tensor of another graph, not the replica's, on {where}")
+            tensors[name] = value
+        elif _is_number(value):
+            evaluated.append(name)
+        else:
+            raise ModelCreatorError(
+                f"get_metrics() entry {name!r} must be a scalar tensor of the replica's graph or a number "
+                f"the model evaluated, got {type(value).__name__} ({_short_repr(value)}) on {where}")
+    if evaluated and (worker_index, r.index) == (0, 0):
+        logger.info("get_metrics() evaluates %s itself: not part of the step's stats; "
+                    "read them with foreach_model(lambda m: m.get_metrics())", ", ".join(evaluated))
+    created = [v for v in _all_variables(graph) if v not in before]
+    if created:
+        session.run(tf.compat.v1.variables_initializer(created))
+    return tensors
+
+
+def _all_variables(graph: tf.Graph) -> list:
+    return (graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+            + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES))
+
+
+def _is_number(value: Any) -> bool:
+    """A Python or numpy number, or a numpy array of them (what ``Tensor.eval()`` returns)."""
+    if isinstance(value, (bool, numbers.Number, np.number, np.bool_)):
+        return True
+    return isinstance(value, np.ndarray) and (np.issubdtype(value.dtype, np.number) or value.dtype == bool)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def call_user(model: Model, method: str, where: str):
@@ -216,9 +303,6 @@ def _build_gradients(graph: tf.Graph, model: Model, weights: dict[str, tf.Variab
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise ModelCreatorError(
             f"get_optimizer() must return a tf.compat.v1.train.Optimizer, got {type(optimizer).__name__} on {where}")
-    metrics = call_user(model, "get_metrics", where) or {}
-    if not isinstance(metrics, dict):
-        raise ModelCreatorError(f"get_metrics() must return a dict of scalar tensors, got {type(metrics).__name__}")
     trainable = set(graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
     train_vars = [v for v in weights.values() if v in trainable]
     if not train_vars:
@@ -237,7 +321,7 @@ def _build_gradients(graph: tf.Graph, model: Model, weights: dict[str, tf.Variab
     with tf.control_dependencies(update_ops):
         state_values = [tf.identity(v.read_value()) for v in state_vars]
     grads.reverse()  # back-propagation yields the last layers first: exchange them first
-    return Replica(index, model, weights, optimizer, loss, metrics,
+    return Replica(index, model, weights, optimizer, loss, metrics={},
                    train_vars=tuple(v for _, v in grads), state_vars=tuple(state_vars),
                    exchange=tuple(g for g, _ in grads) + tuple(state_values))
 
@@ -264,8 +348,14 @@ def _check_replicas_agree(replicas: Sequence[Replica], worker_index: int) -> Non
             raise WorkerMismatchError(
                 f"replica {r.index} on worker {worker_index} built different variables than replica 0: "
                 f"{shards.spec_difference(sum(got, ()), sum(expected, ()))}")
+
+
+def _check_metrics_agree(replicas: Sequence[Replica], worker_index: int) -> None:
+    first = replicas[0]
+    for r in replicas[1:]:
         if sorted(r.metrics) != sorted(first.metrics):
-            raise WorkerMismatchError(f"replica {r.index} reports metrics {sorted(r.metrics)}, replica 0 {sorted(first.metrics)}")
+            raise WorkerMismatchError(f"replica {r.index} on worker {worker_index} reports metric tensors "
+                                      f"{sorted(r.metrics)}, replica 0 {sorted(first.metrics)}")
 
 
 def _local_allreduce(replicas: Sequence[Replica], config: WorkerConfig) -> list[Sequence[tf.Tensor]]:
