@@ -84,6 +84,16 @@ def test_past_max_failures_the_error_names_the_dead_actor(ray_session):
             sgd.step()
 
 
+def test_every_worker_killed_says_to_restore_from_a_checkpoint(ray_session):
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
+        sgd.step()
+        for worker in sgd.workers:
+            kill(worker)
+        with pytest.raises(dsgd.DSGDError, match="every worker died, so no replica is left to restore the weights "
+                                                 "from; restore from a checkpoint"):
+            sgd.step(fetch_stats=True)
+
+
 def test_checkpoint_round_trip_continues_exactly(ray_session, tmp_path):
     path = str(tmp_path / "run.ckpt")
     with dsgd.DistributedSGD(AdamNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
