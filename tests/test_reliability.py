@@ -42,16 +42,36 @@ def warnings_seen(caplog):
     return caplog
 
 
+def wait_until(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def pushes_waiting(server) -> dict:
+    """Partition -> workers it still waits for, on one parameter server ({} when nothing is in flight)."""
+    return ray.get(server.waiting_for.remote(), timeout=30)
+
+
 def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen):
     with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
         start = set_start_weights(sgd)
         sgd.step()
-        kill(sgd.ps_actors[0])  # between steps
+        sgd.get_weights()  # waits for step 0
+        # Between steps: both workers have applied step 0 (asked directly: the driver's calls would
+        # first wait for the steps in flight), and no push waits on any server.
+        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [1, 1]
+        assert [pushes_waiting(server) for server in sgd.ps_actors] == [{}, {}]
+        kill(sgd.ps_actors[0])
         sgd.step(fetch_stats=True)
         assert "parameter server 0 is dead" in warnings_seen.text
-        sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 has pushed its shards
-        time.sleep(SlowWorkerNet.DELAY_S / 3)
-        kill(sgd.ps_actors[1])  # during a step
+        sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
+        server_1 = sgd.ps_actors[1]
+        wait_until(lambda: pushes_waiting(server_1))
+        # During a step: worker 0's push of step 2 waits on server 1 for worker 1's.
+        assert set(map(tuple, pushes_waiting(server_1).values())) == {(1,)}
+        kill(server_1)
         got = sgd.get_weights()
         assert "parameter server 1 is dead" in warnings_seen.text
         assert sgd.failures == 2
