@@ -13,7 +13,8 @@ import tensorflow as tf
 import dsgd
 from dsgd import checkpoint
 from dsgd_test_models import (AdamNet, FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
-                              assert_replicas_identical, numpy_momentum_run, set_start_weights)
+                              actors_started_since, assert_replicas_identical, known_actors, numpy_momentum_run,
+                              set_start_weights)
 
 REPLICAS_2x1 = [(0, 0), (1, 0)]
 
@@ -180,9 +181,14 @@ def test_non_finite_gradient_is_raised_or_skipped_on_every_replica(ray_session, 
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
 
 
-def test_exchange_larger_than_the_object_store_is_refused(ray_session):
+def test_exchange_larger_than_the_object_store_is_refused_before_any_parameter_server_starts(ray_session):
+    before = known_actors()
     with pytest.raises(ValueError, match="needs 1144 MiB of Ray object-store memory per step.*cluster has 1024 MiB"):
         dsgd.DistributedSGD(Huge, num_workers=2, strategy="ps")
+    # The exchange's size is the model's: the two workers started to build it, then were killed.
+    # No parameter server started.
+    assert [name for name, _ in actors_started_since(before)] == ["SGDWorker", "SGDWorker"]
+    wait_until(lambda: actors_started_since(before) == [("SGDWorker", "DEAD")] * 2)
 
 
 class Huge(dsgd.Model):
