@@ -1,10 +1,13 @@
 """The engine's actors on Ray: starts, places, waits on, replaces and kills them.
 
 ``Cluster`` owns the worker actors and the parameter servers
-(``dsgd.server_group``), checks the Ray cluster can hold them before starting
-any, and is the one place that waits on Ray: every wait has a bound, and
-Ray's errors come out as dsgd's, naming the actor that failed
-(``ActorFailure`` for a dead actor, which the driver recovers from).
+(``dsgd.server_group``). It checks that the Ray cluster has the CPUs and GPUs
+for the workers before starting any, and the object-store memory for the
+exchange before starting the parameter servers (the exchange's size is known
+once the workers have built their models). It is the one place that waits on
+Ray: every wait has a bound, and Ray's errors come out as dsgd's, naming the
+actor that failed (``ActorFailure`` for a dead actor, which the driver
+recovers from).
 """
 
 from __future__ import annotations
@@ -62,7 +65,12 @@ class Cluster:
     # ---- start ------------------------------------------------------------
 
     def start(self) -> None:
-        """Check the cluster can hold the actors, then start and connect them."""
+        """Start the workers, then the parameter servers, and connect them; each once the cluster can hold it.
+
+        CPUs and GPUs are checked before any worker starts; the object store
+        once the workers have built their models, before any parameter server
+        starts: the exchange's size is the model's, known only then.
+        """
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
         identities = self._identify(self.workers)

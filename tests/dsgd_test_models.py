@@ -170,3 +170,21 @@ class NaNOnWorker1AtStep1(TanhNet):
         if self.worker_index == 1 and self.step == 2:
             feed[self.x] = np.full_like(feed[self.x], np.nan)
         return feed
+
+
+def known_actors() -> dict[str, tuple[str, str]]:
+    """Every actor the Ray cluster has registered, alive or dead: actor id -> (class name, state).
+
+    Read from the GCS actor table (``ray._private.state.actors``), which keeps
+    dead actors too, so an actor started and killed within a call still
+    counts. Ray's public state API (``ray.util.state.list_actors``) is served
+    by the dashboard, which the tests start without (``include_dashboard=False``).
+    """
+    import ray
+
+    return {actor_id: (info["ActorClassName"], info["State"]) for actor_id, info in ray._private.state.actors().items()}
+
+
+def actors_started_since(before: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
+    """(class name, state) of every actor registered after ``before = known_actors()``, sorted."""
+    return sorted(info for actor_id, info in known_actors().items() if actor_id not in before)

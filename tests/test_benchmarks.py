@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import ray
 import tensorflow as tf
+from matplotlib.container import BarContainer
 
 from benchmarks import common, exchange, peers, resnet, resnet101
 
@@ -193,9 +195,7 @@ def test_benchmarks_run_as_scripts_and_modules(command, tmp_path):
     assert out.stdout.startswith("usage:")
 
 
-@pytest.mark.slow  # Ray Train's start-up alone takes minutes on a busy 2-core machine
-def test_ray_train_peer(ray_session, tmp_path):
-    pytest.importorskip("ray.train.tensorflow", exc_type=ImportError)
+def test_ray_train_peer(ray_session, tmp_path):  # about a minute: Ray Train's start-up
     (record,) = peers.main(TINY + ["--num-workers", "2", "--systems", "raytrain",
                                    "--results-dir", str(tmp_path), "--no-plot"])
     check_record(record, "raytrain-mwms", num_workers=2)
@@ -209,5 +209,12 @@ def test_report_and_plot(tmp_path):
     report = peers.write_report(records, cfg, tmp_path, "python -m benchmarks.peers").read_text()
     assert "`python -m benchmarks.peers`" in report
     assert "| dsgd-ps | 9.00 ± 1.41 | 2 | 1.12 | 1.50 | 1.38 |" in report
-    pytest.importorskip("matplotlib")
-    assert peers.plot_throughput(records, cfg, tmp_path).stat().st_size > 0
+
+    (ax,) = peers.throughput_figure(records, cfg).axes
+    (bars,) = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert [label.get_text() for label in ax.get_xticklabels()] == [r["system"] for r in records]
+    assert [bar.get_height() for bar in bars] == [r["images_per_sec_mean"] for r in records]
+
+    png = peers.plot_throughput(records, cfg, tmp_path).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png[12:16] == b"IHDR" and struct.unpack(">II", png[16:24]) == (720, 420)  # 6 x 3.5 in at 120 dpi

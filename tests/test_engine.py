@@ -119,9 +119,32 @@ def test_strategies_give_the_same_weights(engines):
             assert np.array_equal(weights[name], simple[name]), f"{other} {name}"
 
 
-def test_ps_exchange_runs_through_the_ops_only_when_asked(engines):
-    assert engines["ps"].foreach_worker(lambda w: w.config.use_ops) == [True, True]
-    assert engines["ps-python"].foreach_worker(lambda w: w.config.use_ops) == [False, False]
+OPS_PHASE = "compute_exchange_and_apply_s"  # the ops run compute, exchange and apply in one session call
+PYTHON_PHASES = {"compute_s", "pack_and_send_s", "receive_s"}  # Python moves the partitions between runs
+
+
+def exchange_path(stats: dict) -> str:
+    """Which exchange a "ps" step ran, from the phases its stats report."""
+    phases = set(stats)
+    if OPS_PHASE in phases and not phases & PYTHON_PHASES:
+        return "ops"
+    if PYTHON_PHASES <= phases and OPS_PHASE not in phases:
+        return "python"
+    return f"neither: {sorted(phases)}"
+
+
+@pytest.mark.parametrize("use_ops, path", [(True, "ops"), (False, "python"), (None, "ops")],
+                         ids=["use_ops=True", "use_ops=False", "use_ops=None"])
+def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, path):
+    if use_ops is None:  # the default: the ops whenever the library builds and loads, as `make install` ensures
+        from dsgd import ops
+
+        assert ops.is_available()
+        with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, strategy="ps") as sgd:
+            assert exchange_path(sgd.step(fetch_stats=True)) == path
+        return
+    sgd = engines["ps" if use_ops else "ps-python"]
+    assert exchange_path(sgd.step(fetch_stats=True)) == path
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
@@ -186,6 +209,21 @@ def test_moving_statistics_stay_identical_across_replicas(ray_session):
         expected = 0.1 * np.mean([batch(w, d, 0)[0].mean(0) for w, d in REPLICAS], axis=0)
         expected = 0.9 * expected + 0.1 * np.mean([batch(w, d, 1)[0].mean(0) for w, d in REPLICAS], axis=0)
         np.testing.assert_allclose(moving, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["simple", "ps"])
+def test_single_worker_steps_equal_numpy_reference(ray_session, strategy):
+    replicas = [(0, d) for d in range(DEVICES)]
+    with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=DEVICES, strategy=strategy) as sgd:
+        start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
+        expected = start
+        for step in range(3):
+            sgd.step()
+            expected = numpy_step(expected, replicas, step)
+        got = sgd.get_weights()
+        assert_all_replicas_identical(sgd, DEVICES)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_single_worker_ps_says_it_runs_like_simple_and_closes(ray_session, caplog):

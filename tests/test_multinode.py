@@ -2,8 +2,9 @@
 
 tests/multinode_job.py starts the cluster (two raylets, two object stores on
 this machine) in a subprocess, since this test session already holds a Ray
-instance, runs 2 workers x 1 device with 3 parameter servers for 3 steps and
-reports where every actor ran and the final weights.
+instance, runs 2 workers x 1 device with 3 partitions on dsgd's default
+parameter servers (one per node) for 3 steps and reports where every actor
+ran and the final weights.
 """
 
 import json
@@ -64,7 +65,9 @@ def test_workers_run_on_both_nodes(job):
     assert sorted(job["worker_nodes"]) == job["nodes"]
     # The GCS actor table, used for the parameter servers, agrees with the workers' own view.
     assert job["worker_nodes_gcs"] == job["worker_nodes"]
-    # One parameter server per node holding a worker (3 CPUs, 1 worker of 1 CPU: no spare pair).
+    # dsgd's default: one parameter server per node holding workers, here exactly one on each node
+    # (3 CPUs and 1 worker of 1 CPU per node: the 2 spare CPUs would justify a second server, but
+    # a node gets at most one per worker there). A 2+0 split would fail this.
     assert sorted(job["ps_nodes"]) == job["nodes"]
 
 

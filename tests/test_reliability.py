@@ -13,7 +13,8 @@ import tensorflow as tf
 import dsgd
 from dsgd import checkpoint
 from dsgd_test_models import (AdamNet, FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
-                              assert_replicas_identical, numpy_momentum_run, set_start_weights)
+                              actors_started_since, assert_replicas_identical, known_actors, numpy_momentum_run,
+                              set_start_weights)
 
 REPLICAS_2x1 = [(0, 0), (1, 0)]
 
@@ -42,16 +43,36 @@ def warnings_seen(caplog):
     return caplog
 
 
+def wait_until(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def pushes_waiting(server) -> dict:
+    """Partition -> workers it still waits for, on one parameter server ({} when nothing is in flight)."""
+    return ray.get(server.waiting_for.remote(), timeout=30)
+
+
 def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen):
     with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
         start = set_start_weights(sgd)
         sgd.step()
-        kill(sgd.ps_actors[0])  # between steps
+        sgd.get_weights()  # waits for step 0
+        # Between steps: both workers have applied step 0 (asked directly: the driver's calls would
+        # first wait for the steps in flight), and no push waits on any server.
+        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [1, 1]
+        assert [pushes_waiting(server) for server in sgd.ps_actors] == [{}, {}]
+        kill(sgd.ps_actors[0])
         sgd.step(fetch_stats=True)
         assert "parameter server 0 is dead" in warnings_seen.text
-        sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 has pushed its shards
-        time.sleep(SlowWorkerNet.DELAY_S / 3)
-        kill(sgd.ps_actors[1])  # during a step
+        sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
+        server_1 = sgd.ps_actors[1]
+        wait_until(lambda: pushes_waiting(server_1))
+        # During a step: worker 0's push of step 2 waits on server 1 for worker 1's.
+        assert set(map(tuple, pushes_waiting(server_1).values())) == {(1,)}
+        kill(server_1)
         got = sgd.get_weights()
         assert "parameter server 1 is dead" in warnings_seen.text
         assert sgd.failures == 2
@@ -82,6 +103,16 @@ def test_past_max_failures_the_error_names_the_dead_actor(ray_session):
         kill(sgd.workers[0])
         with pytest.raises(dsgd.DSGDError, match="giving up after 0 recoveries.*worker 0 failed"):
             sgd.step()
+
+
+def test_every_worker_killed_says_to_restore_from_a_checkpoint(ray_session):
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
+        sgd.step()
+        for worker in sgd.workers:
+            kill(worker)
+        with pytest.raises(dsgd.DSGDError, match="every worker died, so no replica is left to restore the weights "
+                                                 "from; restore from a checkpoint"):
+            sgd.step(fetch_stats=True)
 
 
 def test_checkpoint_round_trip_continues_exactly(ray_session, tmp_path):
@@ -150,9 +181,14 @@ def test_non_finite_gradient_is_raised_or_skipped_on_every_replica(ray_session, 
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
 
 
-def test_exchange_larger_than_the_object_store_is_refused(ray_session):
+def test_exchange_larger_than_the_object_store_is_refused_before_any_parameter_server_starts(ray_session):
+    before = known_actors()
     with pytest.raises(ValueError, match="needs 1144 MiB of Ray object-store memory per step.*cluster has 1024 MiB"):
         dsgd.DistributedSGD(Huge, num_workers=2, strategy="ps")
+    # The exchange's size is the model's: the two workers started to build it, then were killed.
+    # No parameter server started.
+    assert [name for name, _ in actors_started_since(before)] == ["SGDWorker", "SGDWorker"]
+    wait_until(lambda: actors_started_since(before) == [("SGDWorker", "DEAD")] * 2)
 
 
 class Huge(dsgd.Model):
