@@ -63,7 +63,7 @@ class Options:
             raise ValueError(f"gpu must be True or False, got {given['gpu']!r}")
         if given["all_reduce_alg"] == "nccl" and not given["gpu"]:
             raise ValueError("all_reduce_alg='nccl' needs gpu=True; use 'simple' on CPUs")
-        if given["use_ops"] not in (None, True, False):
+        if given["use_ops"] is not None and not isinstance(given["use_ops"], bool):
             raise ValueError(f"use_ops must be None, True or False, got {given['use_ops']!r}")
         if given["logdir"] is not None and not isinstance(given["logdir"], str):
             raise ValueError(f"logdir must be a directory path (str) or None, got {given['logdir']!r}")

@@ -69,9 +69,9 @@ class DistributedSGD:
         all_reduce_alg: local allreduce across a worker's devices: "simple"
             (add_n on device 0) or "nccl" (GPU only).
         num_parameter_servers: server processes for "ps", each summing many
-            partitions. ``None`` (default): per node holding workers, one,
-            plus one for every 2 CPUs those workers leave free, at most one
-            per worker there; logged. An int is spread over those nodes.
+            partitions. ``None`` (default): per node holding workers, one
+            for every 2 CPUs those workers leave free, at least one and at
+            most one per worker there; logged. An int is spread over those nodes.
         cpus_per_worker: CPUs each worker reserves; also its TF thread count.
         nan_policy: a step whose averaged gradient holds NaN or Inf is
             "raise"d (naming the variable) or "skip"ped, on every replica

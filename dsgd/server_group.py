@@ -29,9 +29,9 @@ def plan_servers(worker_nodes: Sequence[str], node_cpus: dict[str, float], cpus_
     """The node of every server to start.
 
     ``requested`` servers are spread round robin over the nodes holding
-    workers (most workers first). ``None`` picks per such node: one server,
-    plus one for every ``CPUS_PER_SERVER`` CPUs the node's workers leave
-    free, at most one per worker there.
+    workers (most workers first). ``None`` picks per such node: one server
+    for every ``CPUS_PER_SERVER`` CPUs the node's workers leave free, at
+    least one and at most one per worker there.
     """
     counts: dict[str, int] = {}
     for node in worker_nodes:
