@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install mnist test clean
 
-$(STAMP): pyproject.toml $(wildcard dsgd/ops/cc/*)
+$(STAMP): pyproject.toml Makefile $(wildcard dsgd/ops/cc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,examples,keras,tune,bench]"

@@ -25,6 +25,7 @@ def case(message, **kwargs):
     case("num_parameter_servers must be an integer >= 1, got 0", num_parameter_servers=0),
     case("nan_policy must be one of \\('raise', 'skip', 'ignore'\\), got 'drop'", nan_policy="drop"),
     case("use_ops must be None, True or False, got 'yes'", use_ops="yes"),
+    case("use_ops must be None, True or False, got 1", use_ops=1),
     case("max_failures must be an integer >= 0, got -1", max_failures=-1),
     case("timeout_s must be a positive number of seconds, got 0", timeout_s=0),
     case("startup_timeout_s must be a positive number of seconds, got -5", startup_timeout_s=-5),
