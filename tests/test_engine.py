@@ -51,20 +51,24 @@ def test_ps_serves_many_partitions_per_server_through_shared_memory(engines):
     assert sgd.foreach_worker(lambda w: [m is not None for m in w.client.means]) == [[True] * 5] * 2
 
 
+def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
+    """Run ``steps`` steps from known weights; the weights equal the numpy reference's, on every replica."""
+    expected = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
+    for step in range(steps):
+        sgd.step()
+        expected = numpy_step(expected, replicas, step)
+    got = sgd.get_weights()
+    assert_all_replicas_identical(sgd, len(replicas))
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_explicit_server_count_is_honoured_and_default_partitions_train_correctly(ray_session):
     with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
                              num_parameter_servers=1) as sgd:
         assert len(sgd.ps_actors) == 1
         assert len(sgd.layout) == 1  # 112 bytes: one partition (dsgd's default is at least 1 MiB)
-        start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
-        expected = start
-        for step in range(2):
-            sgd.step()
-            expected = numpy_step(expected, REPLICAS, step)
-        got = sgd.get_weights()
-        assert_replicas_identical(sgd)
-    for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        steps_against_numpy(sgd, REPLICAS, 2)
 
 
 def test_foreach_model_is_flat_in_worker_then_device_order(engines):
@@ -213,17 +217,8 @@ def test_moving_statistics_stay_identical_across_replicas(ray_session):
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
 def test_single_worker_steps_equal_numpy_reference(ray_session, strategy):
-    replicas = [(0, d) for d in range(DEVICES)]
     with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=DEVICES, strategy=strategy) as sgd:
-        start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
-        expected = start
-        for step in range(3):
-            sgd.step()
-            expected = numpy_step(expected, replicas, step)
-        got = sgd.get_weights()
-        assert_all_replicas_identical(sgd, DEVICES)
-    for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        steps_against_numpy(sgd, [(0, d) for d in range(DEVICES)], 3)
 
 
 def test_single_worker_ps_says_it_runs_like_simple_and_closes(ray_session, caplog):
