@@ -315,11 +315,15 @@ class DistributedSGD:
         self._drain()
         return self._cluster.call([getattr(w, method).remote(*args) for w in self.workers], what)
 
-    def get_weights(self) -> dict[str, np.ndarray]:
-        """Worker 0, replica 0's variables, keyed by name without the replica scope (``device_<i>/``)."""
+    def _on_worker_0(self, method: str, *args, what: str) -> Any:
+        """``method(*args)`` on worker 0, after the steps in flight; its result."""
         self._check_open()
         self._drain()
-        return self._cluster.call(self.workers[0].get_weights.remote(), "worker 0's weights")
+        return self._cluster.call(getattr(self.workers[0], method).remote(*args), what)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Worker 0, replica 0's variables, keyed by name without the replica scope (``device_<i>/``)."""
+        return self._on_worker_0("get_weights", what="worker 0's weights")
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Assign ``weights`` (as from get_weights) to every replica on every worker."""
@@ -341,9 +345,7 @@ class DistributedSGD:
         ``path`` is a file, or a directory (existing, or ending in a separator)
         that gets ``dsgd_checkpoint.npz``: a ``ray.train.Checkpoint`` directory.
         """
-        self._check_open()
-        self._drain()
-        checkpoint.save(path, self._cluster.call(self.workers[0].get_state.remote(), "worker 0's state"))
+        checkpoint.save(path, self._on_worker_0("get_state", what="worker 0's state"))
 
     def restore(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""
@@ -360,8 +362,9 @@ class DistributedSGD:
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise NotADirectoryError(f"save_checkpoint expects a directory, got the file {directory!r}; "
                                      "use save(path) to write a checkpoint file")
-        self.save(os.path.join(directory, ""))
-        return checkpoint.file_of(os.path.join(directory, ""))
+        target = os.path.join(directory, "")  # a trailing separator: save writes inside it
+        self.save(target)
+        return checkpoint.file_of(target)
 
     def restore_checkpoint(self, checkpoint_dir: str | os.PathLike) -> None:
         """Ray 0.6's name: ``restore`` from the directory ``save_checkpoint`` wrote."""
@@ -382,9 +385,7 @@ class DistributedSGD:
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
         """``fn(model)`` on one replica (worker 0, device 0), its worker's session the default; its result."""
-        self._check_open()
-        self._drain()
-        return self._cluster.call(self.workers[0].for_model.remote(fn), "for_model")
+        return self._on_worker_0("for_model", fn, what="for_model")
 
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it."""
