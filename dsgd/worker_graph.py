@@ -174,14 +174,14 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     weights, exchange = _specs(replicas[0])
     means = _local_allreduce(replicas, config)
     mean_inputs = tuple(tf.compat.v1.placeholder(s.dtype, s.shape, name=f"mean_{k}") for k, s in enumerate(exchange))
-    apply_local = _apply_ops(replicas, means, config)
-    apply_fed = _apply_ops(replicas, [mean_inputs] * len(replicas), config)
+    apply_local = _apply_ops(replicas, means, exchange, config)
+    apply_fed = _apply_ops(replicas, [mean_inputs] * len(replicas), exchange, config)
     # The optimizer's slots exist once its apply ops do.
     optimizer_vars = tuple(_optimizer_state(r) for r in replicas)
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
     state_inputs, set_state = _state_io(state_vars)
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
-    initialize(session, graph)
+    _initialize(session, graph)
     replicas = tuple(replace(r, metrics=_ask_metrics(graph, session, r, worker_index)) for r in replicas)
     _check_metrics_agree(replicas, worker_index)
     return WorkerGraph(
@@ -196,7 +196,7 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
         set_state=set_state)
 
 
-def initialize(session: tf.compat.v1.Session, graph: tf.Graph) -> None:
+def _initialize(session: tf.compat.v1.Session, graph: tf.Graph) -> None:
     """Initialize every variable of ``graph``: the global ones, then local variables and tables.
 
     Local variables and tables come second because their initial values may
@@ -293,7 +293,7 @@ def _build_replica(graph: tf.Graph, worker_index: int, config: WorkerConfig,
 
 def _build_gradients(graph: tf.Graph, model: Model, weights: dict[str, tf.Variable], index: int,
                      where: str, log_missing: bool) -> Replica:
-    """The replica's loss, optimizer and metrics, checked; its gradients and updated state."""
+    """The replica's loss and optimizer, checked; its gradients and updated state (metrics come later)."""
     loss = call_user(model, "get_loss", where)
     if not isinstance(loss, tf.Tensor) or loss.graph is not graph:
         raise ModelCreatorError(f"get_loss() must return a tensor of the replica's graph, got {loss!r} on {where}")
@@ -382,10 +382,10 @@ def _finite(tensors: Sequence[tf.Tensor], names: Sequence[str], what: str, confi
 
 
 def _apply_ops(replicas: Sequence[Replica], means_per_replica: Sequence[Sequence[tf.Tensor]],
-               config: WorkerConfig) -> tf.Operation:
+               exchange: Sequence[shards.VarSpec], config: WorkerConfig) -> tf.Operation:
     """Apply on every replica, only once every check has passed (never partly)."""
     n_train = len(replicas[0].train_vars)
-    names = [s.name for s in _specs(replicas[0])[1]]
+    names = [s.name for s in exchange]
     means = means_per_replica[0]
     grad_checks = _finite(means[:n_train], names[:n_train], "gradient", config)
     state_checks = _finite(means[n_train:], names[n_train:], "value", config)
@@ -448,7 +448,7 @@ def build_ops_exchange(built: WorkerGraph, config: WorkerConfig, layout: Sequenc
             received.append(ops.receive_shard(functools.partial(receive, shard), shard, [step_input]))
         previous = [sent]
     means = ops.unpack(received, layout, built.signature.exchange)
-    apply = _apply_ops(built.replicas, [means] * len(built.replicas), config)
+    apply = _apply_ops(built.replicas, [means] * len(built.replicas), built.signature.exchange, config)
     if len(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)) != before:
         raise DSGDError("building the exchange created variables; the optimizer's slots must "
                         "exist after its first apply_gradients")
