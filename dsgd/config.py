@@ -69,16 +69,16 @@ class Options:
             raise ValueError(f"logdir must be a directory path (str) or None, got {given['logdir']!r}")
         return cls(
             strategy=given["strategy"],
-            num_workers=_check_int("num_workers", given["num_workers"], 1),
-            devices_per_worker=_check_int("devices_per_worker", given["devices_per_worker"], 1),
+            num_workers=check_int("num_workers", given["num_workers"], 1),
+            devices_per_worker=check_int("devices_per_worker", given["devices_per_worker"], 1),
             gpu=given["gpu"],
             grad_shard_bytes=_check_optional_int("grad_shard_bytes", given["grad_shard_bytes"], 0),
             all_reduce_alg=given["all_reduce_alg"],
             num_parameter_servers=_check_optional_int("num_parameter_servers", given["num_parameter_servers"], 1),
-            cpus_per_worker=_check_int("cpus_per_worker", given["cpus_per_worker"], 1),
+            cpus_per_worker=check_int("cpus_per_worker", given["cpus_per_worker"], 1),
             nan_policy=given["nan_policy"],
             use_ops=given["use_ops"],
-            max_failures=_check_int("max_failures", given["max_failures"], 0),
+            max_failures=check_int("max_failures", given["max_failures"], 0),
             timeout_s=_check_seconds("timeout_s", given["timeout_s"]),
             startup_timeout_s=_check_seconds("startup_timeout_s", given["startup_timeout_s"]),
             logdir=given["logdir"],
@@ -108,14 +108,15 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: Any, minimum: int, where: str = "") -> int:
+    """``value`` as an int, or a ValueError naming ``name`` (``where`` says where the value came from)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}{where}")
     return int(value)
 
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> int | None:
-    return None if value is None else _check_int(name, value, minimum)
+    return None if value is None else check_int(name, value, minimum)
 
 
 def _check_seconds(name: str, value: Any) -> float:

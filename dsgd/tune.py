@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from ray import tune
 
+from dsgd.config import check_int
 from dsgd.model import Model
 
 ModelCreator = Callable[[int, int], Model]
@@ -44,12 +45,6 @@ def _option_names() -> set[str]:
     from dsgd.distributed_sgd import DistributedSGD
 
     return set(inspect.signature(DistributedSGD).parameters) - {"model_creator"}
-
-
-def _check_count(name: str, value: Any, minimum: int, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}{where}")
-    return value
 
 
 class _TrialOptions:
@@ -68,9 +63,9 @@ class _TrialOptions:
         """Bundle 0 for the trial's driver, then one bundle per worker."""
         options = self.for_config(config)
         where = " (from the trial's config or dsgd.tune.trainable's keywords)"
-        num_workers = _check_count("num_workers", options.get("num_workers", 1), 1, where)
-        cpus = _check_count("cpus_per_worker", options.get("cpus_per_worker", 1), 1, where)
-        devices = _check_count("devices_per_worker", options.get("devices_per_worker", 1), 1, where)
+        num_workers = check_int("num_workers", options.get("num_workers", 1), 1, where)
+        cpus = check_int("cpus_per_worker", options.get("cpus_per_worker", 1), 1, where)
+        devices = check_int("devices_per_worker", options.get("devices_per_worker", 1), 1, where)
         worker = {"CPU": cpus, **({"GPU": devices} if options.get("gpu", False) is True else {})}
         return tune.PlacementGroupFactory([{"CPU": DRIVER_CPUS}] + [dict(worker) for _ in range(num_workers)])
 
@@ -106,8 +101,8 @@ def trainable(config_to_model_creator: Callable[[dict], ModelCreator], *, steps_
     if not callable(config_to_model_creator):
         raise TypeError("config_to_model_creator must be callable: config -> model_creator, got "
                         f"{config_to_model_creator!r}")
-    steps_per_report = _check_count("steps_per_report", steps_per_report, 1, "")
-    checkpoint_every = _check_count("checkpoint_every", checkpoint_every, 0, " (0: no checkpoints)")
+    steps_per_report = check_int("steps_per_report", steps_per_report, 1)
+    checkpoint_every = check_int("checkpoint_every", checkpoint_every, 0, " (0: no checkpoints)")
     names = _option_names()
     unknown = sorted(set(sgd_options) - names)
     if unknown:
