@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
@@ -188,3 +190,11 @@ def known_actors() -> dict[str, tuple[str, str]]:
 def actors_started_since(before: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
     """(class name, state) of every actor registered after ``before = known_actors()``, sorted."""
     return sorted(info for actor_id, info in known_actors().items() if actor_id not in before)
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll ``condition()`` until it is true; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)

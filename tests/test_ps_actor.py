@@ -2,7 +2,6 @@
 and a bad push fails the step instead of hanging it."""
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from dsgd.errors import DSGDTimeoutError
 from dsgd.ps_actor import StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
+from dsgd_test_models import wait_until
 
 # Two partitions: one of two small variables (packed together), one of a large one (its own segment).
 SPECS = [VarSpec("a", (5,), np.dtype(np.float32)), VarSpec("b", (3,), np.dtype(np.float32)),
@@ -51,13 +51,6 @@ def _local_worker(server, worker_index):
     client = ParameterServerClient(worker_index, LAYOUT, [0] * len(LAYOUT), timeout_s=30)
     assert client.connect([server], timeout_s=30) == 1  # a worker on the server's node gets shared buffers
     return client
-
-
-def _wait_until(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def _expected(parts):
@@ -148,7 +141,7 @@ def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     shard = LAYOUT[1]
     flat = _data(np.random.default_rng(5))[1]
     waiting = server.push.remote(0, 0, 1, _stored(shard, flat))
-    _wait_until(lambda: ray.get(server.waiting_for.remote(), timeout=30) == {1: [1]})  # the push waits
+    wait_until(lambda: ray.get(server.waiting_for.remote(), timeout=30) == {1: [1]})  # the push waits
     ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
     with pytest.raises(StepAborted):
         ray.get(waiting, timeout=30)

@@ -14,7 +14,7 @@ import dsgd
 from dsgd import checkpoint
 from dsgd_test_models import (AdamNet, FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
                               actors_started_since, assert_replicas_identical, known_actors, numpy_momentum_run,
-                              set_start_weights)
+                              set_start_weights, wait_until)
 
 REPLICAS_2x1 = [(0, 0), (1, 0)]
 
@@ -41,13 +41,6 @@ def assert_weights_close(got, expected):
 def warnings_seen(caplog):
     caplog.set_level(logging.WARNING, logger="dsgd")
     return caplog
-
-
-def wait_until(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def pushes_waiting(server) -> dict:
