@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "DistributedSGD": "dsgd.distributed_sgd",
     "Model": "dsgd.model",
-    "KerasModel": "dsgd.keras_model",  # needs tf_keras (pip install 'dsgd[keras]') only when used
+    "KerasModel": "dsgd.keras",  # needs tf_keras (pip install 'dsgd[keras]') only when used
     "ActorFailure": "dsgd.errors",
     "DSGDError": "dsgd.errors",
     "DSGDTimeoutError": "dsgd.errors",
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from dsgd.distributed_sgd import DistributedSGD
     from dsgd.errors import (ActorFailure, DSGDError, DSGDTimeoutError, ModelCreatorError,
                              NonFiniteGradientError, WorkerMismatchError)
-    from dsgd.keras_model import KerasModel
+    from dsgd.keras import KerasModel
     from dsgd.model import Model
 
 
