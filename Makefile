@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile $(wildcard dsgd/ops/cc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,examples,keras,tune,bench]"
+	$(PY) -m pip install --quiet -e ".[test,examples,keras,tune,data,bench]"
 	$(PY) -m dsgd.ops.build
 	touch $(STAMP)
 

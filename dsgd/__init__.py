@@ -14,6 +14,7 @@ _EXPORTS = {
     "DistributedSGD": "dsgd.distributed_sgd",
     "Model": "dsgd.model",
     "KerasModel": "dsgd.keras",  # needs tf_keras (pip install 'dsgd[keras]') only when used
+    "get_dataset_shard": "dsgd.data",  # DistributedSGD(datasets=...) needs Ray Data (pip install 'dsgd[data]')
     "ActorFailure": "dsgd.errors",
     "DSGDError": "dsgd.errors",
     "DSGDTimeoutError": "dsgd.errors",
@@ -25,6 +26,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from dsgd.data import get_dataset_shard
     from dsgd.distributed_sgd import DistributedSGD
     from dsgd.errors import (ActorFailure, DSGDError, DSGDTimeoutError, ModelCreatorError,
                              NonFiniteGradientError, WorkerMismatchError)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import ray
 
-from dsgd import shards
+from dsgd import data, shards
 from dsgd.actor_identity import ActorIdentity
 from dsgd.config import Options, WorkerConfig
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
@@ -53,7 +53,8 @@ def _fault_of(error: BaseException) -> BaseException | None:
 class Cluster:
     """The workers and parameter servers of one engine."""
 
-    def __init__(self, options: Options, model_creator: Callable[[int, int], Model], worker_config: WorkerConfig):
+    def __init__(self, options: Options, model_creator: Callable[[int, int], Model], worker_config: WorkerConfig,
+                 datasets: dict[str, Any] | None = None):
         self.options = options
         self.worker_config = worker_config
         self.workers: list[Any] = []
@@ -61,6 +62,10 @@ class Cluster:
         self.signature: WorkerSignature | None = None  # what every worker built
         self._model_creator = model_creator
         self._identities: dict[str, ActorIdentity] = {}  # actor id -> who it is
+        self._datasets = datasets  # name -> ray.data.Dataset (dsgd.data), or None
+        self._split_owner = None  # the dsgd.data.SplitOwner actor behind the current splits
+        self._splits: dict[str, list] | None = None  # name -> its splits, one per replica
+        self._worker_nodes: list[str] = []  # the node id of each worker
 
     # ---- start ------------------------------------------------------------
 
@@ -74,6 +79,8 @@ class Cluster:
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
         identities = self._identify(self.workers)
+        self._worker_nodes = [i.node_id for i in identities]
+        self._split_datasets()
         self._build_models(range(self.options.num_workers))
         if self.options.uses_ps:
             self.check_object_store()
@@ -127,8 +134,9 @@ class Cluster:
         return identities
 
     def _build_models(self, indices) -> None:
-        """Workers ``indices`` build their models; all must build the same one."""
-        signatures = self.call_startup([self.workers[i].setup.remote(self._model_creator) for i in indices],
+        """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
+        creators = [data.ShardedModelCreator(self._model_creator, self._worker_splits(i)) for i in indices]
+        signatures = self.call_startup([self.workers[i].setup.remote(c) for i, c in zip(indices, creators)],
                                        "the workers to build their models")
         expected = self.signature or signatures[0]
         for i, sig in zip(indices, signatures):
@@ -137,6 +145,30 @@ class Cluster:
                     f"worker {i} built a model that differs from worker 0's: "
                     f"{shards.spec_difference(sig.weights + sig.exchange, expected.weights + expected.exchange) or sig.metrics}")
         self.signature = expected
+
+    # ---- datasets (dsgd.data) ----------------------------------------------
+
+    def _split_datasets(self) -> None:
+        """Split every dataset over the replicas, streaming, in a new owner actor (no-op without datasets)."""
+        if not self._datasets:
+            return
+        replica_nodes = [n for n in self._worker_nodes for _ in range(self.options.devices_per_worker)]
+        self._split_owner = data.SplitOwner.options(scheduling_strategy=actor_placement()).remote()
+        self._splits = self.call_startup(self._split_owner.split.remote(self._datasets, replica_nodes),
+                                         "Ray Data to split the datasets over the replicas")
+
+    def _worker_splits(self, index: int) -> dict[str, list] | None:
+        """Worker ``index``'s replicas' splits of every dataset, device order; None without datasets."""
+        if self._splits is None:
+            return None
+        per_worker = self.options.devices_per_worker
+        return {name: splits[index * per_worker:(index + 1) * per_worker] for name, splits in self._splits.items()}
+
+    def stop_datasets(self) -> None:
+        """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
+        if self._split_owner is not None:
+            ray.kill(self._split_owner)
+        self._split_owner, self._splits = None, None
 
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
@@ -231,10 +263,16 @@ class Cluster:
         for i in dead_workers:
             logger.warning("worker %d is dead; starting a new one", i)
             self.workers[i] = self._new_worker(i)
-        if dead_workers:
-            self._identify([self.workers[i] for i in dead_workers])
-            self._build_models(dead_workers)
-        if self.servers and (new_servers or dead_workers):
+        for i, identity in zip(dead_workers, self._identify([self.workers[i] for i in dead_workers])):
+            self._worker_nodes[i] = identity.node_id
+        rebuilt = dead_workers
+        if self._datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
+            self.stop_datasets()
+            self._split_datasets()
+            rebuilt = range(self.options.num_workers)
+        if rebuilt:
+            self._build_models(rebuilt)
+        if self.servers and (new_servers or rebuilt):
             self.connect_parameter_servers()
         return set(dead_workers)
 
@@ -257,4 +295,5 @@ class Cluster:
                 ray.kill(actor)
             if self.servers:
                 self.servers.kill()
+            self.stop_datasets()
         self.workers, self.servers = [], None

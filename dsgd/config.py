@@ -31,6 +31,7 @@ class WorkerConfig:
     timeout_s: float
     nan_policy: str = "raise"
     use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
+    feed_concurrently: bool = False  # ask the replicas' get_feed_dict in threads of their own (Ray Data input)
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,11 @@ class Options:
             return None
         return self.batch_size * self.num_workers * self.devices_per_worker
 
-    def worker_config(self, use_ops: bool) -> WorkerConfig:
+    def worker_config(self, use_ops: bool, feed_concurrently: bool = False) -> WorkerConfig:
         """What every worker is built with; ``use_ops`` as resolved by the driver."""
         return WorkerConfig(self.num_workers, self.devices_per_worker, self.gpu, self.all_reduce_alg,
-                            self.cpus_per_worker, self.timeout_s, self.nan_policy, use_ops=use_ops)
+                            self.cpus_per_worker, self.timeout_s, self.nan_policy, use_ops=use_ops,
+                            feed_concurrently=feed_concurrently)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

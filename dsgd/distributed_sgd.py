@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import ray
 
-from dsgd import checkpoint, shards, strategies, timeline
+from dsgd import checkpoint, data, shards, strategies, timeline
 from dsgd.cluster import Cluster
 from dsgd.config import Options
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
@@ -92,6 +92,12 @@ class DistributedSGD:
         batch_size: samples in one replica's batch, if you want
             ``samples_per_s`` in the stats (dsgd cannot know it: a model may
             make its batches inside the graph).
+        datasets: ``{name: ray.data.Dataset}``, each split over all replicas
+            (streaming, equal rows per replica per epoch, disjoint); inside
+            ``model_creator``, ``dsgd.get_dataset_shard(name)`` returns the
+            replica's ``ray.data.DataIterator``. A worker then asks its
+            replicas' ``get_feed_dict`` concurrently, and after a recovery
+            every replica starts a new epoch. Needs ``dsgd[data]``.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class DistributedSGD:
         startup_timeout_s: float = 300.0,
         logdir: str | None = None,
         batch_size: int | None = None,
+        datasets: dict[str, Any] | None = None,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
@@ -122,6 +129,7 @@ class DistributedSGD:
             num_parameter_servers=num_parameter_servers, cpus_per_worker=cpus_per_worker, nan_policy=nan_policy,
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
             logdir=logdir, batch_size=batch_size)
+        datasets = data.check_datasets(datasets)
         opts = self.options
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
@@ -135,11 +143,12 @@ class DistributedSGD:
             from dsgd.tensorboard import ScalarLogger
 
             self._scalars = ScalarLogger(opts.logdir)
-        worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops))
+        worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops),
+                                           feed_concurrently=datasets is not None)
         if not ray.is_initialized():
             logger.info("Ray is not initialized; starting a local Ray instance")
             ray.init()
-        self._cluster = Cluster(opts, model_creator, worker_config)
+        self._cluster = Cluster(opts, model_creator, worker_config, datasets)
         self._strategy = strategies.make(opts.strategy, opts.num_workers, self._cluster.call, self._span)
         self._recovery = Recovery(self._cluster, self._strategy, opts.max_failures)
         try:

@@ -6,7 +6,8 @@ so after a failure some workers may have applied the step and others not.
 every worker that is behind (or new) the full state (weights, optimizer
 slots, step count) of the most advanced survivor, then runs again the steps
 no worker applied. Parameter servers hold nothing across steps, so they only
-need a reset.
+need a reset. With Ray Data input, every worker also gets new splits
+(``Cluster.replace_dead``), so every replica starts a new epoch.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Recovery:
     def settle(self, in_flight: list[ray.ObjectRef], replace_dead: bool = False) -> int:
         """Abort ``in_flight``, optionally replace dead actors, bring every worker to one state; its step count."""
         self.cluster.abort_servers()  # workers waiting on sums that will never complete fail now
+        if replace_dead:
+            self.cluster.stop_datasets()  # and those waiting on a dataset split (replace_dead splits anew)
         self.cluster.wait_finished(in_flight)
         fresh = self.cluster.replace_dead() if replace_dead else set()
         return self._resynchronize(fresh)

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,6 +46,10 @@ class SGDWorker:
         self._callback_error: BaseException | None = None
         self._trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+        # One thread per replica to ask for batches, with Ray Data input: a
+        # streaming split starts an epoch only once every replica has asked.
+        self._feeders = (ThreadPoolExecutor(config.devices_per_worker, thread_name_prefix="dsgd-feed")
+                         if config.feed_concurrently and config.devices_per_worker > 1 else None)
 
     # ---- set-up -----------------------------------------------------------
 
@@ -53,12 +58,24 @@ class SGDWorker:
         return actor_identity.current("worker", self.worker_index)
 
     def setup(self, model_creator: Callable[[int, int], Model]) -> worker_graph.WorkerSignature:
-        """Build the replicas and initialize their variables (local ones too); what was built."""
+        """Build the replicas and initialize their variables (local ones too); what was built.
+
+        Called again (with new dataset splits after a recovery), it builds
+        them anew and loads the state they had; ``connect`` then rebuilds the
+        in-graph exchange.
+        """
+        state = self.get_state() if self.built is not None else None
+        if self.sess is not None:
+            self.sess.close()
+            gc.unfreeze()  # let the old graph's objects be collected
         self.graph = tf.Graph()
         self.sess = tf.compat.v1.Session(graph=self.graph, config=worker_graph.session_config(self.config))
         with self._default_session():
             self.built = worker_graph.build(self.worker_index, self.config, model_creator, self.sess)
         self.models = self.built.models
+        self.exchange = None
+        if state is not None:
+            self.set_state(state)
         # The graph's Python objects live as long as the worker: keep the cyclic
         # garbage collector from walking them on every full collection.
         gc.freeze()
@@ -75,19 +92,20 @@ class SGDWorker:
                 timeout_s: float) -> int:
         """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j).
 
-        The first call builds the in-graph exchange (with the op library);
-        later calls, after a server or worker was replaced, only re-attach.
+        The first call (and the first after ``setup`` rebuilt the graph)
+        builds the in-graph exchange (with the op library); later calls, after
+        a server or worker was replaced, only re-attach.
         Returns how many servers are reached through shared memory.
         """
         if self.client is None:
             self.layout = list(layout)
             self.client = ParameterServerClient(self.worker_index, layout, placement, self.config.timeout_s)
-            if self.config.use_ops:
-                with self._default_session():
-                    self.exchange = worker_graph.build_ops_exchange(
-                        self.built, self.config, self.layout, self._send_shard, self._receive_shard)
         elif [s.index for s in layout] != [s.index for s in self.layout] or placement != self.client.placement:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
+        if self.config.use_ops and self.exchange is None:
+            with self._default_session():
+                self.exchange = worker_graph.build_ops_exchange(
+                    self.built, self.config, self.layout, self._send_shard, self._receive_shard)
         return self.client.connect(servers, timeout_s)
 
     @contextlib.contextmanager
@@ -142,19 +160,27 @@ class SGDWorker:
         return events
 
     def _feed_dict(self) -> dict:
-        """Every replica's next batch; starts the step's phase timings."""
+        """Every replica's next batch (asked concurrently with Ray Data input); starts the step's phase timings."""
         self._phase_s = {}
-        with self._phase("get_feed_dict"), self._default_session():
+        with self._phase("get_feed_dict"):
+            replicas = self.built.replicas
+            parts = (self._feeders.map(self._replica_feed, replicas) if self._feeders
+                     else map(self._replica_feed, replicas))
             feed: dict = {}
-            for r in self.built.replicas:
-                where = f"worker {self.worker_index}, device {r.index}"
-                part = worker_graph.call_user(r.model, "get_feed_dict", where) or {}
-                if not isinstance(part, dict):
-                    raise DSGDError(f"get_feed_dict() must return a dict, got {type(part).__name__} on {where}")
-                for key in part:
-                    self._check_feed_key(key, where)
+            for part in parts:
                 feed.update(part)
             return feed
+
+    def _replica_feed(self, replica: worker_graph.Replica) -> dict:
+        """``replica``'s get_feed_dict(), checked; in any thread, with the worker's session as the default."""
+        where = f"worker {self.worker_index}, device {replica.index}"
+        with self._default_session():
+            part = worker_graph.call_user(replica.model, "get_feed_dict", where) or {}
+            if not isinstance(part, dict):
+                raise DSGDError(f"get_feed_dict() must return a dict, got {type(part).__name__} on {where}")
+            for key in part:
+                self._check_feed_key(key, where)
+        return part
 
     def _check_feed_key(self, key, where: str) -> None:
         if isinstance(key, (tf.Tensor, tf.Operation)) and key.graph is self.graph:

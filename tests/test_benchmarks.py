@@ -181,8 +181,21 @@ def test_dsgd_benchmark_cli(ray_session, tmp_path, strategy, num_workers):
     assert json.loads(out.read_text()) == record
 
 
+def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_path):
+    from benchmarks import data_input  # imports Ray Data, the dsgd[data] extra
+
+    out = tmp_path / "data_input.json"
+    result = data_input.main(["--batch-sizes", "8", "--warmup", "1", "--rounds", "2", "--chunk", "3",
+                              "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    (record,) = result["records"]
+    assert record["order"] == ["numpy", "ray-data", "ray-data", "numpy", "numpy", "ray-data"]
+    assert all(len(rates) == 2 and min(rates) > 0 for rates in record["samples_per_s"].values())
+    assert record["ray_data_over_numpy"] > 0 and "| 8 |" in result["table"]
+
+
 @pytest.mark.parametrize("command", [
-    ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"],
+    ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/data_input.py"],
     ["-m", "benchmarks.exchange"], ["-m", "benchmarks.resnet101"],
 ], ids=" ".join)
 def test_benchmarks_run_as_scripts_and_modules(command, tmp_path):

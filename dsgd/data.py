@@ -1,0 +1,119 @@
+"""Ray Data input: ``DistributedSGD(datasets=...)`` and ``dsgd.get_dataset_shard``.
+
+The driver has each dataset split over all ``num_workers * devices_per_worker``
+replicas with ``Dataset.streaming_split(replicas, equal=True)``, inside a
+small ``SplitOwner`` actor: Ray's coordinator actor, which runs the dataset
+and deals its blocks to the replicas, belongs to that owner, so killing the
+owner stops the coordinator and fails any read waiting on it (after a fault,
+a replica may wait at an epoch's start for a replica that is gone). Nothing
+is gathered on the driver. Each worker is sent its replicas' splits inside
+the model creator (``ShardedModelCreator``), which makes a replica "current"
+while ``model_creator`` builds it; ``get_dataset_shard`` reads that.
+
+A split starts an epoch only once every split has asked for it, so a worker
+given datasets asks its replicas for their batches concurrently
+(``WorkerConfig.feed_concurrently``).
+
+This module does not import ``ray.data`` (an optional extra) itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import ray
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from dsgd.model import Model
+
+_INSTALL_HINT = "Ray Data is an optional extra: pip install 'dsgd[data]'"
+
+
+@dataclass(frozen=True)
+class _Replica:
+    worker_index: int
+    device_index: int
+    shards: dict[str, Any] | None  # name -> this replica's DataIterator; None: no datasets= given
+
+
+_current: _Replica | None = None  # the replica model_creator is building in this process, if any
+
+
+def get_dataset_shard(name: str) -> "ray.data.DataIterator":
+    """This replica's ``ray.data.DataIterator`` over dataset ``name`` of ``DistributedSGD(datasets=...)``.
+
+    Call it inside ``model_creator``. The dataset is split over all replicas:
+    in each epoch every replica reads the same number of rows and no row
+    twice. Iterating it again after its last batch starts a new epoch;
+    Ray starts it once every replica has asked, which with synchronous
+    steps happens in one step as long as every replica reads with the same
+    batch size.
+    """
+    replica = _current
+    if replica is None:
+        raise RuntimeError(
+            f"dsgd.get_dataset_shard({name!r}) was called outside model_creator; call it inside "
+            "model_creator, where it returns that replica's split of DistributedSGD(datasets=...)")
+    if replica.shards is None:
+        raise ValueError(
+            f"dsgd.get_dataset_shard({name!r}): this DistributedSGD was given no datasets; pass "
+            f"DistributedSGD(..., datasets={{{name!r}: ray.data.Dataset}})")
+    if name not in replica.shards:
+        raise ValueError(f"dsgd.get_dataset_shard({name!r}): no dataset named {name!r}; "
+                         f"DistributedSGD was given datasets {sorted(replica.shards)}")
+    return replica.shards[name]
+
+
+def check_datasets(datasets: Any) -> dict[str, "ray.data.Dataset"] | None:
+    """``datasets`` checked: None, or a non-empty dict of name -> ``ray.data.Dataset``."""
+    if datasets is None:
+        return None
+    if not isinstance(datasets, Mapping):
+        raise ValueError(f"datasets must be a dict of name -> ray.data.Dataset, e.g. {{'train': ds}}, "
+                         f"got {type(datasets).__name__}")
+    if not datasets:
+        raise ValueError("datasets={} names no dataset; pass {'train': ds} or leave datasets=None")
+    try:
+        import ray.data
+    except ImportError as e:
+        raise ImportError(f"DistributedSGD(datasets=...) needs Ray Data: {e}. {_INSTALL_HINT}") from e
+    for name, ds in datasets.items():
+        if not isinstance(name, str):
+            raise ValueError(f"datasets keys must be names (str), got {name!r}")
+        if not isinstance(ds, ray.data.Dataset):
+            raise ValueError(f"datasets[{name!r}] must be a ray.data.Dataset, got {type(ds).__name__}")
+    return dict(datasets)
+
+
+@ray.remote(num_cpus=0)
+class SplitOwner:
+    """Makes the streaming splits; they (their coordinator actors) live as long as this actor."""
+
+    def split(self, datasets: dict[str, "ray.data.Dataset"], nodes: list[str]) -> dict[str, list]:
+        """Each dataset split over the replicas (one per entry of ``nodes``, their node ids), streaming, equal."""
+        return {name: ds.streaming_split(len(nodes), equal=True, locality_hints=list(nodes))
+                for name, ds in datasets.items()}
+
+
+class ShardedModelCreator:
+    """``model_creator`` with one worker's dataset splits: each replica is current while it is built.
+
+    ``splits``: name -> this worker's replicas' splits, device order; None
+    when no datasets were given (``get_dataset_shard`` then says so).
+    """
+
+    def __init__(self, model_creator: Callable[[int, int], "Model"], splits: dict[str, list] | None):
+        self.model_creator = model_creator
+        self.splits = splits
+
+    def __call__(self, worker_index: int, device_index: int) -> "Model":
+        global _current
+        shards = None if self.splits is None else {name: s[device_index] for name, s in self.splits.items()}
+        previous, _current = _current, _Replica(worker_index, device_index, shards)
+        try:
+            return self.model_creator(worker_index, device_index)
+        finally:
+            _current = previous

@@ -1,0 +1,136 @@
+"""Train a tf_keras convnet on handwritten digits with dsgd, reading a Ray Dataset.
+
+    python examples/mnist_keras.py                  # 2 workers, "ps", local Ray
+    python examples/mnist_keras.py --address auto   # on a running Ray cluster
+
+The model is a ``tf_keras`` network wrapped in ``dsgd.KerasModel``; the
+training images are a ``ray.data.Dataset`` passed as
+``DistributedSGD(datasets={"train": ...})``, which every replica reads its
+own equal part of through ``dsgd.get_dataset_shard("train")``. Same data as
+examples/mnist.py (its loader): MNIST if it is on this machine, else the
+8x8 digits set that scikit-learn ships. Needs ``pip install 'dsgd[keras,data,examples]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import numpy as np
+import ray
+import ray.data
+import tensorflow as tf
+
+import dsgd
+from dsgd.progress import Progress
+from mnist import load_digits  # examples/mnist.py, next to this file
+
+
+def make_model_creator(args: argparse.Namespace, train: dict[str, np.ndarray] | None = None):
+    """model_creator for DistributedSGD: one tf_keras convnet per replica, fed from its split of "train".
+
+    With ``train`` (arrays; ``--input numpy``) each replica is fed its slice
+    of them instead, from a list of batches: the feed_dict baseline.
+    """
+    def create(worker_index: int, device_index: int) -> dsgd.KerasModel:
+        import tf_keras
+
+        net = tf_keras.Sequential([
+            tf_keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            tf_keras.layers.Conv2D(64, 3, strides=2, padding="same", activation="relu"),
+            tf_keras.layers.Flatten(),
+            tf_keras.layers.Dense(10),
+        ])
+        if train is None:
+            batches = dsgd.get_dataset_shard("train").iter_batches(
+                batch_size=args.batch_size, batch_format="numpy", drop_last=True)
+        else:
+            replica = worker_index * args.devices_per_worker + device_index
+            replicas = args.num_workers * args.devices_per_worker
+            x, y = train["image"][replica::replicas], train["label"][replica::replicas]
+            batches = [{"image": x[i:i + args.batch_size], "label": y[i:i + args.batch_size]}
+                       for i in range(0, len(y) - args.batch_size + 1, args.batch_size)]
+        return dsgd.KerasModel(
+            net, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=tf.compat.v1.train.AdamOptimizer(args.lr), metrics=["accuracy"],
+            batches=batches, features="image", label="label")
+    return create
+
+
+def test_accuracy(model: dsgd.KerasModel, images: np.ndarray, labels: np.ndarray) -> float:
+    """Accuracy of one replica on the test set, in its worker's session (the default while dsgd runs fn)."""
+    logits = tf.compat.v1.get_default_session().run(model.outputs, {model.inputs: images})
+    return float(np.mean(np.argmax(logits, axis=1) == labels))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--devices-per-worker", type=int, default=1)
+    p.add_argument("--strategy", choices=["ps", "simple"], default="ps")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=32, help="per replica")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--log-every", type=int, default=50, help="fetch loss and accuracy every this many steps")
+    p.add_argument("--input", choices=["ray-data", "numpy"], default="ray-data",
+                   help="ray-data: a Ray Dataset split by dsgd (default); numpy: each replica fed its slice "
+                        "of arrays shipped with the model creator (the feed_dict baseline)")
+    p.add_argument("--data-dir", default=None, help="folder with mnist.npz or the IDX files")
+    p.add_argument("--address", default=None, help="Ray cluster address; default: start a local one")
+    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray instance")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    name, data = load_digits(args.data_dir)
+    if name != "MNIST 28x28":
+        print("No MNIST files found (--data-dir, ~/.keras/datasets); using the digits set scikit-learn ships.")
+    print(f"data: {name}, {len(data['y_train'])} train / {len(data['y_test'])} test images")
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        # RAY_DATA_LOG_LEVEL: Ray Data's per-epoch "execution finished" lines stay in its log files.
+        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False,
+                 runtime_env={"env_vars": {"RAY_DATA_LOG_LEVEL": "WARNING"}})
+    context = ray.data.DataContext.get_current()  # copied into the dataset: set before making it
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+    # The training set as a Ray Dataset of {"image", "label"} rows, in the object store;
+    # shuffled once here (streaming_split deals blocks, so each replica gets a mix of digits).
+    order = np.random.RandomState(0).permutation(len(data["y_train"]))
+    if args.input == "ray-data":
+        train = ray.data.from_items([{"image": x, "label": y}
+                                     for x, y in zip(data["x_train"][order], data["y_train"][order])])
+        create, datasets = make_model_creator(args), {"train": train}
+    else:
+        arrays = {"image": data["x_train"][order], "label": data["y_train"][order]}
+        create, datasets = make_model_creator(args, arrays), None
+    start = time.perf_counter()
+    with dsgd.DistributedSGD(create, num_workers=args.num_workers,
+                             devices_per_worker=args.devices_per_worker, strategy=args.strategy,
+                             batch_size=args.batch_size, datasets=datasets) as sgd:
+        print(f"built {args.num_workers} x {args.devices_per_worker} replicas ({args.strategy}) "
+              f"in {time.perf_counter() - start:.1f}s")
+        global_batch = args.batch_size * args.num_workers * args.devices_per_worker
+        progress = Progress(args.steps, unit="samples", every=args.log_every)
+        train_start = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
+            values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
+            progress.update(samples=global_batch, values=values)
+        progress.close()
+        train_s = time.perf_counter() - train_start
+        epochs = sgd.for_model(lambda model: model.epoch)
+        x_test, y_test = ray.put(data["x_test"]), ray.put(data["y_test"])
+        accuracy = sgd.for_model(lambda model: test_accuracy(model, ray.get(x_test), ray.get(y_test)))
+    print(f"test accuracy {accuracy:.4f} after {args.steps} steps ({epochs} epochs, input {args.input}); "
+          f"training {train_s:.1f}s ({args.steps * global_batch / train_s:.0f} samples/s), "
+          f"total {time.perf_counter() - start:.1f}s")
+    return accuracy
+
+
+if __name__ == "__main__":
+    main()

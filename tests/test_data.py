@@ -1,0 +1,152 @@
+"""Ray Data input: DistributedSGD(datasets=...) and dsgd.get_dataset_shard."""
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+import data_test_models as dm
+from dsgd_test_models import assert_replicas_identical
+from test_reliability import kill
+
+ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
+
+ROWS = 203  # not a multiple of the replicas: equal splits leave some rows out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet_ray_data(ray_session):
+    ray_data.DataContext.get_current().enable_progress_bars = False
+
+
+def engine(creator, datasets, **kwargs):
+    kwargs = {"strategy": "ps", "timeout_s": 120, "startup_timeout_s": 120, **kwargs}
+    return dsgd.DistributedSGD(creator, datasets=datasets, **kwargs)
+
+
+def assert_disjoint_equal_cover(epoch_rows: list[list[int]], rows: int):
+    """One epoch of every replica: equal counts, no row twice, all rows but fewer than `replicas` read."""
+    replicas = len(epoch_rows)
+    assert len({len(r) for r in epoch_rows}) == 1, [len(r) for r in epoch_rows]
+    read = [i for r in epoch_rows for i in r]
+    assert len(read) == len(set(read)), "a row was read by two replicas (or twice)"
+    assert set(read) <= set(range(rows))
+    assert rows - len(read) < replicas
+
+
+def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(ray_session):
+    steps_per_epoch = ROWS // 4 // dm.BATCH  # 2 x 2 replicas, 50 rows each, batches of 10
+    with engine(dm.row_id_creator(ROWS), {"train": ray_data.range(ROWS)}, num_workers=2, devices_per_worker=2) as sgd:
+        for _ in range(2 * steps_per_epoch + 1):
+            sgd.step()
+        seen = sgd.foreach_model(lambda model: model.seen)
+        assert [len(s) for s in seen] == [3] * 4  # two whole epochs read, the third begun
+        for epoch in range(2):
+            assert_disjoint_equal_cover([s[epoch] for s in seen], ROWS)
+            assert all(len(s[epoch]) == steps_per_epoch * dm.BATCH for s in seen)
+        assert all(len(s[2]) == dm.BATCH for s in seen)
+        assert_replicas_identical(sgd, 4)
+
+
+def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session):
+    rng = np.random.RandomState(0)
+    x = rng.randn(240, 4).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    ds = ray_data.from_items([{"x": xi, "y": yi} for xi, yi in zip(x, y)])
+    with engine(dm.keras_creator, {"train": ds}, num_workers=2, devices_per_worker=1, strategy="simple") as sgd:
+        first = sgd.step(fetch_stats=True)
+        for _ in range(40):  # 3 epochs of 12 batches per replica, and a bit
+            stats = sgd.step(fetch_stats=True)
+        assert stats["loss"] < first["loss"]
+        assert stats["accuracy"] > 0.8
+        assert sgd.foreach_model(lambda model: model.epoch) == [3, 3]
+        assert_replicas_identical(sgd, 2)
+
+
+def test_after_a_worker_is_replaced_every_replica_reads_a_new_split_from_the_state_it_had(ray_session, caplog):
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    rows = 400  # 2 replicas x 200 rows: 20 steps an epoch
+    with engine(dm.row_id_creator(rows), {"train": ray_data.range(rows)}, num_workers=2) as sgd:
+        for _ in range(5):
+            sgd.step()
+        before = sgd.get_weights()["w"]
+        kill(sgd.workers[1])
+        sgd.step(fetch_stats=True)  # fails, recovers, and is run again on the replicas' new splits
+        assert "worker 1 is dead" in caplog.text
+        first_batches = [seen[0] for seen in sgd.foreach_model(lambda model: model.seen)]
+        assert [len(ids) for ids in first_batches] == [dm.BATCH, dm.BATCH]  # both replicas were rebuilt
+        # The survivor kept its weights through its rebuild: one step from them.
+        np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, first_batches, rows), rtol=1e-5)
+        for _ in range(25):  # through the end of the new epoch and into the next
+            sgd.step()
+        seen = sgd.foreach_model(lambda model: model.seen)
+        assert_disjoint_equal_cover([s[0] for s in seen], rows)
+        assert [len(s[0]) for s in seen] == [rows // 2] * 2
+        assert [len(s[1]) for s in seen] == [6 * dm.BATCH] * 2
+        assert_replicas_identical(sgd, 2)
+
+
+def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_for_it(ray_session, tmp_path):
+    """Worker 1 dies before asking for its second epoch; worker 0 waits in Ray's epoch barrier until recovery."""
+    rows = 80  # 4 steps an epoch
+    creator = dm.row_id_creator(rows, die_flag=str(tmp_path / "died"))
+    with engine(creator, {"train": ray_data.range(rows)}, num_workers=2, timeout_s=30) as sgd:
+        for _ in range(4):
+            sgd.step()
+        stats = sgd.step(fetch_stats=True)  # worker 1 dies here
+        assert (tmp_path / "died").exists() and np.isfinite(stats["loss"]) and sgd.failures == 1
+        for _ in range(4):
+            sgd.step()
+        seen = sgd.foreach_model(lambda model: model.seen)
+        assert_disjoint_equal_cover([s[0] for s in seen], rows)
+        assert_replicas_identical(sgd, 2)
+
+
+def test_unknown_name_says_which_datasets_there_are(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError, match=r"no dataset named 'test'.*datasets \['train'\]"):
+        engine(dm.asks_for("test"), {"train": ray_data.range(8)}, num_workers=1)
+
+
+def test_missing_datasets_says_to_pass_them(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError, match=r"given no datasets; pass DistributedSGD\(\.\.\., datasets="):
+        engine(dm.asks_for("train"), None, num_workers=1)
+
+
+def test_outside_model_creator_is_refused():
+    with pytest.raises(RuntimeError, match="called outside model_creator; call it inside model_creator"):
+        dsgd.get_dataset_shard("train")
+
+
+@pytest.mark.parametrize("datasets, message", [
+    ([1, 2], "datasets must be a dict of name -> ray.data.Dataset"),
+    ({}, "names no dataset"),
+    ({"train": [1, 2, 3]}, r"datasets\['train'\] must be a ray.data.Dataset, got list"),
+    ({0: None}, "datasets keys must be names"),
+])
+def test_datasets_that_are_not_a_dict_of_datasets_are_refused(datasets, message):
+    with pytest.raises(ValueError, match=message):
+        dsgd.DistributedSGD(dm.keras_creator, datasets=datasets)
+
+
+def test_importing_dsgd_does_not_import_ray_data():
+    code = ("import sys, dsgd; dsgd.DistributedSGD, dsgd.get_dataset_shard; "
+            "print('ray.data' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]
+
+
+def test_keras_example_trains_on_its_ray_dataset_at_reduced_steps():
+    """examples/mnist_keras.py as a user runs it (its own Ray), on the offline digits, 60 steps."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "mnist_keras.py"
+    out = subprocess.run([sys.executable, str(example), "--steps", "60", "--log-every", "30", "--num-cpus", "4"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    accuracy = float(re.search(r"test accuracy ([0-9.]+) after 60 steps", out.stdout).group(1))
+    assert accuracy > 0.5  # ten classes: chance is 0.1
