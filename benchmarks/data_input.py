@@ -9,7 +9,10 @@ built two ways at dsgd's defaults ("ps"):
   ray-data  the same rows as a ray.data.Dataset, DistributedSGD(datasets=...),
             each replica reading its streaming split (dsgd.get_dataset_shard)
 
-For each batch size, both engines run interleaved (round r: each runs
+For each batch size and each `--tiles` count (the training set repeated
+that many times: Ray starts every epoch anew, so the 8x8 digits' 1437 rows,
+an epoch every few steps, show the cost of starting epochs, and the tiled
+set the cost per batch), both engines run interleaved (round r: each runs
 `--chunk` steps, the last with fetch_stats=True so the chunk is applied, in
 an order rotated by r). Reported: median samples/s of each over `--rounds`
 rounds after `--warmup` warm-up rounds, and ray-data/numpy. Writes
@@ -47,18 +50,19 @@ ray.cloudpickle.register_pickle_by_value(mnist_keras)
 SYSTEMS = ("numpy", "ray-data")
 
 
-def run_batch_size(batch_size: int, args: argparse.Namespace, data: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Both engines at one per-replica batch size, interleaved rounds; the record."""
+def run_case(batch_size: int, tiles: int, args: argparse.Namespace, data: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Both engines at one per-replica batch size on the training set repeated ``tiles`` times; the record."""
     example_args = mnist_keras.parse_args(["--num-workers", str(args.num_workers), "--devices-per-worker",
                                            str(args.devices_per_worker), "--batch-size", str(batch_size)])
-    order = np.random.RandomState(0).permutation(len(data["y_train"]))
+    order = np.random.RandomState(0).permutation(len(data["y_train"]) * tiles) % len(data["y_train"])
     arrays = {"image": data["x_train"][order], "label": data["y_train"][order]}
     dataset = ray.data.from_items([{"image": x, "label": y} for x, y in zip(arrays["image"], arrays["label"])])
     creators = {"numpy": (mnist_keras.make_model_creator(example_args, arrays), None),
                 "ray-data": (mnist_keras.make_model_creator(example_args), {"train": dataset})}
     global_batch = batch_size * args.num_workers * args.devices_per_worker
+    steps_per_epoch = len(order) // global_batch
     print(f"\n== batch {batch_size} per replica, {args.num_workers} x {args.devices_per_worker} replicas "
-          f"(global batch {global_batch})", flush=True)
+          f"(global batch {global_batch}), {len(order)} rows: an epoch every {steps_per_epoch} steps", flush=True)
     with contextlib.ExitStack() as engines_alive:
         systems = {}
         for name in SYSTEMS:
@@ -73,9 +77,10 @@ def run_batch_size(batch_size: int, args: argparse.Namespace, data: dict[str, np
     rates = {name: [args.chunk * global_batch / t for t in times[name][args.warmup:]] for name in SYSTEMS}
     medians = {name: statistics.median(r) if r else None for name, r in rates.items()}
     ratio = medians["ray-data"] / medians["numpy"] if all(medians.values()) else None
-    print(f"batch {batch_size}: median samples/s numpy {medians['numpy'] or 0:.0f}, "
+    print(f"batch {batch_size}, {len(order)} rows: median samples/s numpy {medians['numpy'] or 0:.0f}, "
           f"ray-data {medians['ray-data'] or 0:.0f}; ray-data/numpy {ratio or 0:.2f}", flush=True)
-    return {"batch_size": batch_size, "global_batch": global_batch, "samples_per_s": rates,
+    return {"batch_size": batch_size, "rows": len(order), "steps_per_epoch": steps_per_epoch,
+            "global_batch": global_batch, "samples_per_s": rates,
             "median_samples_per_s": medians, "ray_data_over_numpy": ratio, "order": order_run,
             "interrupted": interrupted}
 
@@ -90,6 +95,8 @@ def chunk(sgd: dsgd.DistributedSGD, steps: int) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 256], help="per replica")
+    p.add_argument("--tiles", type=int, nargs="+", default=[1, 20],
+                   help="run on the training set repeated this many times (each in turn)")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--devices-per-worker", type=int, default=1)
     p.add_argument("--chunk", type=int, default=20, help="steps timed together (one round of one system)")
@@ -112,18 +119,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    name, data = mnist_keras.load_digits(args.data_dir)
+    name, data = mnist_keras.mnist.load_digits(args.data_dir)
     print(f"data: {name}, {len(data['y_train'])} train images", flush=True)
     records = []
-    for batch_size in args.batch_sizes:
-        records.append(run_batch_size(batch_size, args, data))
-        if records[-1]["interrupted"]:
-            break
-    lines = ["| batch per replica | numpy samples/s | ray-data samples/s | ray-data/numpy |", "|---|---|---|---|"]
+    for tiles in args.tiles:
+        for batch_size in args.batch_sizes:
+            records.append(run_case(batch_size, tiles, args, data))
+            if records[-1]["interrupted"]:
+                break
+    lines = ["| batch per replica | rows | steps per epoch | numpy samples/s | ray-data samples/s | ray-data/numpy |",
+             "|---|---|---|---|---|---|"]
     for r in records:
         m = r["median_samples_per_s"]
-        lines.append(f"| {r['batch_size']} | {m['numpy'] or 0:.0f} | {m['ray-data'] or 0:.0f} | "
-                     f"{r['ray_data_over_numpy'] or 0:.2f} |")
+        lines.append(f"| {r['batch_size']} | {r['rows']} | {r['steps_per_epoch']} | {m['numpy'] or 0:.0f} | "
+                     f"{m['ray-data'] or 0:.0f} | {r['ray_data_over_numpy'] or 0:.2f} |")
     table = "\n".join(lines)
     print(f"\n{command}\n\n{table}")
     result = {"command": command, "data": name, "num_workers": args.num_workers,

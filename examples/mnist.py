@@ -134,8 +134,9 @@ class ConvNet(dsgd.Model):
         return float(self.accuracy.eval({self.images: self.x_test, self.labels: self.y_test}))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """The flags both MNIST examples take (this one and examples/mnist_keras.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--devices-per-worker", type=int, default=1)
     p.add_argument("--strategy", choices=["ps", "simple"], default="ps")
@@ -144,15 +145,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=50,
                    help="fetch loss and accuracy every this many steps (progress lines, --logdir)")
-    p.add_argument("--logdir", default=None, help="write TensorBoard scalars (loss, accuracy, samples/s) here")
     p.add_argument("--data-dir", default=None, help="folder with mnist.npz or the IDX files")
     p.add_argument("--address", default=None, help="Ray cluster address; default: start a local one")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray instance")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common_parser(__doc__)
+    p.add_argument("--logdir", default=None, help="write TensorBoard scalars (loss, accuracy, samples/s) here")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> float:
-    args = parse_args(argv)
+def start(args: argparse.Namespace, **init_kwargs) -> dict[str, np.ndarray]:
+    """Logging on, the digits loaded (and said which), Ray started or joined; the data."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     name, data = load_digits(args.data_dir)
     if name != "MNIST 28x28":
@@ -161,25 +167,36 @@ def main(argv: list[str] | None = None) -> float:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False)
-    start = time.perf_counter()
+        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False, **init_kwargs)
+    return data
+
+
+def train(sgd: dsgd.DistributedSGD, args: argparse.Namespace) -> float:
+    """``args.steps`` steps with a progress bar (loss and accuracy every ``--log-every``); the seconds taken."""
+    global_batch = args.batch_size * args.num_workers * args.devices_per_worker
+    progress = Progress(args.steps, unit="samples", every=args.log_every)
+    train_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
+        values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
+        progress.update(samples=global_batch, values=values)
+    progress.close()
+    return time.perf_counter() - train_start
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse_args(argv)
+    start(args)
+    start_time = time.perf_counter()
     with dsgd.DistributedSGD(lambda w, d: ConvNet(w, d, args), num_workers=args.num_workers,
                              devices_per_worker=args.devices_per_worker, strategy=args.strategy,
                              logdir=args.logdir, batch_size=args.batch_size) as sgd:
         print(f"built {args.num_workers} x {args.devices_per_worker} replicas ({args.strategy}) "
-              f"in {time.perf_counter() - start:.1f}s")
-        global_batch = args.batch_size * args.num_workers * args.devices_per_worker
-        progress = Progress(args.steps, unit="samples", every=args.log_every)
-        train_start = time.perf_counter()
-        for step in range(1, args.steps + 1):
-            stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
-            values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
-            progress.update(samples=global_batch, values=values)
-        progress.close()
-        train_s = time.perf_counter() - train_start
+              f"in {time.perf_counter() - start_time:.1f}s")
+        train_s = train(sgd, args)
         accuracy = sgd.for_model(lambda model: model.test_accuracy())
     print(f"test accuracy {accuracy:.4f} after {args.steps} steps; training {train_s:.1f}s "
-          f"({train_s / args.steps * 1000:.1f} ms/step), total {time.perf_counter() - start:.1f}s")
+          f"({train_s / args.steps * 1000:.1f} ms/step), total {time.perf_counter() - start_time:.1f}s")
     return accuracy
 
 

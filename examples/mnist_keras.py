@@ -14,7 +14,6 @@ examples/mnist.py (its loader): MNIST if it is on this machine, else the
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 import numpy as np
@@ -23,8 +22,7 @@ import ray.data
 import tensorflow as tf
 
 import dsgd
-from dsgd.progress import Progress
-from mnist import load_digits  # examples/mnist.py, next to this file
+import mnist  # examples/mnist.py, next to this file: its data, flags and training loop
 
 
 def make_model_creator(args: argparse.Namespace, train: dict[str, np.ndarray] | None = None):
@@ -65,36 +63,17 @@ def test_accuracy(model: dsgd.KerasModel, images: np.ndarray, labels: np.ndarray
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--devices-per-worker", type=int, default=1)
-    p.add_argument("--strategy", choices=["ps", "simple"], default="ps")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=32, help="per replica")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--log-every", type=int, default=50, help="fetch loss and accuracy every this many steps")
+    p = mnist.common_parser(__doc__)
     p.add_argument("--input", choices=["ray-data", "numpy"], default="ray-data",
                    help="ray-data: a Ray Dataset split by dsgd (default); numpy: each replica fed its slice "
                         "of arrays shipped with the model creator (the feed_dict baseline)")
-    p.add_argument("--data-dir", default=None, help="folder with mnist.npz or the IDX files")
-    p.add_argument("--address", default=None, help="Ray cluster address; default: start a local one")
-    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray instance")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    name, data = load_digits(args.data_dir)
-    if name != "MNIST 28x28":
-        print("No MNIST files found (--data-dir, ~/.keras/datasets); using the digits set scikit-learn ships.")
-    print(f"data: {name}, {len(data['y_train'])} train / {len(data['y_test'])} test images")
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        # RAY_DATA_LOG_LEVEL: Ray Data's per-epoch "execution finished" lines stay in its log files.
-        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False,
-                 runtime_env={"env_vars": {"RAY_DATA_LOG_LEVEL": "WARNING"}})
+    # RAY_DATA_LOG_LEVEL: Ray Data's per-epoch "execution finished" lines stay in its log files.
+    data = mnist.start(args, runtime_env={"env_vars": {"RAY_DATA_LOG_LEVEL": "WARNING"}})
     context = ray.data.DataContext.get_current()  # copied into the dataset: set before making it
     context.enable_progress_bars = False
     context.print_on_execution_start = False
@@ -114,20 +93,13 @@ def main(argv: list[str] | None = None) -> float:
                              batch_size=args.batch_size, datasets=datasets) as sgd:
         print(f"built {args.num_workers} x {args.devices_per_worker} replicas ({args.strategy}) "
               f"in {time.perf_counter() - start:.1f}s")
-        global_batch = args.batch_size * args.num_workers * args.devices_per_worker
-        progress = Progress(args.steps, unit="samples", every=args.log_every)
-        train_start = time.perf_counter()
-        for step in range(1, args.steps + 1):
-            stats = sgd.step(fetch_stats=(step % args.log_every == 0 or step == args.steps))
-            values = {"loss": stats["loss"], "accuracy": stats["accuracy"]} if stats else None
-            progress.update(samples=global_batch, values=values)
-        progress.close()
-        train_s = time.perf_counter() - train_start
+        train_s = mnist.train(sgd, args)
         epochs = sgd.for_model(lambda model: model.epoch)
         x_test, y_test = ray.put(data["x_test"]), ray.put(data["y_test"])
         accuracy = sgd.for_model(lambda model: test_accuracy(model, ray.get(x_test), ray.get(y_test)))
+    samples = args.steps * args.batch_size * args.num_workers * args.devices_per_worker
     print(f"test accuracy {accuracy:.4f} after {args.steps} steps ({epochs} epochs, input {args.input}); "
-          f"training {train_s:.1f}s ({args.steps * global_batch / train_s:.0f} samples/s), "
+          f"training {train_s:.1f}s ({samples / train_s:.0f} samples/s), "
           f"total {time.perf_counter() - start:.1f}s")
     return accuracy
 

@@ -185,13 +185,14 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     from benchmarks import data_input  # imports Ray Data, the dsgd[data] extra
 
     out = tmp_path / "data_input.json"
-    result = data_input.main(["--batch-sizes", "8", "--warmup", "1", "--rounds", "2", "--chunk", "3",
+    result = data_input.main(["--batch-sizes", "8", "--tiles", "1", "--warmup", "1", "--rounds", "2", "--chunk", "3",
                               "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     (record,) = result["records"]
     assert record["order"] == ["numpy", "ray-data", "ray-data", "numpy", "numpy", "ray-data"]
     assert all(len(rates) == 2 and min(rates) > 0 for rates in record["samples_per_s"].values())
-    assert record["ray_data_over_numpy"] > 0 and "| 8 |" in result["table"]
+    assert record["steps_per_epoch"] == record["rows"] // 16  # 2 replicas x 8
+    assert record["ray_data_over_numpy"] > 0 and f"| 8 | {record['rows']} |" in result["table"]
 
 
 @pytest.mark.parametrize("command", [
