@@ -114,6 +114,13 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(
     assert checkpoint.load(path, EXPECTED)["applied_steps"] == 1
 
 
+def test_save_into_a_missing_directory_names_it(tmp_path):
+    directory = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError, match=f"cannot save the checkpoint .*run.ckpt: its directory "
+                                                f"{re.escape(str(directory))} does not exist"):
+        checkpoint.save(directory / "run.ckpt", small_state(1))
+
+
 def truncate(path):
     checkpoint.save(path, small_state(1))
     with open(path, "r+b") as f:
