@@ -97,7 +97,7 @@ def load(path: str | os.PathLike, expected: dict[str, Sequence[VarSpec]]) -> dic
     if target != os.fspath(path) and not os.path.exists(target):
         directory = os.path.dirname(target)
         held = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-        raise FileNotFoundError(f"{directory} is not a checkpoint directory: it holds no {CHECKPOINT_FILE}"
+        raise FileNotFoundError(f"{directory} is not a checkpoint: it is a directory that holds no {CHECKPOINT_FILE}"
                                 f"{f' (it holds {held[:5]})' if held else ''}; expected a checkpoint file or a "
                                 "directory written by DistributedSGD.save")
     if not os.path.isfile(target):
@@ -129,7 +129,8 @@ def _read(path: str) -> tuple[dict, dict]:
         meta = json.loads(text)
     except json.JSONDecodeError:
         meta = None
-    if not (isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION and isinstance(meta.get("applied_steps"), int)):
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION
+            and isinstance(meta.get("applied_steps"), int)):
         raise ValueError(f"{path} has the metadata {text!r}; expected format {FORMAT_VERSION} with an integer "
                          "applied_steps, as written by DistributedSGD.save")
     state = {group: {} for group in GROUPS}

@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically and durably; a file that is not a whole checkpoint of this model is refused by name."""
+"""Checkpoints: written atomically and durably; a file that is not a whole checkpoint of this model is refused."""
 
 import json
 import os
@@ -173,8 +173,9 @@ def test_a_file_that_is_not_a_whole_checkpoint_gets_an_error_naming_it_and_the_p
 
 def test_a_directory_without_a_checkpoint_is_named_with_what_it_holds(tmp_path):
     np.save(tmp_path / "model.npy", np.zeros(3))  # what Ray 0.6's save_checkpoint wrote
-    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))} is not a checkpoint directory: it holds "
-                                                "no dsgd_checkpoint.npz \\(it holds \\['model.npy'\\]\\); expected"):
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))} is not a checkpoint: it is a directory "
+                                                "that holds no dsgd_checkpoint.npz \\(it holds \\['model.npy'\\]\\); "
+                                                "expected"):
         checkpoint.load(str(tmp_path), EXPECTED)
 
 
@@ -198,8 +199,8 @@ def test_restore_refuses_a_bad_checkpoint_by_name_and_keeps_the_weights(ray_sess
             sgd.restore(other_model)
         with pytest.raises(ValueError, match=f"{re.escape(str(own))} is truncated"):
             sgd.restore(own)
-        with pytest.raises(FileNotFoundError, match=f"{re.escape(str(ray06_directory))} is not a checkpoint "
-                                                    "directory"):
+        with pytest.raises(FileNotFoundError, match=f"{re.escape(str(ray06_directory))} is not a checkpoint: it is "
+                                                    "a directory"):
             sgd.restore_checkpoint(ray06_directory)
         after = sgd.get_weights()
         assert all(np.array_equal(after[k], weights[k]) for k in weights)
