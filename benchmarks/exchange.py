@@ -38,8 +38,6 @@ if not __package__:  # run as `python benchmarks/exchange.py`
 import argparse
 import contextlib
 import functools
-import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -132,42 +130,6 @@ class Bound:
         return time.perf_counter() - start
 
 
-def object_store_usage() -> tuple[float, int]:
-    """(MiB, objects) in the cluster's object store, from Ray's memory summary."""
-    from ray._private.internal_api import memory_summary
-
-    text = memory_summary(stats_only=True)
-    found = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", text)
-    return (float(found.group(1)), int(found.group(2))) if found else (float("nan"), -1)
-
-
-def private_mib() -> float:
-    """This process's private resident memory: resident minus shared pages (Linux /proc).
-
-    Plain RSS also counts the object store's shared pages a worker has
-    touched, which grows as objects land in new parts of the store.
-    """
-    with open("/proc/self/statm") as f:
-        resident, shared = (int(x) for x in f.read().split()[1:3])
-    return (resident - shared) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def soak(sgd: dsgd.DistributedSGD, steps: int, every: int = 100) -> list[dict[str, Any]]:
-    """Memory samples every `every` steps of a long run: they must stay flat."""
-    samples = []
-    for i in range(steps + 1):
-        if i % every == 0:
-            sgd.get_weights()  # no step in flight while sampling
-            mib, objects = object_store_usage()
-            samples.append({"step": i, "object_store_mib": mib, "objects": objects,
-                            "worker_private_mib": sgd.foreach_worker(lambda w: private_mib())})
-            print(f"  soak step {i}: object store {mib:.0f} MiB in {objects} objects, worker private memory "
-                  f"{', '.join(f'{m:.0f}' for m in samples[-1]['worker_private_mib'])} MiB", flush=True)
-        if i < steps:
-            sgd.step()
-    return samples
-
-
 def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any]:
     """Median ms of each system over the steps after `warmup`, and the two target ratios."""
     medians = {name: statistics.median(t[warmup:]) * 1000 if t[warmup:] else None for name, t in times.items()}
@@ -215,8 +177,6 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
                 systems, args.steady_warmup + args.steps, args.steady_warmup, settle_s=args.settle_s)
             record["order"] += order
             record["steady"] = summarize_phase(times, args.steady_warmup)
-        if args.soak_steps and not interrupted:
-            record["soak"] = soak(ps, args.soak_steps)
         record["interrupted"] = interrupted
     print_shape(record, args)
     return record
@@ -252,11 +212,6 @@ def print_shape(record: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{name:<22}" + "".join(f"{_ms(phase['median_ms'][name]):>40}" for _, phase in labelled))
     for name in TARGETS:
         print(f"{name:<22}" + "".join(f"{_ratio(name, phase['ratios'][name]):>40}" for _, phase in labelled))
-    if "soak" in record:
-        first, last = record["soak"][0], record["soak"][-1]
-        print(f"ps over {last['step']} soak steps: object store {first['object_store_mib']:.0f} -> "
-              f"{last['object_store_mib']:.0f} MiB ({first['objects']} -> {last['objects']} objects); worker "
-              f"private memory {first['worker_private_mib']} -> {last['worker_private_mib']} MiB")
 
 
 def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -287,8 +242,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
-    p.add_argument("--soak-steps", type=int, default=0,
-                   help="after the rounds, run ps this many steps sampling memory (it must stay flat)")
     common.add_engine_flags(p)
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
     p.add_argument("--num-cpus", type=int, default=None,

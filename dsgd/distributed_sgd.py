@@ -136,6 +136,7 @@ class DistributedSGD:
                            "the worker averages its replicas locally, as 'simple' does")
         self._next_step = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
+        self._interrupted = False  # Ctrl-C stopped a step; the next call settles it
         self._closed = False
         self._trace: timeline.Recorder | None = None
         self._scalars = None
@@ -204,8 +205,31 @@ class DistributedSGD:
         return self._next_step
 
     def _check_open(self) -> None:
+        """Refuse calls after ``shutdown``; settle a step that Ctrl-C interrupted."""
         if self._closed:
             raise DSGDError("this DistributedSGD has been shut down; create a new one")
+        if self._interrupted:
+            self._settle_interrupted_step()
+
+    def _settle_interrupted_step(self) -> None:
+        """Bring every replica to one state after a KeyboardInterrupt in ``step``.
+
+        The steps whose calls were all sent complete, as without the
+        interrupt. A step that Ctrl-C cut short before all its calls were
+        sent (the "simple" driver's gather, or between two workers' calls)
+        cannot: the parameter servers abort what of it waits, and the most
+        advanced worker's state goes to every worker behind it, so it counts
+        on every replica or on none (``num_steps`` says which). An actor
+        that died meanwhile is replaced as after any failure.
+        """
+        self._drain()
+        try:
+            self._next_step = self._recovery.settle([])
+        except ActorFailure as e:
+            self._recovery.recover(e, [], self._next_step)
+        self._interrupted = False
+        logger.info("settled the step interrupted by KeyboardInterrupt: %d steps applied on every replica",
+                    self._next_step)
 
     # ---- stepping ---------------------------------------------------------
 
@@ -225,14 +249,27 @@ class DistributedSGD:
         receives) and every parameter server (the average, the put of the
         mean, each worker's push waiting for it), on one clock, a track group
         per actor.
+
+        Ctrl-C (KeyboardInterrupt) stops the wait at once and leaves the
+        engine usable: the next call (any method but ``shutdown``) first
+        settles the interrupted step. If all its calls had been sent, it
+        completes; if Ctrl-C came before (e.g. while "simple" gathers the
+        gradients), it counts on no replica. Either way the replicas stay
+        identical and ``num_steps`` counts the steps applied. To stop for
+        good, ``shutdown`` (or leave the ``with`` block): the actors are
+        killed at once, without waiting for the step.
         """
         self._check_open()
-        if write_timeline is None:
-            return self._step(fetch_stats)
-        self._drain()
-        with self._tracing(write_timeline):
-            stats = self._step(fetch_stats=True)
-        return stats if fetch_stats else None
+        try:
+            if write_timeline is None:
+                return self._step(fetch_stats)
+            self._drain()
+            with self._tracing(write_timeline):
+                stats = self._step(fetch_stats=True)
+            return stats if fetch_stats else None
+        except KeyboardInterrupt:
+            self._interrupted = True
+            raise
 
     def _step(self, fetch_stats: bool) -> dict[str, float] | None:
         start = time.perf_counter()
@@ -403,7 +440,12 @@ class DistributedSGD:
     # ---- teardown ---------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Kill the worker and parameter-server actors. Safe to call twice."""
+        """Kill the worker and parameter-server actors, at once, even mid-step. Safe to call twice.
+
+        Leaving a ``with`` block calls it, also when a KeyboardInterrupt
+        leaves the block. Without it, Ray ends the actors when the engine is
+        garbage-collected (their handles are gone) or the driver exits.
+        """
         self._closed = True
         self._in_flight = []
         if self._scalars is not None:

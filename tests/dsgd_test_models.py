@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -192,9 +198,46 @@ def actors_started_since(before: dict[str, tuple[str, str]]) -> list[tuple[str, 
     return sorted(info for actor_id, info in known_actors().items() if actor_id not in before)
 
 
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    """Poll ``condition()`` until it is true; fail the test after ``timeout_s``."""
+def wait_until(condition, timeout_s: float = 30.0, poll_s: float = 0.05) -> None:
+    """Poll ``condition()`` every ``poll_s`` until it is true; fail the test after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+        time.sleep(poll_s)
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """Kill whatever is left of a job's session: the job, and its raylets, GCS and Ray workers."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_job(script: str, timeout_s: float) -> dict:
+    """Run ``script`` in its own process, session and Ray temp dir; the JSON of its last ``RESULT`` line.
+
+    A job starts its own Ray (a process holds one Ray instance, and the test
+    session's is taken). Its session is killed when it ends or after
+    ``timeout_s``, so nothing it started outlives it; a job that times out,
+    fails or prints no result fails the test with its stderr's tail.
+    """
+    with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
+        env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        proc = subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_process_group(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"{script} timed out after {timeout_s}s; stderr tail:\n{err[-4000:]}") from None
+        finally:
+            kill_process_group(proc)
+    results = [line[len(RESULT_PREFIX):] for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not results:
+        raise AssertionError(f"{script} exited with {proc.returncode}; stderr tail:\n{err[-4000:]}")
+    return json.loads(results[-1])

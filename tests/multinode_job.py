@@ -20,12 +20,11 @@ import ray
 from ray.cluster_utils import Cluster
 
 import dsgd
-from dsgd_test_models import TanhNet, replica_weights, set_start_weights
+from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, set_start_weights
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STEPS = 3
-RESULT_PREFIX = "RESULT "
 SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
 
 

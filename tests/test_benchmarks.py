@@ -14,7 +14,7 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, peers, resnet, resnet101
+from benchmarks import common, exchange, peers, resnet, resnet101, soak
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -131,6 +131,34 @@ def test_exchange_benchmark_interleaves_floor_simple_ps_and_bound(ray_session, t
     assert "| huge |" in result["table"]
 
 
+def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_session, tmp_path):
+    out = tmp_path / "soak.json"
+    result = soak.main(["--shape", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "3",
+                        "--sample-every", "2", "--settle-s", "0", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["engine_kwargs"] == {}  # the engine's defaults
+    assert result["command"].startswith("python -m benchmarks.soak --shape huge")
+    assert [s["step"] for s in result["samples"]] == [0, 2, 3]
+    actors = ["worker 0", "worker 1"] + [f"parameter server {j}" for j in range(result["num_parameter_servers"])]
+    assert sorted(result["pids"]) == sorted(actors) and len(set(result["pids"].values())) == len(actors)
+    assert list(result["summary"]) == [soak.OBJECT_STORE, *result["pids"]]
+    for name in actors:  # a TensorFlow worker holds far more than 50 MiB; any process more than 1
+        summary = result["summary"][name]
+        assert (50 if name.startswith("worker") else 1) < summary["start_mib"] < 1 << 20
+        assert summary["ratio"] == pytest.approx(summary["end_mib"] / summary["start_mib"])
+        assert f"| {name} RSS |" in result["table"]
+    assert result["summary"][soak.OBJECT_STORE]["start_mib"] >= 0
+
+
+def test_soak_compares_the_first_and_last_sample():
+    samples = [{"step": 0, "mib": {"object store": 0.0, "worker 0": 100.0, "worker 1": 100.0}},
+               {"step": 9, "mib": {"object store": 0.0, "worker 0": 104.0, "worker 1": 106.0}}]
+    summary = soak.summarize(samples, tolerance=0.05)
+    assert summary["object store"] == {"start_mib": 0.0, "end_mib": 0.0, "ratio": None, "flat": True}
+    assert summary["worker 0"]["flat"] and summary["worker 0"]["ratio"] == pytest.approx(1.04)
+    assert not summary["worker 1"]["flat"]
+
+
 def test_peers_run_interleaved(ray_session, tmp_path):
     records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple",
                                               "--results-dir", str(tmp_path), "--no-plot"])
@@ -196,8 +224,9 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
 
 
 @pytest.mark.parametrize("command", [
-    ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/data_input.py"],
-    ["-m", "benchmarks.exchange"], ["-m", "benchmarks.resnet101"],
+    ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
+    ["benchmarks/data_input.py"],
+    ["-m", "benchmarks.exchange"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
 ], ids=" ".join)
 def test_benchmarks_run_as_scripts_and_modules(command, tmp_path):
     # A script runs from any directory; `-m` from the repository root.

@@ -7,55 +7,21 @@ parameter servers (one per node) for 3 steps and reports where every actor
 ran and the final weights.
 """
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 import pytest
 
-from dsgd_test_models import numpy_step
+from dsgd_test_models import numpy_step, run_job
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
 TIMEOUT_S = 240
-RESULT_PREFIX = "RESULT "
-
-
-def kill_process_group(proc: subprocess.Popen) -> None:
-    """Kill whatever is left of the job's session: raylets, GCS, Ray workers."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def run_job() -> dict:
-    # Own Ray temp dir: the cluster's address file and sessions stay out of /tmp/ray.
-    with tempfile.TemporaryDirectory(prefix="dsgd-mn-", ignore_cleanup_errors=True) as ray_tmp:
-        env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        proc = subprocess.Popen([sys.executable, JOB], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            kill_process_group(proc)
-            out, err = proc.communicate()
-            pytest.fail(f"multinode job timed out after {TIMEOUT_S}s; stderr tail:\n{err[-4000:]}")
-        finally:
-            kill_process_group(proc)
-    results = [line[len(RESULT_PREFIX):] for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not results:
-        pytest.fail(f"multinode job exited with {proc.returncode}; stderr tail:\n{err[-4000:]}")
-    return json.loads(results[-1])
 
 
 @pytest.fixture(scope="module")
 def job() -> dict:
-    return run_job()
+    return run_job(JOB, TIMEOUT_S)
 
 
 def test_workers_run_on_both_nodes(job):

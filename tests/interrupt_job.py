@@ -1,0 +1,124 @@
+"""Ctrl-C during DistributedSGD.step in a script; prints what happened as JSON.
+
+Started by tests/test_interrupt.py in its own process and session, with its
+own Ray. While step() waits for a slow worker (worker 1 takes 1 s to make
+its batch) a timer sends SIGINT to the whole process group, as Ctrl-C in a
+terminal does (Ray's own processes block SIGINT). Twice:
+
+1. a "ps" engine in a ``with`` block: the KeyboardInterrupt leaves the
+   block, which shuts the engine down;
+2. then, in the same process, a "simple" engine outside any ``with``
+   block, interrupted while the driver gathers the gradients: the script
+   goes on stepping, then drops the engine (``del`` and a garbage
+   collection).
+
+Prints one stdout line, ``RESULT`` and a JSON object: per engine, whether
+the KeyboardInterrupt came out of step(), the dsgd actors still alive
+afterwards, and for the second its start weights, every replica's final
+weights and its step count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Iterator
+
+import ray
+
+import dsgd
+from dsgd_test_models import RESULT_PREFIX, SlowWorkerNet, known_actors, replica_weights, set_start_weights
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+INTERRUPT_AFTER_S = 0.3  # into a step that takes at least BrieflySlowNet.DELAY_S
+DSGD_ACTORS = {"SGDWorker", "ParameterServer"}
+DEAD_WITHIN_S = 30.0
+
+
+class BrieflySlowNet(SlowWorkerNet):
+    """Worker 1 takes 1 s to make its batch: long enough to be interrupted in, short enough to step on."""
+
+    DELAY_S = 1.0
+
+
+@contextlib.contextmanager
+def ctrl_c_after(seconds: float) -> Iterator[None]:
+    """SIGINT to the whole process group ``seconds`` into the body, as Ctrl-C in a terminal."""
+    timer = threading.Timer(seconds, os.killpg, (os.getpgrp(), signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def came_from_step(error: KeyboardInterrupt) -> bool:
+    """Whether ``error`` was raised inside DistributedSGD.step."""
+    return any(frame.name == "step" and frame.filename.endswith(os.path.join("dsgd", "distributed_sgd.py"))
+               for frame in traceback.extract_tb(error.__traceback__))
+
+
+def alive_dsgd_actors(before: dict) -> list[str]:
+    """Class names of the dsgd actors started since ``before`` that are still alive, once they had time to die."""
+    def alive():
+        return sorted(name for actor_id, (name, state) in known_actors().items()
+                      if actor_id not in before and name in DSGD_ACTORS and state != "DEAD")
+
+    deadline = time.monotonic() + DEAD_WITHIN_S
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive()
+
+
+def shut_down_by_with_block() -> dict:
+    before = known_actors()
+    raised_in_step = False
+    try:
+        with dsgd.DistributedSGD(BrieflySlowNet, num_workers=2, strategy="ps") as sgd:
+            started = sorted(name for actor_id, (name, _) in known_actors().items() if actor_id not in before)
+            with ctrl_c_after(INTERRUPT_AFTER_S):
+                sgd.step(fetch_stats=True)
+    except KeyboardInterrupt as e:
+        raised_in_step = came_from_step(e)
+    return {"raised_in_step": raised_in_step, "started": started, "alive_after": alive_dsgd_actors(before)}
+
+
+def steps_on_then_dropped() -> dict:
+    before = known_actors()
+    sgd = dsgd.DistributedSGD(BrieflySlowNet, num_workers=2, strategy="simple")
+    start = set_start_weights(sgd)
+    sgd.step()
+    raised_in_step = False
+    try:
+        with ctrl_c_after(INTERRUPT_AFTER_S):
+            sgd.step(fetch_stats=True)
+    except KeyboardInterrupt as e:
+        raised_in_step = came_from_step(e)
+    sgd.step(fetch_stats=True)
+    result = {"raised_in_step": raised_in_step, "num_steps": sgd.num_steps,
+              "start": {k: v.tolist() for k, v in start.items()},
+              "replicas": [{k: v.tolist() for k, v in r.items()} for r in replica_weights(sgd)]}
+    del sgd
+    gc.collect()
+    result["alive_after"] = alive_dsgd_actors(before)
+    return result
+
+
+def main() -> None:
+    ray.init(num_cpus=4, object_store_memory=200 * 1024 * 1024, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
+    try:
+        result = {"with_block": shut_down_by_with_block(), "next_engine": steps_on_then_dropped()}
+    finally:
+        ray.shutdown()
+    print(RESULT_PREFIX + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
