@@ -7,7 +7,9 @@ exchange before starting the parameter servers (the exchange's size is known
 once the workers have built their models). It is the one place that waits on
 Ray: every wait has a bound, and Ray's errors come out as dsgd's, naming the
 actor that failed (``ActorFailure`` for a dead actor, which the driver
-recovers from).
+recovers from). Replacements for dead actors go on live nodes: a new worker
+on a node with room for it beside the surviving workers (else an error names
+what is missing), a new parameter server beside the workers.
 """
 
 from __future__ import annotations
@@ -78,23 +80,19 @@ class Cluster:
         """
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
-        identities = self._identify(self.workers)
-        self._worker_nodes = [i.node_id for i in identities]
+        self._worker_nodes = [i.node_id for i in self._identify(self.workers)]
         self._split_datasets()
         self._build_models(range(self.options.num_workers))
         if self.options.uses_ps:
             self.check_object_store()
-            self._start_parameter_servers([i.node_id for i in identities])
+            self._start_parameter_servers(self._worker_nodes)
 
     def check_resources(self) -> None:
         """Fail fast, naming what is missing, instead of waiting forever."""
         total = ray.cluster_resources()
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         opts = self.options
-        need = {"CPU": opts.cpus_per_worker, "GPU": opts.devices_per_worker if opts.gpu else 0}
-        for resource, per_worker in need.items():
-            if per_worker == 0:
-                continue
+        for resource, per_worker in self._worker_needs().items():
             have = total.get(resource, 0)
             largest = max((n.get(resource, 0) for n in nodes), default=0)
             what = f"{'gpu=True with ' if resource == 'GPU' else ''}{opts.num_workers} workers x {per_worker} {resource}"
@@ -107,6 +105,41 @@ class Cluster:
                     f"{what} needs {per_worker * opts.num_workers} {resource} in all, but the Ray cluster "
                     f"has {have:g}; lower num_workers/cpus_per_worker or start Ray with more")
 
+    def _worker_needs(self) -> dict[str, int]:
+        """What one worker reserves on its node: CPUs, and GPUs with gpu=True."""
+        opts = self.options
+        return {"CPU": opts.cpus_per_worker, **({"GPU": opts.devices_per_worker} if opts.gpu else {})}
+
+    def _nodes_for(self, new: list[int]) -> list[str]:
+        """A live node for each of the new workers ``new``, with room beside the engine's other workers.
+
+        Nodes where other workers run come first (they answered just now),
+        the dead workers' own nodes last: Ray sees a lost node dead only
+        seconds after its actors. Only the engine's workers count as holding
+        resources (what other Ray jobs hold may be freed; waiting for that is
+        bounded). Raises DSGDError naming what is missing if no node has room.
+        """
+        needs = self._worker_needs()
+        free = {n["NodeID"]: {r: n["Resources"].get(r, 0) for r in needs} for n in ray.nodes() if n.get("Alive")}
+        others = {node for i, node in enumerate(self._worker_nodes) if i not in new}
+        for i, node in enumerate(self._worker_nodes):
+            if i not in new and node in free:
+                for r, amount in needs.items():
+                    free[node][r] -= amount
+        lost = {self._worker_nodes[i] for i in new}
+        order = sorted(free, key=lambda n: (n not in others, n in lost))
+        chosen = []
+        for i in new:
+            node = next((n for n in order if all(free[n][r] >= a for r, a in needs.items())), None)
+            if node is None:
+                nodes = "; ".join(f"node {n[:8]} has {_amounts(have)} free" for n, have in free.items())
+                raise DSGDError(f"cannot replace dead worker {i}: it needs {_amounts(needs)} on one node, and no "
+                                f"live node has that free beside the other workers ({nodes or 'no node is alive'})")
+            for r, amount in needs.items():
+                free[node][r] -= amount
+            chosen.append(node)
+        return chosen
+
     def check_object_store(self) -> None:
         """Each step may hold every worker's partitions plus their means in the store."""
         exchange = sum(s.size * s.dtype.itemsize for s in self.signature.exchange)
@@ -118,18 +151,19 @@ class Cluster:
                 f"({self.options.num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
                 f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
 
-    def _new_worker(self, index: int):
+    def _new_worker(self, index: int, node_id: str | None = None):
+        """Start worker ``index`` (on ``node_id``, or where Ray spreads it)."""
         opts = self.options
         log_level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
             runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": log_level}},
-            scheduling_strategy=actor_placement()).remote(index, self.worker_config)
+            scheduling_strategy=actor_placement(node_id)).remote(index, self.worker_config)
 
-    def _identify(self, actors: list) -> list[ActorIdentity]:
+    def _identify(self, actors: list, what: str = "the actors to start") -> list[ActorIdentity]:
         """Wait for ``actors`` to start; remember who they are, to name them in errors."""
-        identities = self.call_startup([a.identity.remote() for a in actors], "the actors to start")
+        identities = self.call_startup([a.identity.remote() for a in actors], what)
         self._identities.update((i.actor_id, i) for i in identities)
         return identities
 
@@ -242,29 +276,47 @@ class Cluster:
         identity = self._identities.get(getattr(error, "actor_id", None))
         return f"{identity} failed ({identity.where})" if identity else "an actor failed"
 
-    def is_alive(self, actor) -> bool:
-        try:
-            self.call(actor.identity.remote(), "a liveness check", PING_TIMEOUT_S)
-            return True
-        except (ActorFailure, DSGDTimeoutError):
-            return False
+    @staticmethod
+    def _answers(refs: list, timeout: float) -> list:
+        """Each call's result, or None for one that failed or had not returned within ``timeout`` (one bound for all)."""
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+        answers = []
+        for ref in refs:
+            try:
+                answers.append(ray.get(ref, timeout=timeout) if ref in ready else None)
+            except ray.exceptions.RayError:
+                answers.append(None)
+        return answers
+
+    def _unresponsive(self, actors: list) -> list[int]:
+        """Indices of ``actors`` that are dead or do not answer a ping within ``PING_TIMEOUT_S``, all pinged at once."""
+        identities = self._answers([a.identity.remote() for a in actors], PING_TIMEOUT_S)
+        return [i for i, identity in enumerate(identities) if identity is None]
+
+    def latest_state(self) -> dict:
+        """``get_state()`` of the live worker that has applied the most steps (worker 0 when none is behind)."""
+        counts = self._answers([w.applied_steps_count.remote() for w in self.workers], self.options.timeout_s)
+        live = [i for i, count in enumerate(counts) if count is not None]
+        if not live:
+            raise DSGDError("no worker answered, so there is no state to read; restore from a checkpoint")
+        source = max(live, key=lambda i: counts[i])
+        return self.call(self.workers[source].get_state.remote(), f"worker {source}'s state")
 
     # ---- recovery's operations ------------------------------------------
 
     def replace_dead(self) -> set[int]:
-        """Start new actors for dead ones, reconnect; the indices of the new workers."""
-        new_servers = self.servers.replace_dead(self.is_alive) if self.servers else []
-        for identity in self._identify(new_servers):
-            logger.warning("parameter server %d is dead; started a new one, pid %d", identity.index, identity.pid)
-        dead_workers = [i for i, w in enumerate(self.workers) if not self.is_alive(w)]
+        """Start new actors for dead ones, reconnect; the indices of the new workers.
+
+        Workers first, on live nodes with room (a DSGDError names what is
+        missing if there are none); then parameter servers, beside the
+        workers, so a server lost with its node moves to a live one.
+        """
+        dead_workers = self._unresponsive(self.workers)
         if len(dead_workers) == self.options.num_workers:
             raise DSGDError("every worker died, so no replica is left to restore the weights from; "
                             "restore from a checkpoint (DistributedSGD.restore) in a new engine")
-        for i in dead_workers:
-            logger.warning("worker %d is dead; starting a new one", i)
-            self.workers[i] = self._new_worker(i)
-        for i, identity in zip(dead_workers, self._identify([self.workers[i] for i in dead_workers])):
-            self._worker_nodes[i] = identity.node_id
+        if dead_workers:
+            self._replace_workers(dead_workers)
         rebuilt = dead_workers
         if self._datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
             self.stop_datasets()
@@ -272,9 +324,38 @@ class Cluster:
             rebuilt = range(self.options.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
-        if self.servers and (new_servers or rebuilt):
+        dead_servers = self._unresponsive(self.servers.actors) if self.servers else []
+        if dead_servers:
+            for identity in self._identify(self.servers.replace(dead_servers, self._worker_nodes)):
+                logger.warning("parameter server %d is dead; started a new one, pid %d on node %s",
+                               identity.index, identity.pid, identity.node_id[:8])
+        if dead_servers or (self.servers and rebuilt):
             self.connect_parameter_servers()
         return set(dead_workers)
+
+    def _replace_workers(self, dead: list[int]) -> None:
+        """Kill what is left of workers ``dead``, start new ones on live nodes (their models are not built yet).
+
+        If a node chosen for a new worker turns out lost as well (Ray had not
+        yet seen it dead), the new workers are placed again without it.
+        """
+        while True:
+            nodes = self._nodes_for(dead)
+            for i, node in zip(dead, nodes):
+                logger.warning("worker %d is dead; starting a new one on node %s", i, node[:8])
+                ray.kill(self.workers[i])
+                self.workers[i] = self._new_worker(i, node)
+            needs = _amounts(self._worker_needs())
+            try:
+                identities = self._identify([self.workers[i] for i in dead],
+                                            f"new workers {dead} to start (each needs {needs} on its node)")
+                break
+            except ActorFailure:
+                if set(nodes) <= _live_nodes():
+                    raise
+                logger.warning("a node chosen for a new worker is lost too; placing the new workers again")
+        for i, identity in zip(dead, identities):
+            self._worker_nodes[i] = identity.node_id
 
     def abort_servers(self) -> None:
         """Make every waiting and future push fail until ``reset_servers`` (no-op without servers)."""
@@ -297,3 +378,12 @@ class Cluster:
                 self.servers.kill()
             self.stop_datasets()
         self.workers, self.servers = [], None
+
+
+def _live_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    """'2 CPU, 1 GPU'."""
+    return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())

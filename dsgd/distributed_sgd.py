@@ -390,8 +390,12 @@ class DistributedSGD:
 
         ``path`` is a file, or a directory (existing, or ending in a separator)
         that gets ``dsgd_checkpoint.npz``: a ``ray.train.Checkpoint`` directory.
+        The state is the most advanced live worker's, so a run whose lost
+        worker could not be replaced can still be saved.
         """
-        checkpoint.save(path, self._on_worker_0("get_state", what="worker 0's state"))
+        self._check_open()
+        self._drain()
+        checkpoint.save(path, self._cluster.latest_state())
 
     def restore(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""

@@ -13,12 +13,12 @@ through the object store (``dsgd.ps_client``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import ray
 
 from dsgd import ps_actor
-from dsgd.placement import Placement, actor_placement
+from dsgd.placement import actor_placement
 from dsgd.shards import Shard
 
 CPUS_PER_SERVER = 2  # spare CPUs on a node that justify one more server there
@@ -78,29 +78,32 @@ class ServerGroup:
         return [s for s, j in zip(self.layout, self.placement) if j == server]
 
     def start(self, indices: Sequence[int] | None = None) -> list:
-        """Start servers (all, or ``indices``); the actors started (they start in the background)."""
+        """Start servers (all, or ``indices``) on their nodes; the actors started (they start in the background).
+
+        Each has hard affinity to its node: Ray's SPREAD does not spread actors
+        that reserve no CPU, and soft affinity spills them to other nodes under
+        load, so placement is explicit. Inside a placement group (a Tune
+        trial): the group's bundle on that node.
+        """
         indices = range(len(self.nodes)) if indices is None else indices
         for j in indices:
             self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.timeout_s,
-                                            scheduling_strategy=self._placement(j))
+                                            scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
-    def _placement(self, server: int) -> Placement:
-        """Hard affinity to the planned node, or the first live node if it is gone.
+    def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:
+        """Kill what is left of servers ``dead`` and start new ones; the new actors.
 
-        Ray's SPREAD does not spread actors that reserve no CPU, and soft
-        affinity spills them to other nodes under load, so placement is explicit.
-        Inside a placement group (a Tune trial): the group's bundle on that node.
+        ``worker_nodes``: the nodes of the (live) workers. A server stays on
+        its node if a worker runs there; else its node was lost, and it moves
+        to the worker node with the fewest servers. A node that Ray still
+        lists as alive may be lost: only the workers' nodes are known to be up.
         """
-        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        if self.nodes[server] not in alive:
-            self.nodes[server] = alive[server % len(alive)]
-        return actor_placement(self.nodes[server])
-
-    def replace_dead(self, is_alive: Callable[[Any], bool]) -> list:
-        """Start new servers for the dead ones; the new actors."""
-        dead = [j for j, actor in enumerate(self.actors) if not is_alive(actor)]
-        return self.start(dead) if dead else []
+        for j in dead:
+            if self.nodes[j] not in worker_nodes:
+                self.nodes[j] = min(worker_nodes, key=lambda n: (self.nodes.count(n), n))
+            ray.kill(self.actors[j])
+        return self.start(dead)
 
     def abort(self) -> None:
         """Fail every waiting and future push until ``reset`` (fire and forget)."""

@@ -198,6 +198,13 @@ def actors_started_since(before: dict[str, tuple[str, str]]) -> list[tuple[str, 
     return sorted(info for actor_id, info in known_actors().items() if actor_id not in before)
 
 
+def pushes_waiting(server) -> dict[int, list[int]]:
+    """Partition -> workers it still waits for, on one parameter server ({} when nothing is in flight)."""
+    import ray
+
+    return ray.get(server.waiting_for.remote(), timeout=30)
+
+
 def wait_until(condition, timeout_s: float = 30.0, poll_s: float = 0.05) -> None:
     """Poll ``condition()`` every ``poll_s`` until it is true; fail the test after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -1,7 +1,6 @@
 """Run dsgd on a two-node Ray cluster on this machine; print what happened as JSON.
 
-Started by tests/test_multinode.py in its own process, because a process can
-hold only one Ray instance and the test session already holds one. Each node
+Started by tests/test_multinode.py in its own process (``run_job``). Each node
 of ``ray.cluster_utils.Cluster`` has its own raylet and object store, so
 gradient shards really move between object stores, as on separate machines.
 
@@ -14,23 +13,16 @@ and every replica's final weights as nested lists.
 from __future__ import annotations
 
 import json
-import os
 
 import ray
-from ray.cluster_utils import Cluster
 
 import dsgd
+from cluster_jobs import actor_node, local_cluster
 from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, set_start_weights
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STEPS = 3
 SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
-
-
-def actor_node(actor) -> str:
-    """The node an actor runs on, from the GCS actor table (needs no dashboard)."""
-    return ray._private.state.actors(actor_id=actor._actor_id.hex())["Address"]["NodeID"]
 
 
 def run() -> dict:
@@ -55,16 +47,8 @@ def run() -> dict:
 
 
 def main() -> None:
-    cluster = Cluster()
-    try:
-        cluster.add_node(**NODE_ARGS, include_dashboard=False)
-        cluster.add_node(**NODE_ARGS)
-        ray.init(address=cluster.address, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
+    with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 import dsgd
 from dsgd_test_models import (FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
                               actors_started_since, assert_replicas_identical, known_actors, numpy_momentum_run,
-                              set_start_weights, wait_until)
+                              pushes_waiting, set_start_weights, wait_until)
 
 REPLICAS_2x1 = [(0, 0), (1, 0)]
 
@@ -40,11 +40,6 @@ def assert_weights_close(got, expected):
 def warnings_seen(caplog):
     caplog.set_level(logging.WARNING, logger="dsgd")
     return caplog
-
-
-def pushes_waiting(server) -> dict:
-    """Partition -> workers it still waits for, on one parameter server ({} when nothing is in flight)."""
-    return ray.get(server.waiting_for.remote(), timeout=30)
 
 
 def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen):

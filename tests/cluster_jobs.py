@@ -1,0 +1,38 @@
+"""For job scripts (see ``dsgd_test_models.run_job``) that run dsgd on a multi-node Ray cluster on this machine.
+
+A ``ray.cluster_utils.Cluster`` gives every node its own raylet and object
+store, as on separate machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import ray
+from ray.cluster_utils import Cluster
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@contextlib.contextmanager
+def local_cluster(*nodes: dict) -> Iterator[Cluster]:
+    """A ``ray.cluster_utils.Cluster`` of ``nodes`` (``add_node`` arguments, the first the head), Ray connected to it."""
+    cluster = Cluster()
+    try:
+        head, *others = nodes
+        cluster.add_node(**head, include_dashboard=False)
+        for node in others:
+            cluster.add_node(**node)
+        ray.init(address=cluster.address, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def actor_node(actor) -> str:
+    """The node an actor runs on, from the GCS actor table (needs no dashboard)."""
+    return ray._private.state.actors(actor_id=actor._actor_id.hex())["Address"]["NodeID"]
