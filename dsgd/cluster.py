@@ -26,7 +26,7 @@ from dsgd.actor_identity import ActorIdentity
 from dsgd.config import Options, WorkerConfig
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
-from dsgd.placement import actor_placement
+from dsgd.placement import actor_placement, place_new_workers
 from dsgd.ps_actor import StepAborted
 from dsgd.server_group import ServerGroup, plan_servers
 from dsgd.sgd_worker import SGDWorker
@@ -121,24 +121,17 @@ class Cluster:
         """
         needs = self._worker_needs()
         free = {n["NodeID"]: {r: n["Resources"].get(r, 0) for r in needs} for n in ray.nodes() if n.get("Alive")}
-        others = {node for i, node in enumerate(self._worker_nodes) if i not in new}
-        for i, node in enumerate(self._worker_nodes):
-            if i not in new and node in free:
+        others = [node for i, node in enumerate(self._worker_nodes) if i not in new]
+        for node in others:
+            if node in free:
                 for r, amount in needs.items():
                     free[node][r] -= amount
-        lost = {self._worker_nodes[i] for i in new}
-        order = sorted(free, key=lambda n: (n not in others, n in lost))
-        chosen = []
-        for i in new:
-            node = next((n for n in order if all(free[n][r] >= a for r, a in needs.items())), None)
-            if node is None:
-                nodes = "; ".join(f"node {n[:8]} has {_amounts(have)} free" for n, have in free.items())
-                raise DSGDError(f"cannot replace dead worker {i}: it needs {_amounts(needs)} on one node, and no "
-                                f"live node has that free beside the other workers ({nodes or 'no node is alive'})")
-            for r, amount in needs.items():
-                free[node][r] -= amount
-            chosen.append(node)
-        return chosen
+        nodes = place_new_workers(len(new), needs, free, first=others, last=[self._worker_nodes[i] for i in new])
+        if len(nodes) < len(new):
+            room = "; ".join(f"node {n[:8]} has {_amounts(have)} free" for n, have in free.items())
+            raise DSGDError(f"cannot replace dead worker {new[len(nodes)]}: it needs {_amounts(needs)} on one node, "
+                            f"and no live node has that free beside the other workers ({room or 'no node is alive'})")
+        return nodes
 
     def check_object_store(self) -> None:
         """Each step may hold every worker's partitions plus their means in the store."""

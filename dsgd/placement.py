@@ -4,11 +4,14 @@ A DistributedSGD built inside a placement group (a Ray Tune trial, see
 ``dsgd.tune``) must start its workers and parameter servers in that group,
 on the resources reserved with it; scheduled anywhere else they would wait
 for, or take, resources that other trials reserved.
+
+New workers that replace dead ones go where ``place_new_workers`` finds
+room for them.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Collection, Mapping, Union
 
 from ray.util.placement_group import get_current_placement_group, placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -34,3 +37,25 @@ def actor_placement(node_id: str | None = None) -> Placement:
     # Capture nothing: the actors' own tasks are not the engine's to place.
     return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle,
                                             placement_group_capture_child_tasks=False)
+
+
+def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str, Mapping[str, float]],
+                      first: Collection[str] = (), last: Collection[str] = ()) -> list[str]:
+    """A node for each of ``count`` new workers in turn, each needing ``needs``, while they fit.
+
+    ``free``: resources free per node. Nodes in ``first`` are tried first,
+    those in ``last`` last, the others in between, each group in the order
+    of ``free``. Fewer than ``count`` nodes mean the next worker fits nowhere.
+    """
+    left = {node: dict(resources) for node, resources in free.items()}
+    order = sorted(left, key=lambda n: (n not in first, n in last))
+    nodes: list[str] = []
+    for _ in range(count):
+        node = next((n for n in order if all(left[n].get(r, 0) >= a for r, a in needs.items())), None)
+        if node is None:
+            break
+        for r, amount in needs.items():
+            left[node][r] = left[node].get(r, 0) - amount
+        nodes.append(node)
+    return nodes
+

@@ -62,6 +62,19 @@ def assign_partitions(layout: Sequence[Shard], num_servers: int) -> list[int]:
     return placement
 
 
+def home_for(server_nodes: Sequence[str], server: int, worker_nodes: Sequence[str]) -> str:
+    """The node for a new server ``server`` (``server_nodes[j]``: where server j ran), beside the live workers.
+
+    It stays on its node if a worker runs there; else that node was lost, and
+    it moves to the worker node with the fewest servers. Ray lists a lost
+    node as alive for seconds after its actors fail: only the nodes of the
+    workers, which answered just now, are known to be up.
+    """
+    if server_nodes[server] in worker_nodes:
+        return server_nodes[server]
+    return min(worker_nodes, key=lambda n: (list(server_nodes).count(n), n))
+
+
 class ServerGroup:
     """Starts, replaces, aborts, resets and traces the parameter servers of one engine."""
 
@@ -92,16 +105,12 @@ class ServerGroup:
         return [self.actors[j] for j in indices]
 
     def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:
-        """Kill what is left of servers ``dead`` and start new ones; the new actors.
+        """Kill what is left of servers ``dead`` and start new ones (``home_for``); the new actors.
 
-        ``worker_nodes``: the nodes of the (live) workers. A server stays on
-        its node if a worker runs there; else its node was lost, and it moves
-        to the worker node with the fewest servers. A node that Ray still
-        lists as alive may be lost: only the workers' nodes are known to be up.
+        ``worker_nodes``: the nodes of the (live) workers.
         """
         for j in dead:
-            if self.nodes[j] not in worker_nodes:
-                self.nodes[j] = min(worker_nodes, key=lambda n: (self.nodes.count(n), n))
+            self.nodes[j] = home_for(self.nodes, j, worker_nodes)
             ray.kill(self.actors[j])
         return self.start(dead)
 

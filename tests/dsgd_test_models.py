@@ -165,6 +165,66 @@ class SlowWorkerNet(FixedDataMomentumNet):
         return super().get_feed_dict()
 
 
+class KillCue:
+    """A file naming a process for a worker to SIGKILL once: a fault at a point that only code inside the worker reaches.
+
+    The test ``arm``s it with a pid; the first ``fire`` after that, in any
+    worker, claims the file (a rename, so only one caller wins), kills the
+    process and writes down when (``fired_at``).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.claimed = path + ".fired"
+
+    def arm(self, pid: int) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            f.write(str(pid))
+        os.replace(self.path + ".tmp", self.path)
+
+    def is_armed(self) -> bool:
+        return os.path.exists(self.path)
+
+    def fire(self) -> None:
+        try:
+            os.rename(self.path, self.claimed)
+        except FileNotFoundError:
+            return  # not armed, or another caller fired it
+        with open(self.claimed) as f:
+            pid = int(f.read())
+        os.kill(pid, signal.SIGKILL)
+        with open(self.claimed, "w") as f:
+            f.write(repr(time.time()))
+
+    def fired_at(self) -> float:
+        """When ``fire`` killed the process (``time.time()``)."""
+        with open(self.claimed) as f:
+            return float(f.read())
+
+
+class KillOnCue(FixedDataMomentumNet):
+    """Worker 1 fires ``cue`` when it builds this model (``at="build"``) or, after a pause, feeds a batch (``at="feed"``).
+
+    Armed after the engine started, the cue fires at "build" only in a
+    replacement worker 1, during recovery. The pause at "feed" (only while
+    the cue is armed) lets the driver go on into its next call first.
+    """
+
+    PAUSE_S = 2.0
+
+    def __init__(self, worker_index: int, device_index: int, cue: KillCue, at: str):
+        super().__init__(worker_index, device_index)
+        self.cue, self.at = cue, at
+        if at == "build" and worker_index == 1:
+            cue.fire()
+
+    def get_feed_dict(self):
+        if self.at == "feed" and self.worker_index == 1 and self.cue.is_armed():
+            time.sleep(self.PAUSE_S)
+            self.cue.fire()
+        return super().get_feed_dict()
+
+
 class AdamNet(TanhNet):
     def get_optimizer(self):
         return tf.compat.v1.train.AdamOptimizer(0.01)
@@ -248,3 +308,29 @@ def run_job(script: str, timeout_s: float) -> dict:
     if proc.returncode != 0 or not results:
         raise AssertionError(f"{script} exited with {proc.returncode}; stderr tail:\n{err[-4000:]}")
     return json.loads(results[-1])
+
+
+def actor_pids(*actors) -> list[int]:
+    """The processes of ``actors`` (ask a worker between steps: during one it answers only after it)."""
+    import ray
+
+    return [i.pid for i in ray.get([a.identity.remote() for a in actors], timeout=30)]
+
+
+def is_dead(actor) -> bool:
+    """Ray reports ``actor`` dead (a live one answers within 5 s)."""
+    import ray
+
+    try:
+        ray.get(actor.identity.remote(), timeout=5)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+
+
+def kill(*actors, pids: list[int] | None = None) -> None:
+    """SIGKILL the actors' processes together (``pids``, asked now if None) and wait until Ray sees each dead."""
+    for pid in actor_pids(*actors) if pids is None else pids:
+        os.kill(pid, signal.SIGKILL)
+    for actor in actors:
+        wait_until(lambda: is_dead(actor))

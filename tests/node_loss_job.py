@@ -18,8 +18,8 @@ Three 2-CPU nodes besides the head:
    re-run step applied.
 2. ``no_room``: on the two nodes left, two workers of 2 CPUs, one on each.
    The node of worker 0 is lost after step 1 and no live node has 2 CPUs
-   free: the next step's error, the seconds it took, the actors still
-   waiting to start afterwards, then ``save`` (worker 1's state) restored
+   free: the next step's error, the seconds it took, the recoveries it
+   counted, the actors still waiting to start afterwards, then ``save`` (worker 1's state) restored
    into a one-worker engine on the node left.
 """
 
@@ -124,6 +124,7 @@ def no_room(cluster, checkpoint_dir: str) -> dict:
         except dsgd.DSGDError as e:
             error = e
         error_s = time.monotonic() - fault
+        failures = sgd.failures
         waiting_to_start = sorted(name for name, state in known_actors().values()
                                   if state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY"))
         sgd.save(checkpoint_dir)
@@ -137,6 +138,7 @@ def no_room(cluster, checkpoint_dir: str) -> dict:
             "error_type": type(error).__name__,
             "error": str(error),
             "error_s": error_s,
+            "failures": failures,
             "timeout_s": TIMEOUT_S,
             "waiting_to_start": waiting_to_start,
             "start": as_lists(start),

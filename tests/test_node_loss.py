@@ -60,6 +60,9 @@ def test_lost_node_without_room_for_its_worker_is_an_error_naming_what_is_missin
     assert ("cannot replace dead worker 0: it needs 2 CPU on one node, and no live node has that free beside "
             "the other workers") in run["error"]
     assert run["error_s"] < run["timeout_s"]
+    # One recovery, however soon Ray sees the node dead: a new worker placed on it meanwhile (the only
+    # node with 2 CPUs free while Ray still lists it alive) is placed again, not counted as a failure.
+    assert run["failures"] == 1
     print(f"node lost without room for a new worker: the error came {run['error_s']:.1f}s after the loss")
     assert run["waiting_to_start"] == []  # no new worker left waiting for a node
 

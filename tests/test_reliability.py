@@ -1,8 +1,7 @@
 """Faults and non-finite gradients: no run is lost, no replica diverges (checkpoints: test_checkpoint.py)."""
 
+import functools
 import logging
-import os
-import signal
 import time
 
 import numpy as np
@@ -11,24 +10,11 @@ import ray
 import tensorflow as tf
 
 import dsgd
-from dsgd_test_models import (FixedDataMomentumNet, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
-                              actors_started_since, assert_replicas_identical, known_actors, numpy_momentum_run,
-                              pushes_waiting, set_start_weights, wait_until)
+from dsgd_test_models import (FixedDataMomentumNet, KillCue, KillOnCue, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
+                              actor_pids, actors_started_since, assert_replicas_identical, kill, known_actors,
+                              numpy_momentum_run, pushes_waiting, set_start_weights, wait_until)
 
 REPLICAS_2x1 = [(0, 0), (1, 0)]
-
-
-def kill(actor):
-    """SIGKILL the actor's process and wait until Ray sees it dead."""
-    os.kill(ray.get(actor.identity.remote(), timeout=30).pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.identity.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.2)
-    raise AssertionError("killed actor still answers")
 
 
 def assert_weights_close(got, expected):
@@ -100,6 +86,97 @@ def test_every_worker_killed_says_to_restore_from_a_checkpoint(ray_session):
         with pytest.raises(dsgd.DSGDError, match="every worker died, so no replica is left to restore the weights "
                                                  "from; restore from a checkpoint"):
             sgd.step(fetch_stats=True)
+
+
+# ---- faults at once: each ends recovered, every replica identical -------------
+
+
+def test_worker_and_parameter_server_killed_in_the_same_step(ray_session, warnings_seen):
+    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        worker_1, server_0 = sgd.workers[1], sgd.ps_actors[0]
+        pids = actor_pids(worker_1, server_0)
+        sgd.step()  # step 1: worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
+        wait_until(lambda: any(pushes_waiting(server) for server in sgd.ps_actors))
+        fault = time.monotonic()
+        kill(worker_1, server_0, pids=pids)
+        got = sgd.get_weights()  # waits for step 1, which recovery re-runs
+        print(f"time to recover, a worker and a parameter server killed in one step: {time.monotonic() - fault:.1f}s")
+        assert "worker 1 is dead" in warnings_seen.text
+        assert "parameter server 0 is dead" in warnings_seen.text
+        assert sgd.failures == 1
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 2))
+
+
+@pytest.mark.parametrize("at", ["build", "feed"])
+def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp_path, at):
+    """Worker 1 is killed; while the driver recovers, the new worker 1 kills server 0.
+
+    "build": as it builds its model, inside ``replace_dead``: the servers are
+    checked after the workers are replaced, so one recovery replaces both.
+    "feed": as it feeds the re-run step: that re-run fails, and a second
+    recovery replaces the server and runs the step again.
+    """
+    cue = KillCue(str(tmp_path / "cue"))
+    with dsgd.DistributedSGD(functools.partial(KillOnCue, cue=cue, at=at), num_workers=2, strategy="ps",
+                             grad_shard_bytes=40) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        sgd.get_weights()
+        cue.arm(actor_pids(sgd.ps_actors[0])[0])
+        fault = time.monotonic()
+        kill(sgd.workers[1])
+        stats = sgd.step(fetch_stats=True)  # step 1: recovery starts a new worker 1, which kills server 0
+        print(f"time to recover, a parameter server killed while recovering from a dead worker ({at}): "
+              f"{time.monotonic() - fault:.1f}s from the worker's kill, {time.time() - cue.fired_at():.1f}s from "
+              "the server's")
+        assert np.isfinite(stats["loss"])
+        assert "worker 1 is dead" in warnings_seen.text
+        assert "parameter server 0 is dead" in warnings_seen.text
+        assert sgd.failures == {"build": 1, "feed": 2}[at]
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+
+
+@pytest.mark.parametrize("call", ["save", "set_weights"])
+def test_parameter_server_killed_while_the_driver_saves_or_sets_weights(ray_session, warnings_seen, tmp_path, call):
+    """Step 1 is in flight when the driver calls ``call``; worker 1, feeding step 1 after a pause, kills server 0.
+
+    The call first waits for step 1, so it meets the failure, recovers, re-runs
+    step 1, then saves or sets the weights (whichever came first, the kill or
+    the call, the call handles it).
+    """
+    cue = KillCue(str(tmp_path / "cue"))
+    path = str(tmp_path / "run.ckpt")
+    with dsgd.DistributedSGD(functools.partial(KillOnCue, cue=cue, at="feed"), num_workers=2, strategy="ps",
+                             grad_shard_bytes=40) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        sgd.get_weights()
+        cue.arm(actor_pids(sgd.ps_actors[0])[0])
+        sgd.step()
+        shifted = {k: v + 1 for k, v in start.items()}
+        if call == "save":
+            sgd.save(path)
+        else:
+            sgd.set_weights(shifted)
+        print(f"time to recover, a parameter server killed while the driver is in {call}: "
+              f"{time.time() - cue.fired_at():.1f}s")
+        assert "parameter server 0 is dead" in warnings_seen.text
+        assert sgd.failures == 1
+        assert_replicas_identical(sgd, 2)
+        if call == "save":  # the checkpoint holds step 1, re-run
+            sgd.step()
+            sgd.restore(path)
+            assert sgd.num_steps == 2
+            assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+        else:
+            got = sgd.get_weights()
+            assert all(np.array_equal(got[k], shifted[k]) for k in shifted)
+        sgd.step()
+        assert_replicas_identical(sgd, 2)
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from dsgd.server_group import assign_partitions, plan_servers
+from dsgd.server_group import assign_partitions, home_for, plan_servers
 from dsgd.shards import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_shards
 
 
@@ -20,6 +20,15 @@ def test_default_is_one_server_per_worker_node_plus_one_per_two_spare_cpus():
 def test_an_explicit_server_count_is_spread_over_worker_nodes_most_workers_first():
     assert plan_servers(["b", "a", "b"], {"a": 2, "b": 2}, 1, 3) == ["b", "a", "b"]
     assert plan_servers(["a", "a"], {"a": 2}, 1, 1) == ["a"]
+
+
+def test_a_new_server_stays_beside_its_workers_or_leaves_a_lost_node_for_the_least_loaded_worker_node():
+    # Server 1's node still runs a worker: the new server 1 goes there.
+    assert home_for(["a", "b"], 1, ["a", "b"]) == "b"
+    # Node b was lost, its worker replaced on c: the new server 1 goes to c, which has none yet, even if
+    # Ray still lists b as alive.
+    assert home_for(["a", "b"], 1, ["a", "c"]) == "c"
+    assert home_for(["a", "b", "b"], 2, ["a", "a"]) == "a"
 
 
 def test_partitions_are_balanced_over_servers_by_bytes_in_backprop_order():
