@@ -12,8 +12,7 @@ import ray
 
 import dsgd
 import data_test_models as dm
-from dsgd_test_models import assert_replicas_identical
-from test_reliability import kill
+from dsgd_test_models import assert_replicas_identical, kill
 
 ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
 
