@@ -58,4 +58,3 @@ def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str,
             left[node][r] = left[node].get(r, 0) - amount
         nodes.append(node)
     return nodes
-
