@@ -2,8 +2,9 @@
 
 Started by tests/test_interrupt.py in its own process and session, with its
 own Ray. While step() waits for a slow worker (worker 1 takes 1 s to make
-its batch) a timer sends SIGINT to the whole process group, as Ctrl-C in a
-terminal does (Ray's own processes block SIGINT). Twice:
+its batch, and says when it starts) a thread sends SIGINT to the whole
+process group, as Ctrl-C in a terminal does (Ray's own processes block
+SIGINT). Twice:
 
 1. a "ps" engine in a ``with`` block: the KeyboardInterrupt leaves the
    block, which shuts the engine down;
@@ -13,7 +14,7 @@ terminal does (Ray's own processes block SIGINT). Twice:
    collection).
 
 Prints one stdout line, ``RESULT`` and a JSON object: per engine, whether
-the KeyboardInterrupt came out of step(), the dsgd actors still alive
+the KeyboardInterrupt came out of step() (and where it was raised), the dsgd actors still alive
 afterwards, and for the second its start weights, every replica's final
 weights and its step count.
 """
@@ -25,6 +26,7 @@ import gc
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -36,7 +38,10 @@ import dsgd
 from dsgd_test_models import RESULT_PREFIX, SlowWorkerNet, known_actors, replica_weights, set_start_weights
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-INTERRUPT_AFTER_S = 0.3  # into a step that takes at least BrieflySlowNet.DELAY_S
+# Worker 1 creates this file as it starts its slow batch (the model class, with this
+# module's globals, is pickled by value: the job runs as __main__).
+IN_SLOW_BATCH = os.path.join(tempfile.gettempdir(), f"dsgd-interrupt-job-{os.getpid()}")
+WAIT_FOR_BATCH_S = 60.0
 DSGD_ACTORS = {"SGDWorker", "ParameterServer"}
 DEAD_WITHIN_S = 30.0
 
@@ -46,22 +51,38 @@ class BrieflySlowNet(SlowWorkerNet):
 
     DELAY_S = 1.0
 
+    def get_feed_dict(self):
+        if self.worker_index == 1:
+            open(IN_SLOW_BATCH, "w").close()
+        return super().get_feed_dict()
+
 
 @contextlib.contextmanager
-def ctrl_c_after(seconds: float) -> Iterator[None]:
-    """SIGINT to the whole process group ``seconds`` into the body, as Ctrl-C in a terminal."""
-    timer = threading.Timer(seconds, os.killpg, (os.getpgrp(), signal.SIGINT))
-    timer.start()
+def ctrl_c_in_slow_batch() -> Iterator[None]:
+    """SIGINT to the whole process group, as Ctrl-C in a terminal, once worker 1 starts its slow batch in the body."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(IN_SLOW_BATCH)
+    done = threading.Event()
+
+    def interrupt():
+        deadline = time.monotonic() + WAIT_FOR_BATCH_S
+        while not os.path.exists(IN_SLOW_BATCH):
+            if done.wait(0.01) or time.monotonic() > deadline:
+                return
+        os.killpg(os.getpgrp(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
     try:
         yield
     finally:
-        timer.cancel()
+        done.set()
+        thread.join()
 
 
-def came_from_step(error: KeyboardInterrupt) -> bool:
-    """Whether ``error`` was raised inside DistributedSGD.step."""
-    return any(frame.name == "step" and frame.filename.endswith(os.path.join("dsgd", "distributed_sgd.py"))
-               for frame in traceback.extract_tb(error.__traceback__))
+def where_raised(error: KeyboardInterrupt) -> list[str]:
+    """The functions ``error`` passed through, outermost first, as 'file:function'."""
+    return [f"{os.path.basename(frame.filename)}:{frame.name}" for frame in traceback.extract_tb(error.__traceback__)]
 
 
 def alive_dsgd_actors(before: dict) -> list[str]:
@@ -78,30 +99,30 @@ def alive_dsgd_actors(before: dict) -> list[str]:
 
 def shut_down_by_with_block() -> dict:
     before = known_actors()
-    raised_in_step = False
+    raised_through = ["no KeyboardInterrupt"]
     try:
         with dsgd.DistributedSGD(BrieflySlowNet, num_workers=2, strategy="ps") as sgd:
             started = sorted(name for actor_id, (name, _) in known_actors().items() if actor_id not in before)
-            with ctrl_c_after(INTERRUPT_AFTER_S):
+            with ctrl_c_in_slow_batch():
                 sgd.step(fetch_stats=True)
     except KeyboardInterrupt as e:
-        raised_in_step = came_from_step(e)
-    return {"raised_in_step": raised_in_step, "started": started, "alive_after": alive_dsgd_actors(before)}
+        raised_through = where_raised(e)
+    return {"raised_through": raised_through, "started": started, "alive_after": alive_dsgd_actors(before)}
 
 
 def steps_on_then_dropped() -> dict:
     before = known_actors()
     sgd = dsgd.DistributedSGD(BrieflySlowNet, num_workers=2, strategy="simple")
     start = set_start_weights(sgd)
-    sgd.step()
-    raised_in_step = False
+    sgd.step(fetch_stats=True)
+    raised_through = ["no KeyboardInterrupt"]
     try:
-        with ctrl_c_after(INTERRUPT_AFTER_S):
+        with ctrl_c_in_slow_batch():
             sgd.step(fetch_stats=True)
     except KeyboardInterrupt as e:
-        raised_in_step = came_from_step(e)
+        raised_through = where_raised(e)
     sgd.step(fetch_stats=True)
-    result = {"raised_in_step": raised_in_step, "num_steps": sgd.num_steps,
+    result = {"raised_through": raised_through, "num_steps": sgd.num_steps,
               "start": {k: v.tolist() for k, v in start.items()},
               "replicas": [{k: v.tolist() for k, v in r.items()} for r in replica_weights(sgd)]}
     del sgd

@@ -146,9 +146,11 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
     by_kill = {r.config["kill_at"]: r for r in results}
     killed, uninterrupted = by_kill[7], by_kill[None]
     assert killed.metrics["num_steps"] == uninterrupted.metrics["num_steps"] == 10
-    # Resumed at step 6 rather than restarted: after the failure it reported from iteration 4 on.
+    # Resumed at step 6 rather than restarted: after the failure it reported iterations 4 and 5, steps 8
+    # and 10. Tune sometimes keeps only the rows reported after the restart (seen once in CI).
     history = killed.metrics_dataframe
-    assert list(history["num_steps"]) == [2, 4, 6, 8, 10]
+    rows = list(zip(history["training_iteration"], history["num_steps"]))
+    assert rows in ([(1, 2), (2, 4), (3, 6), (4, 8), (5, 10)], [(4, 8), (5, 10)]), rows
     got, expected = final_state(killed), final_state(uninterrupted)
     assert got.keys() == expected.keys() and any(k.startswith("optimizer/") for k in got)
     for key in expected:
