@@ -132,6 +132,10 @@ def steps_on_then_dropped() -> dict:
 
 
 def main() -> None:
+    # Ctrl-C as a script started from a terminal gets it. The job inherits the test session's signal
+    # mask, and something earlier in a full test run leaves SIGINT blocked there: unblock it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ray.init(num_cpus=4, object_store_memory=200 * 1024 * 1024, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
     try:
