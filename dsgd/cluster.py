@@ -90,7 +90,7 @@ class Cluster:
     def check_resources(self) -> None:
         """Fail fast, naming what is missing, instead of waiting forever."""
         total = ray.cluster_resources()
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        nodes = list(_live_node_resources().values())
         opts = self.options
         for resource, per_worker in self._worker_needs().items():
             have = total.get(resource, 0)
@@ -120,7 +120,7 @@ class Cluster:
         bounded). Raises DSGDError naming what is missing if no node has room.
         """
         needs = self._worker_needs()
-        free = {n["NodeID"]: {r: n["Resources"].get(r, 0) for r in needs} for n in ray.nodes() if n.get("Alive")}
+        free = {node: {r: have.get(r, 0) for r in needs} for node, have in _live_node_resources().items()}
         others = [node for i, node in enumerate(self._worker_nodes) if i not in new]
         for node in others:
             if node in free:
@@ -200,7 +200,7 @@ class Cluster:
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
         opts = self.options
-        node_cpus = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
+        node_cpus = {node: have.get("CPU", 0) for node, have in _live_node_resources().items()}
         nodes = plan_servers(worker_nodes, node_cpus, opts.cpus_per_worker, opts.num_parameter_servers)
         specs = self.signature.exchange
         shard_bytes = opts.grad_shard_bytes
@@ -332,19 +332,19 @@ class Cluster:
         If a node chosen for a new worker turns out lost as well (Ray had not
         yet seen it dead), the new workers are placed again without it.
         """
+        needs = _amounts(self._worker_needs())
         while True:
             nodes = self._nodes_for(dead)
             for i, node in zip(dead, nodes):
                 logger.warning("worker %d is dead; starting a new one on node %s", i, node[:8])
                 ray.kill(self.workers[i])
                 self.workers[i] = self._new_worker(i, node)
-            needs = _amounts(self._worker_needs())
             try:
                 identities = self._identify([self.workers[i] for i in dead],
                                             f"new workers {dead} to start (each needs {needs} on its node)")
                 break
             except ActorFailure:
-                if set(nodes) <= _live_nodes():
+                if set(nodes) <= _live_node_resources().keys():
                     raise
                 logger.warning("a node chosen for a new worker is lost too; placing the new workers again")
         for i, identity in zip(dead, identities):
@@ -373,8 +373,9 @@ class Cluster:
         self.workers, self.servers = [], None
 
 
-def _live_nodes() -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+def _live_node_resources() -> dict[str, dict[str, float]]:
+    """Node id -> total resources, of the nodes Ray lists as alive."""
+    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _amounts(resources: dict[str, float]) -> str:
