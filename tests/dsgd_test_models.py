@@ -57,6 +57,20 @@ def reset_data(model: TanhNet) -> None:
     model.step = 0
 
 
+REPLICAS_2x1 = [(0, 0), (1, 0)]  # (worker, device) of 2 workers x 1 device
+
+
+def assert_weights_close(got: dict, expected: dict) -> None:
+    """Every variable of ``expected`` equals ``got``'s up to float32 rounding."""
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def weights_from_json(weights: dict) -> dict[str, np.ndarray]:
+    """Weights a subprocess job printed as nested lists, as float32 arrays."""
+    return {k: np.array(v, np.float32) for k, v in weights.items()}
+
+
 def replica_weights(sgd) -> list[dict[str, np.ndarray]]:
     """Every replica's weights, worker then device order, read from the workers' graphs."""
     per_worker = sgd.foreach_worker(lambda w: w.sess.run([dict(r.weights) for r in w.built.replicas]))

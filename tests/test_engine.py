@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import dsgd
-from dsgd_test_models import BatchNormNet, TanhNet, batch, numpy_forward, numpy_step, set_start_weights
+from dsgd_test_models import (BatchNormNet, TanhNet, assert_weights_close, batch, numpy_forward, numpy_step,
+                              set_start_weights)
 from dsgd_test_models import assert_replicas_identical as assert_all_replicas_identical
 
 WORKERS, DEVICES = 2, 2
@@ -59,8 +60,7 @@ def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
         expected = numpy_step(expected, replicas, step)
     got = sgd.get_weights()
     assert_all_replicas_identical(sgd, len(replicas))
-    for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_weights_close(got, expected)
 
 
 def test_explicit_server_count_is_honoured_and_default_partitions_train_correctly(ray_session):
@@ -105,9 +105,7 @@ def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strate
         sgd.step(fetch_stats=(step % 2 == 0))
         expected = numpy_step(expected, REPLICAS, step)
         assert_replicas_identical(sgd)
-        got = sgd.get_weights()
-        for name in expected:
-            np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert_weights_close(sgd.get_weights(), expected)
 
 
 def test_strategies_give_the_same_weights(engines):

@@ -7,13 +7,13 @@ import pytest
 import ray
 
 import dsgd
-from dsgd_test_models import (FixedDataMomentumNet, assert_replicas_identical, known_actors, numpy_momentum_run,
-                              run_job, set_start_weights, wait_until)
+from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, assert_replicas_identical, assert_weights_close,
+                              known_actors, numpy_momentum_run, run_job, set_start_weights, wait_until,
+                              weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "interrupt_job.py")
 JOB_TIMEOUT_S = 240
-REPLICAS_2x1 = [(0, 0), (1, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +39,11 @@ def test_after_ctrl_c_the_next_engine_steps_on_with_identical_replicas_and_is_fr
     # Ctrl-C came while the driver gathered the gradients ("simple"), before any apply was sent:
     # the interrupted step counts on no replica. One step before it and one after.
     assert result["num_steps"] == 2
-    replicas = [{k: np.array(v, np.float32) for k, v in r.items()} for r in result["replicas"]]
+    replicas = [weights_from_json(r) for r in result["replicas"]]
     for name in replicas[0]:
         assert np.array_equal(replicas[1][name], replicas[0][name]), name
-    start = {k: np.array(v, np.float32) for k, v in result["start"].items()}
-    expected = numpy_momentum_run(start, REPLICAS_2x1, result["num_steps"])
-    for name in expected:
-        np.testing.assert_allclose(replicas[0][name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    start = weights_from_json(result["start"])
+    assert_weights_close(replicas[0], numpy_momentum_run(start, REPLICAS_2x1, result["num_steps"]))
     assert result["alive_after"] == []
 
 
@@ -79,7 +77,4 @@ def test_interrupt_between_two_workers_calls_is_settled_by_the_next_call(ray_ses
         # aborted and counts nowhere; recovered (worker 1 replaced), it is run again and counts everywhere.
         assert sgd.num_steps == (3 if worker_1_dies_meanwhile else 2)
         assert sgd.failures == int(worker_1_dies_meanwhile)
-        got = sgd.get_weights()
-        expected = numpy_momentum_run(start, REPLICAS_2x1, sgd.num_steps)
-        for name in expected:
-            np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, sgd.num_steps))

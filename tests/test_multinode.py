@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from dsgd_test_models import numpy_step, run_job
+from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_step, run_job, weights_from_json
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
@@ -46,12 +46,11 @@ def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_r
 
 
 def test_replicas_are_identical_and_equal_the_numpy_reference(job):
-    replicas = [{k: np.array(v, np.float32) for k, v in r.items()} for r in job["replicas"]]
+    replicas = [weights_from_json(r) for r in job["replicas"]]
     assert len(replicas) == 2
     for name in replicas[0]:
         assert np.array_equal(replicas[1][name], replicas[0][name]), name
     expected = {k: np.array(v, np.float64) for k, v in job["start"].items()}
     for step in range(job["steps"]):
-        expected = numpy_step(expected, [(0, 0), (1, 0)], step)
-    for name in expected:
-        np.testing.assert_allclose(replicas[0][name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        expected = numpy_step(expected, REPLICAS_2x1, step)
+    assert_weights_close(replicas[0], expected)

@@ -10,25 +10,15 @@ import os
 import numpy as np
 import pytest
 
-from dsgd_test_models import numpy_momentum_run, run_job
+from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_momentum_run, run_job, weights_from_json
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_loss_job.py")
 TIMEOUT_S = 300
-REPLICAS_2x1 = [(0, 0), (1, 0)]
 
 
 @pytest.fixture(scope="module")
 def job() -> dict:
     return run_job(JOB, TIMEOUT_S)
-
-
-def floats(weights: dict) -> dict:
-    return {k: np.array(v, np.float32) for k, v in weights.items()}
-
-
-def assert_close(got: dict, expected: dict) -> None:
-    for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_lost_node_is_replaced_on_the_live_node_and_training_goes_on_exactly(job):
@@ -45,12 +35,12 @@ def test_lost_node_is_replaced_on_the_live_node_and_training_goes_on_exactly(job
     assert run["failures"] == 1
     print(f"node lost mid-step, replaced on live nodes: {run['recover_s']:.1f}s from the loss to the "
           "re-run step applied")
-    replicas = [floats(r) for r in run["replicas"]]
+    replicas = [weights_from_json(r) for r in run["replicas"]]
     for name in replicas[0]:
         assert np.array_equal(replicas[1][name], replicas[0][name]), name
     # Step 1, in flight at the loss, was re-run; the momentum slots came from worker 1.
     assert run["steps"] == 3
-    assert_close(replicas[0], numpy_momentum_run(floats(run["start"]), REPLICAS_2x1, 3))
+    assert_weights_close(replicas[0], numpy_momentum_run(weights_from_json(run["start"]), REPLICAS_2x1, 3))
 
 
 def test_lost_node_without_room_for_its_worker_is_an_error_naming_what_is_missing(job):
@@ -70,4 +60,5 @@ def test_lost_node_without_room_for_its_worker_is_an_error_naming_what_is_missin
 def test_after_the_error_the_surviving_worker_saves_and_a_new_engine_restores(job):
     run = job["no_room"]
     assert run["restored_steps"] == 2
-    assert_close(floats(run["restored"]), numpy_momentum_run(floats(run["start"]), REPLICAS_2x1, 2))
+    start = weights_from_json(run["start"])
+    assert_weights_close(weights_from_json(run["restored"]), numpy_momentum_run(start, REPLICAS_2x1, 2))

@@ -10,16 +10,10 @@ import ray
 import tensorflow as tf
 
 import dsgd
-from dsgd_test_models import (FixedDataMomentumNet, KillCue, KillOnCue, NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet,
-                              actor_pids, actors_started_since, assert_replicas_identical, kill, known_actors,
-                              numpy_momentum_run, pushes_waiting, set_start_weights, wait_until)
-
-REPLICAS_2x1 = [(0, 0), (1, 0)]
-
-
-def assert_weights_close(got, expected):
-    for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, KillCue, KillOnCue, NaNOnWorker1AtStep1,
+                              SlowWorkerNet, TanhNet, actor_pids, actors_started_since, assert_replicas_identical,
+                              assert_weights_close, kill, known_actors, numpy_momentum_run, pushes_waiting,
+                              set_start_weights, wait_until)
 
 
 @pytest.fixture
