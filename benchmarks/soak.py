@@ -1,6 +1,6 @@
 """Soak: 500 "ps" steps at dsgd's defaults; object-store memory and every actor's RSS must stay flat.
 
-One engine, 2 workers x 1 device, strategy "ps" with dsgd's default
+One engine (and one per `--peer-env`), 2 workers x 1 device, strategy "ps" with dsgd's default
 partitions and parameter servers, on one of the exchange benchmark's model
 shapes (default: ResNet-101's 314 variables, 44.5 M float32, every gradient
 a fresh tensor computed by TensorFlow each step; see benchmarks/exchange.py).
@@ -15,12 +15,17 @@ After `--warmup` steps it samples, then samples again every
   server j       VmRSS of parameter server j's process
 
 Printed for each: the first and last sample and last/first; flat means
-within `--tolerance` (5 %). RSS is read from /proc, so the actors must run
+within `--tolerance` (5 %), and the median step time. Each `--peer-env
+NAME=VALUE` adds an engine whose workers get that environment variable
+(MALLOC_ARENA_MAX=16 undoes dsgd's cap on malloc arenas); all engines step
+in rounds, in an order rotated every round, and each peer's median step is
+printed as a ratio to the defaults'. RSS is read from /proc, so the actors must run
 on this machine (the script starts its own Ray unless one is running).
 Writes benchmarks/results/soak.json. From the repository root:
 
     .venv/bin/python benchmarks/soak.py
     .venv/bin/python -m benchmarks.soak --shape huge --steps 1000
+    .venv/bin/python benchmarks/soak.py --peer-env MALLOC_ARENA_MAX=16
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ if not __package__:  # run as `python benchmarks/soak.py`
 
 import argparse
 import functools
+import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,7 @@ import dsgd
 from benchmarks import common, exchange
 
 OBJECT_STORE = "object store"
+DEFAULTS = "defaults"
 
 
 def rss_mib(pid: int) -> float:
@@ -77,9 +85,9 @@ def sample(step: int, pids: dict[str, int], settle_s: float) -> dict[str, Any]:
                                   **{label: rss_mib(pid) for label, pid in pids.items()}}}
 
 
-def print_sample(taken: dict[str, Any], step_time_s: float | None = None) -> None:
-    print(f"  step {taken['step']:4d}: " + ", ".join(f"{name} {mib:.0f}" for name, mib in taken["mib"].items())
-          + " MiB" + ("" if step_time_s is None else f"; that step took {step_time_s * 1000:.0f} ms"), flush=True)
+def print_sample(taken: dict[str, Any], label: str | None = None) -> None:
+    print(f"  step {taken['step']:4d}" + (f" [{label}]" if label else "") + ": "
+          + ", ".join(f"{name} {mib:.0f}" for name, mib in taken["mib"].items()) + " MiB", flush=True)
 
 
 def summarize(samples: list[dict[str, Any]], tolerance: float) -> dict[str, dict[str, Any]]:
@@ -93,48 +101,93 @@ def summarize(samples: list[dict[str, Any]], tolerance: float) -> dict[str, dict
     return summary
 
 
+def build(creator, args: argparse.Namespace, kwargs: dict[str, Any], env: dict[str, str]) -> dsgd.DistributedSGD:
+    """An engine whose workers get ``env`` on top of dsgd's worker environment (the driver's overrides it)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return dsgd.DistributedSGD(creator, num_workers=args.num_workers, strategy="ps", **kwargs)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 def run(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build the engine, warm it up, run the measured steps sampling memory; the record."""
+    """Build the engines, warm them up, run the measured steps interleaved, sampling memory; the record.
+
+    The engine at dsgd's defaults is the record's top level; each ``--peer-env``
+    engine is under "peers", by its label, with its step times as a ratio to the defaults'.
+    """
     variables = exchange.variable_shapes(args.shape, args.scale, args.tiny_count)
     elements = sum(int(np.prod(dims)) for _, dims in variables)
     creator = functools.partial(exchange.ExchangeModel, shapes=variables)
-    record: dict[str, Any] = {"shape": args.shape, "tensors": len(variables), "elements": elements}
-    with dsgd.DistributedSGD(creator, num_workers=args.num_workers, strategy="ps", **kwargs) as sgd:
-        record["num_parameter_servers"] = len(sgd.ps_actors)
-        record["num_partitions"] = len(sgd.layout)
+    envs = {DEFAULTS: {}, **{f"workers' {n}={v}": {n: v} for n, v in args.peer_env}}
+    engines: dict[str, dsgd.DistributedSGD] = {}
+    try:
+        for label, env in envs.items():
+            engines[label] = build(creator, args, kwargs, env)
+        sgd = engines[DEFAULTS]
+        record: dict[str, Any] = {"shape": args.shape, "tensors": len(variables), "elements": elements,
+                                  "num_parameter_servers": len(sgd.ps_actors), "num_partitions": len(sgd.layout)}
         print(f"{args.shape}: {len(variables)} tensors, {elements / 1e6:.2f} M float32; {args.num_workers} workers, "
-              f"{record['num_parameter_servers']} parameter servers, {record['num_partitions']} partitions",
-              flush=True)
-        pids = actor_pids(sgd)
-        record["pids"] = pids
+              f"{record['num_parameter_servers']} parameter servers, {record['num_partitions']} partitions; "
+              f"engines: {', '.join(engines)}", flush=True)
+        runs = {label: {"pids": actor_pids(e), "samples": [], "step_s": []} for label, e in engines.items()}
         for _ in range(args.warmup):
-            sgd.step(fetch_stats=True)
-        samples = [sample(0, pids, args.settle_s)]
-        print_sample(samples[-1])
-        for step in range(1, args.steps + 1):
+            for e in engines.values():
+                e.step(fetch_stats=True)
+        for step in range(args.steps + 1):
             sampled = step % args.sample_every == 0 or step == args.steps
-            stats = sgd.step(fetch_stats=sampled)
+            for label in common.rotated(list(engines), step):
+                if step:  # step 0 is the sample after the warm-up
+                    started = time.perf_counter()
+                    engines[label].step(fetch_stats=sampled)
+                    runs[label]["step_s"].append(time.perf_counter() - started)
             if sampled:
-                samples.append(sample(step, pids, args.settle_s))
-                print_sample(samples[-1], stats["step_time_s"])
-    record["samples"] = samples
-    record["summary"] = summarize(samples, args.tolerance)
+                for label, r in runs.items():
+                    r["samples"].append(sample(step, r["pids"], args.settle_s if label == DEFAULTS else 0.0))
+                    print_sample(r["samples"][-1], label if len(runs) > 1 else None)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    for label, r in runs.items():
+        r["summary"] = summarize(r["samples"], args.tolerance)
+        r["median_step_ms"] = 1000 * statistics.median(r.pop("step_s"))
+    record.update(runs.pop(DEFAULTS))
+    for r in runs.values():
+        r["step_time_ratio"] = r["median_step_ms"] / record["median_step_ms"]
+    record["peers"] = runs
     return record
 
 
 def report(record: dict[str, Any], args: argparse.Namespace) -> str:
-    """A markdown table of every quantity: start, end, end/start, flat or not."""
+    """A markdown table of every quantity of every engine: start, end, end/start, flat or not; step times."""
     lines = [f"{args.steps} steps after {args.warmup} warm-up, {record['shape']} "
              f"({record['tensors']} tensors, {record['elements'] / 1e6:.2f} M float32), "
              f"{record['num_parameter_servers']} parameter servers, {record['num_partitions']} partitions",
-             "", "| quantity | start MiB | end MiB | end/start | flat (±" f"{args.tolerance:.0%}) |",
-             "|---|---|---|---|---|"]
-    for name, s in record["summary"].items():
-        ratio = "–" if s["ratio"] is None else f"{s['ratio']:.3f}"
-        label = name if name == OBJECT_STORE else f"{name} RSS"
-        lines.append(f"| {label} | {s['start_mib']:.1f} | {s['end_mib']:.1f} | {ratio} | "
-                     f"{'yes' if s['flat'] else 'no'} |")
+             "", "| engine | quantity | start MiB | end MiB | end/start | flat (±" f"{args.tolerance:.0%}) |",
+             "|---|---|---|---|---|---|"]
+    for label, r in {DEFAULTS: record, **record["peers"]}.items():
+        for name, s in r["summary"].items():
+            ratio = "–" if s["ratio"] is None else f"{s['ratio']:.3f}"
+            quantity = name if name == OBJECT_STORE else f"{name} RSS"
+            lines.append(f"| {label} | {quantity} | {s['start_mib']:.1f} | {s['end_mib']:.1f} | {ratio} | "
+                         f"{'yes' if s['flat'] else 'no'} |")
+    lines.append("")
+    lines.append(f"median step: {DEFAULTS} {record['median_step_ms']:.1f} ms" + "".join(
+        f"; {label} {r['median_step_ms']:.1f} ms ({r['step_time_ratio']:.3f}x)" for label, r in record["peers"].items()))
     return "\n".join(lines)
+
+
+def env_assignment(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` from the command line, as (NAME, VALUE)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,9 +203,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
+    p.add_argument("--peer-env", type=env_assignment, action="append", default=[], metavar="NAME=VALUE",
+                   help="also run an engine whose workers get this environment variable, interleaved with the "
+                        "one at the defaults (repeat for more engines), e.g. MALLOC_ARENA_MAX=16")
     common.add_engine_flags(p)
     p.add_argument("--num-cpus", type=int, default=None,
-                   help="logical CPUs when starting Ray here (default: 1 + 2 x workers, as the exchange benchmark)")
+                   help="logical CPUs when starting Ray here (default: 1 + 2 x workers per engine, as the exchange "
+                        "benchmark)")
     p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes, when starting Ray here")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "soak.json")
     args = p.parse_args(argv)
@@ -169,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
     if not ray.is_initialized():
-        common.start_ray(num_cpus=args.num_cpus or 1 + 2 * args.num_workers,
+        common.start_ray(num_cpus=args.num_cpus or 1 + 2 * args.num_workers * (1 + len(args.peer_env)),
                          object_store_memory=args.object_store_memory)
     record = run(args, kwargs)
     table = report(record, args)

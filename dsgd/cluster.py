@@ -35,9 +35,18 @@ from dsgd.worker_graph import WorkerSignature
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
-# TensorFlow's C++ log level in the workers unless the driver's environment sets one:
-# 3 hides its start-up lines, including "failed call to cuInit" on CPU-only machines.
-QUIET_TF_LOG_LEVEL = "3"
+# The workers' environment, each variable unless the driver's environment sets it:
+# - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
+#   cuInit" on CPU-only machines;
+# - MALLOC_ARENA_MAX 2 caps glibc's malloc arenas (8 per core by default), which keep
+#   the gradient buffers TensorFlow's threads free every step and grow a worker's RSS
+#   over its first hundreds of steps (benchmarks/soak.py, docs/benchmarks.md "Soak").
+WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "MALLOC_ARENA_MAX": "2"}
+
+
+def worker_env() -> dict[str, str]:
+    """The environment variables a new worker gets: WORKER_ENV_DEFAULTS, overridden by the driver's."""
+    return {name: os.environ.get(name, default) for name, default in WORKER_ENV_DEFAULTS.items()}
 
 # Errors that mean an actor (or an object it owned) is gone: recoverable.
 _FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
@@ -147,11 +156,10 @@ class Cluster:
     def _new_worker(self, index: int, node_id: str | None = None):
         """Start worker ``index`` (on ``node_id``, or where Ray spreads it)."""
         opts = self.options
-        log_level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
-            runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": log_level}},
+            runtime_env={"env_vars": worker_env()},
             scheduling_strategy=actor_placement(node_id)).remote(index, self.worker_config)
 
     def _identify(self, actors: list, what: str = "the actors to start") -> list[ActorIdentity]:

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 import dsgd
-from dsgd_test_models import (BatchNormNet, TanhNet, assert_weights_close, batch, numpy_forward, numpy_step,
-                              set_start_weights)
-from dsgd_test_models import assert_replicas_identical as assert_all_replicas_identical
+from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
+from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close, batch,
+                              numpy_forward, numpy_step, set_start_weights)
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
 
 
-def assert_replicas_identical(sgd):
-    assert_all_replicas_identical(sgd, WORKERS * DEVICES)
+def assert_all_four_identical(sgd):
+    assert_replicas_identical(sgd, WORKERS * DEVICES)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def engines(ray_session):
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_random_init_is_broadcast_to_every_replica(engines, strategy):
-    assert_replicas_identical(engines[strategy])
+    assert_all_four_identical(engines[strategy])
 
 
 def test_ps_serves_many_partitions_per_server_through_shared_memory(engines):
@@ -59,7 +59,7 @@ def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
         sgd.step()
         expected = numpy_step(expected, replicas, step)
     got = sgd.get_weights()
-    assert_all_replicas_identical(sgd, len(replicas))
+    assert_replicas_identical(sgd, len(replicas))
     assert_weights_close(got, expected)
 
 
@@ -104,7 +104,7 @@ def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strate
     for step in range(3):
         sgd.step(fetch_stats=(step % 2 == 0))
         expected = numpy_step(expected, REPLICAS, step)
-        assert_replicas_identical(sgd)
+        assert_all_four_identical(sgd)
         assert_weights_close(sgd.get_weights(), expected)
 
 
@@ -171,7 +171,7 @@ def test_step_without_stats_returns_none_and_still_applies(engines):
     assert sgd.step(fetch_stats=False) is None
     after = sgd.get_weights()
     assert any(not np.array_equal(before[k], after[k]) for k in before)
-    assert_replicas_identical(sgd)
+    assert_all_four_identical(sgd)
 
 
 def test_warmup_does_not_change_weights(engines):
@@ -204,13 +204,29 @@ def test_moving_statistics_stay_identical_across_replicas(ray_session):
                              strategy="ps") as sgd:
         for _ in range(2):
             sgd.step()
-        assert_replicas_identical(sgd)
+        assert_all_four_identical(sgd)
         moving = sgd.get_weights()["moving_mean"]
         assert np.any(moving != 0)
         # Every replica's update is averaged: 0.1 * mean of all replicas' batch means.
         expected = 0.1 * np.mean([batch(w, d, 0)[0].mean(0) for w, d in REPLICAS], axis=0)
         expected = 0.9 * expected + 0.1 * np.mean([batch(w, d, 1)[0].mean(0) for w, d in REPLICAS], axis=0)
         np.testing.assert_allclose(moving, expected, rtol=1e-5)
+
+
+def process_environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = f.read().decode().split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def test_workers_run_with_dsgds_environment_the_drivers_variables_first(engines, monkeypatch):
+    for pid in actor_pids(*engines["ps"].workers):
+        env = process_environment(pid)
+        assert {name: env.get(name) for name in WORKER_ENV_DEFAULTS} == worker_env()
+        assert env["MALLOC_ARENA_MAX"] == "2" and env["TF_CPP_MIN_LOG_LEVEL"] == "2"  # conftest's driver sets 2
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "16")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    assert worker_env() == {"MALLOC_ARENA_MAX": "16", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
