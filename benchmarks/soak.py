@@ -17,7 +17,7 @@ After `--warmup` steps it samples, then samples again every
 Printed for each: the first and last sample and last/first; flat means
 within `--tolerance` (5 %), and the median step time. Each `--peer-env
 NAME=VALUE` adds an engine whose workers get that environment variable
-(MALLOC_ARENA_MAX=16 undoes dsgd's cap on malloc arenas); all engines step
+(TF_CPU_ALLOCATOR_USE_BFC=false gives them TensorFlow's default CPU allocator); all engines step
 in rounds, in an order rotated every round, and each peer's median step is
 printed as a ratio to the defaults'. RSS is read from /proc, so the actors must run
 on this machine (the script starts its own Ray unless one is running).
@@ -25,7 +25,7 @@ Writes benchmarks/results/soak.json. From the repository root:
 
     .venv/bin/python benchmarks/soak.py
     .venv/bin/python -m benchmarks.soak --shape huge --steps 1000
-    .venv/bin/python benchmarks/soak.py --peer-env MALLOC_ARENA_MAX=16
+    .venv/bin/python benchmarks/soak.py --peer-env TF_CPU_ALLOCATOR_USE_BFC=false
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import ray
 
 import dsgd
 from benchmarks import common, exchange
+from dsgd.cluster import WORKER_ENV_DEFAULTS
 
 OBJECT_STORE = "object store"
 DEFAULTS = "defaults"
@@ -205,7 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
     p.add_argument("--peer-env", type=env_assignment, action="append", default=[], metavar="NAME=VALUE",
                    help="also run an engine whose workers get this environment variable, interleaved with the "
-                        "one at the defaults (repeat for more engines), e.g. MALLOC_ARENA_MAX=16")
+                        "one at the defaults (repeat for more engines), e.g. TF_CPU_ALLOCATOR_USE_BFC=false; "
+                        f"one of the variables dsgd sets in its workers: {', '.join(WORKER_ENV_DEFAULTS)}")
     common.add_engine_flags(p)
     p.add_argument("--num-cpus", type=int, default=None,
                    help="logical CPUs when starting Ray here (default: 1 + 2 x workers per engine, as the exchange "
@@ -215,6 +217,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_workers < 2:
         p.error("--num-workers must be at least 2: with one worker there are no parameter servers")
+    unknown = sorted({name for name, _ in args.peer_env} - WORKER_ENV_DEFAULTS.keys())
+    if unknown:
+        p.error(f"--peer-env sets {unknown}, which dsgd does not pass to its workers; "
+                f"expected one of {sorted(WORKER_ENV_DEFAULTS)}")
     if args.warmup < 1 or args.steps < 1 or args.sample_every < 1:
         p.error("--warmup, --steps and --sample-every must be at least 1")
     return args

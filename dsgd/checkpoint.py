@@ -5,8 +5,11 @@ ending in a separator) holding the file ``CHECKPOINT_FILE``: such a directory
 is a ``ray.train.Checkpoint`` that other Ray tools (Tune) can move around.
 
 ``save`` writes a temporary file beside the checkpoint, fsyncs it, renames
-it over the checkpoint and fsyncs the directory, so a crash or a kill at any
-moment leaves the previous checkpoint or the new one, whole. ``load`` checks
+it over the checkpoint and fsyncs the directory (and the parents of any
+directory it created), so a crash or a kill at any moment leaves the
+previous checkpoint or the new one, whole. A temporary file left by a save
+that was killed is removed by the next save to the same path; two processes
+must not save to one path at once. ``load`` checks
 the file before trusting it: a missing, empty, truncated or corrupt file, an
 .npz that dsgd did not write and a checkpoint of another model each get an
 error naming the file, the problem and what was expected.
@@ -54,17 +57,19 @@ def save(path: str | os.PathLike, state: dict) -> None:
     that gets ``CHECKPOINT_FILE``. The file is written and fsynced beside its
     final name, renamed over it, and the directory is fsynced so the rename
     survives a power loss: whenever the process dies, the path holds the
-    previous checkpoint or this one, never a half-written file.
+    previous checkpoint or this one, never a half-written file. Then the
+    temporary files of earlier saves to ``path`` that were killed are removed.
     """
     target = file_of(path)
     directory = os.path.dirname(os.path.abspath(target))
     if target != os.fspath(path):  # a directory
-        os.makedirs(directory, exist_ok=True)
+        _make_directories(directory)
     elif not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save the checkpoint {target}: its directory {directory} does not exist")
     arrays = {f"{group}/{name}": value for group in GROUPS for name, value in state[group].items()}
     meta = {"format": FORMAT_VERSION, "applied_steps": state["applied_steps"]}
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=TEMP_SUFFIX, dir=directory)
+    prefix = f".{os.path.basename(target)}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **{META_KEY: np.array(json.dumps(meta))}, **arrays)
@@ -75,6 +80,30 @@ def save(path: str | os.PathLike, state: dict) -> None:
         os.unlink(tmp)
         raise
     _fsync_directory(directory)
+    _remove_leftovers(directory, prefix)
+
+
+def _remove_leftovers(directory: str, prefix: str) -> None:
+    """Remove the temporary files "<prefix><random>.tmp" that killed saves left in ``directory``.
+
+    The random part never holds a dot, so another checkpoint's files
+    (".run.ckpt.old.<random>.tmp" beside ".run.ckpt.<random>.tmp") are kept.
+    """
+    for name in os.listdir(directory):
+        middle = name[len(prefix):-len(TEMP_SUFFIX)]
+        if name.startswith(prefix) and name.endswith(TEMP_SUFFIX) and middle and "." not in middle:
+            os.unlink(os.path.join(directory, name))
+
+
+def _make_directories(directory: str) -> None:
+    """Create ``directory`` and its missing parents, each entry made durable in its parent."""
+    missing = []
+    while not os.path.isdir(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for created in reversed(missing):
+        os.makedirs(created, exist_ok=True)
+        _fsync_directory(os.path.dirname(created))
 
 
 def _fsync_directory(directory: str) -> None:

@@ -38,10 +38,12 @@ PING_TIMEOUT_S = 10.0
 # The workers' environment, each variable unless the driver's environment sets it:
 # - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
 #   cuInit" on CPU-only machines;
-# - MALLOC_ARENA_MAX 2 caps glibc's malloc arenas (8 per core by default), which keep
-#   the gradient buffers TensorFlow's threads free every step and grow a worker's RSS
-#   over its first hundreds of steps (benchmarks/soak.py, docs/benchmarks.md "Soak").
-WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "MALLOC_ARENA_MAX": "2"}
+# - TF_CPU_ALLOCATOR_USE_BFC true gives TensorFlow's CPU tensors its best-fit pool (the
+#   allocator it uses for GPU memory) instead of malloc. A step frees and allocates
+#   every gradient again; glibc's malloc keeps a varying share of that freed memory, so
+#   a worker's RSS wandered by 5-10 % over hundreds of steps, while the pool is reused
+#   and stays flat (benchmarks/soak.py, docs/benchmarks.md "Soak").
+WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
 def worker_env() -> dict[str, str]:

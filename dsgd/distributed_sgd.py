@@ -136,7 +136,7 @@ class DistributedSGD:
                            "the worker averages its replicas locally, as 'simple' does")
         self._next_step = 0  # steps submitted; step ids count from 0
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
-        self._interrupted = False  # Ctrl-C stopped a step; the next call settles it
+        self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self._closed = False
         self._trace: timeline.Recorder | None = None
         self._scalars = None
@@ -212,7 +212,7 @@ class DistributedSGD:
             self._settle_interrupted_step()
 
     def _settle_interrupted_step(self) -> None:
-        """Bring every replica to one state after a KeyboardInterrupt in ``step``.
+        """Bring every replica to one state after a KeyboardInterrupt in ``step`` (or a recovery, a restore...).
 
         The steps whose calls were all sent complete, as without the
         interrupt. A step that Ctrl-C cut short before all its calls were
@@ -260,13 +260,19 @@ class DistributedSGD:
         killed at once, without waiting for the step.
         """
         self._check_open()
-        try:
+        with self._settle_if_interrupted():
             if write_timeline is None:
                 return self._step(fetch_stats)
             self._drain()
             with self._tracing(write_timeline):
                 stats = self._step(fetch_stats=True)
             return stats if fetch_stats else None
+
+    @contextlib.contextmanager
+    def _settle_if_interrupted(self) -> Iterator[None]:
+        """A KeyboardInterrupt in the body goes on up; the engine's next call settles the replicas first."""
+        try:
+            yield
         except KeyboardInterrupt:
             self._interrupted = True
             raise
@@ -355,17 +361,31 @@ class DistributedSGD:
 
     # ---- weights, state and callbacks ------------------------------------
 
-    def _on_workers(self, method: str, *args, what: str) -> list:
-        """``method(*args)`` on every worker, after the steps in flight; the results, worker order."""
-        self._check_open()
-        self._drain()
-        return self._cluster.call([getattr(w, method).remote(*args) for w in self.workers], what)
+    def _on_workers(self, method: str, *args, what: str, worker_0_only: bool = False, rerun: bool = True) -> list:
+        """``method(*args)`` on every worker (or worker 0 only), after the steps in flight; the results, worker order.
 
-    def _on_worker_0(self, method: str, *args, what: str) -> Any:
-        """``method(*args)`` on worker 0, after the steps in flight; its result."""
+        A worker found dead is replaced as after a failed step, every replica
+        brought to one state, and the call made again if ``rerun`` (it must be
+        idempotent). A user's function is not run twice: after the recovery
+        a DSGDError says it may have run on some workers only.
+        """
         self._check_open()
-        self._drain()
-        return self._cluster.call(getattr(self.workers[0], method).remote(*args), what)
+        with self._settle_if_interrupted():
+            self._drain()
+            while True:
+                workers = self.workers[:1] if worker_0_only else self.workers
+                try:
+                    return self._cluster.call([getattr(w, method).remote(*args) for w in workers], what)
+                except ActorFailure as e:
+                    self._recovery.recover(e, [], self._next_step)
+                    if not rerun:
+                        raise DSGDError(f"{what} may have run on some workers and not others, so it was not run "
+                                        "again after the engine recovered from the failure below (every replica "
+                                        f"holds the same state again); call it again if that is safe. {e}") from e
+
+    def _on_worker_0(self, method: str, *args, what: str, rerun: bool = True) -> Any:
+        """``method(*args)`` on worker 0, after the steps in flight; its result (a dead worker as in ``_on_workers``)."""
+        return self._on_workers(method, *args, what=what, worker_0_only=True, rerun=rerun)[0]
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Worker 0, replica 0's variables, keyed by name without the replica scope (``device_<i>/``)."""
@@ -394,8 +414,10 @@ class DistributedSGD:
         worker could not be replaced can still be saved.
         """
         self._check_open()
-        self._drain()
-        checkpoint.save(path, self._cluster.latest_state())
+        with self._settle_if_interrupted():
+            self._drain()
+            state = self._cluster.latest_state()
+        checkpoint.save(path, state)
 
     def restore(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""
@@ -403,8 +425,9 @@ class DistributedSGD:
         signature = self._cluster.signature
         state = checkpoint.load(path, {"weights": signature.weights, "optimizer": signature.optimizer})
         self._on_workers("set_state", ray.put(state), what="the workers to load the checkpoint")
-        self._next_step = state["applied_steps"]
-        self._cluster.reset_servers(self._next_step)
+        with self._settle_if_interrupted():
+            self._next_step = state["applied_steps"]
+            self._cluster.reset_servers(self._next_step)
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:
         """Ray 0.6's name: ``save`` into the directory ``checkpoint_dir`` (created if missing); the file written."""
@@ -426,16 +449,16 @@ class DistributedSGD:
 
     def foreach_worker(self, fn: Callable[[SGDWorker], Any]) -> list:
         """``fn(worker)`` on each worker actor, its session the default; the results, worker order."""
-        return self._on_workers("apply_fn", fn, what="foreach_worker")
+        return self._on_workers("apply_fn", fn, what="foreach_worker", rerun=False)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
         """``fn(model)`` on every replica, its worker's session the default; a flat list, worker then device order."""
-        per_worker = self._on_workers("foreach_model", fn, what="foreach_model")
+        per_worker = self._on_workers("foreach_model", fn, what="foreach_model", rerun=False)
         return [r for results in per_worker for r in results]
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
         """``fn(model)`` on one replica (worker 0, device 0), its worker's session the default; its result."""
-        return self._on_worker_0("for_model", fn, what="for_model")
+        return self._on_worker_0("for_model", fn, what="for_model", rerun=False)
 
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it."""

@@ -134,7 +134,8 @@ def test_exchange_benchmark_interleaves_floor_simple_ps_and_bound(ray_session, t
 def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_session, tmp_path):
     out = tmp_path / "soak.json"
     result = soak.main(["--shape", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "3",
-                        "--sample-every", "2", "--settle-s", "0", "--out", str(out)])
+                        "--sample-every", "2", "--settle-s", "0", "--out", str(out),
+                        "--peer-env", "TF_CPU_ALLOCATOR_USE_BFC=false"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["engine_kwargs"] == {}  # the engine's defaults
     assert result["command"].startswith("python -m benchmarks.soak --shape huge")
@@ -148,6 +149,21 @@ def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_ses
         assert summary["ratio"] == pytest.approx(summary["end_mib"] / summary["start_mib"])
         assert f"| {name} RSS |" in result["table"]
     assert result["summary"][soak.OBJECT_STORE]["start_mib"] >= 0
+    # The peer ran interleaved with the defaults, its own actors sampled as often.
+    (label, peer), = result["peers"].items()
+    assert label == "workers' TF_CPU_ALLOCATOR_USE_BFC=false"
+    assert [s["step"] for s in peer["samples"]] == [0, 2, 3]
+    assert not set(peer["pids"].values()) & set(result["pids"].values())
+    assert peer["step_time_ratio"] == pytest.approx(peer["median_step_ms"] / result["median_step_ms"])
+    assert f"| {label} | worker 1 RSS |" in result["table"] and f"{label} " in result["table"].splitlines()[-1]
+
+
+def test_soak_refuses_a_peer_variable_dsgd_does_not_pass_to_its_workers(capsys):
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--peer-env", "MALLOC_ARENA_MAX=2"])
+    assert "--peer-env sets ['MALLOC_ARENA_MAX'], which dsgd does not pass to its workers" in capsys.readouterr().err
+    assert soak.parse_args(["--peer-env", "TF_CPU_ALLOCATOR_USE_BFC=false"]).peer_env == [
+        ("TF_CPU_ALLOCATOR_USE_BFC", "false")]
 
 
 def test_soak_compares_the_first_and_last_sample():

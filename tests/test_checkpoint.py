@@ -73,6 +73,24 @@ def test_save_fsyncs_the_file_renames_it_then_fsyncs_the_directory(tmp_path, mon
     assert os.listdir(directory) == ["run.ckpt"]
 
 
+def test_save_into_new_directories_makes_each_one_durable_in_its_parent(tmp_path, monkeypatch):
+    synced = []
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    top = os.path.realpath(tmp_path)
+    checkpoint.save(os.path.join(top, "runs", "trial_0") + os.sep, small_state(1))
+    created = os.path.join(top, "runs", "trial_0")
+    written = os.path.join(created, checkpoint.CHECKPOINT_FILE)
+    assert synced[:2] == [top, os.path.join(top, "runs")]  # each new directory's entry, outermost first
+    assert synced[3:] == [created] and synced[2].startswith(os.path.join(created, "."))  # then the save itself
+    assert checkpoint.load(written, EXPECTED)["applied_steps"] == 1
+
+
 def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     """SIGKILL a process while it writes a 128 MiB checkpoint over an older one: the older one loads."""
     elements = 32 << 20
@@ -98,6 +116,10 @@ def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert np.all(state["weights"]["w"] == saved[-1])
     left = [name for name in os.listdir(tmp_path) if name != "run.ckpt"]
     assert len(left) == 1 and re.fullmatch(r"\.run\.ckpt\.\w+\.tmp", left[0]), left  # it was killed mid-save
+    other = tmp_path / ".run.ckpt.old.abcd1234.tmp"  # a temporary file of the checkpoint "run.ckpt.old"
+    other.write_bytes(b"")
+    checkpoint.save(path, small_state(saved[-1] + 1))  # the next save removes the killed save's file, only that
+    assert sorted(os.listdir(tmp_path)) == [other.name, "run.ckpt"]
 
 
 def test_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -223,10 +223,10 @@ def test_workers_run_with_dsgds_environment_the_drivers_variables_first(engines,
     for pid in actor_pids(*engines["ps"].workers):
         env = process_environment(pid)
         assert {name: env.get(name) for name in WORKER_ENV_DEFAULTS} == worker_env()
-        assert env["MALLOC_ARENA_MAX"] == "2" and env["TF_CPP_MIN_LOG_LEVEL"] == "2"  # conftest's driver sets 2
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "16")
+        assert env["TF_CPU_ALLOCATOR_USE_BFC"] == "true" and env["TF_CPP_MIN_LOG_LEVEL"] == "2"  # conftest sets 2
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
-    assert worker_env() == {"MALLOC_ARENA_MAX": "16", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    assert worker_env() == {"TF_CPU_ALLOCATOR_USE_BFC": "false", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])

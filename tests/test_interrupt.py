@@ -78,3 +78,39 @@ def test_interrupt_between_two_workers_calls_is_settled_by_the_next_call(ray_ses
         assert sgd.num_steps == (3 if worker_1_dies_meanwhile else 2)
         assert sgd.failures == int(worker_1_dies_meanwhile)
         assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, sgd.num_steps))
+
+
+def interrupt_once(patch, obj, name: str) -> None:
+    """Make ``obj.name`` raise KeyboardInterrupt on its next call (as Ctrl-C there would), then work again."""
+    original = getattr(obj, name)
+
+    def interrupted(*args, **kwargs):
+        patch.setattr(obj, name, original)
+        raise KeyboardInterrupt
+
+    patch.setattr(obj, name, interrupted)
+
+
+def test_interrupt_during_a_recovery_or_a_restore_is_settled_by_the_next_call(ray_session, monkeypatch, tmp_path):
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
+                             timeout_s=20) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        sgd.save(str(tmp_path / "one_step.ckpt"))
+        ray.kill(sgd.workers[1])
+        # Ctrl-C while the recovery from worker 1's death replaces it.
+        interrupt_once(monkeypatch, sgd._cluster, "replace_dead")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.step(fetch_stats=True)
+        # The next call finishes the recovery, and the interrupted step counts on every replica.
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+        assert sgd.num_steps == 2 and sgd.failures == 2
+        assert_replicas_identical(sgd, 2)
+        # Ctrl-C in restore after the workers loaded the checkpoint: the next call counts its step.
+        interrupt_once(monkeypatch, sgd._cluster, "reset_servers")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.restore(str(tmp_path / "one_step.ckpt"))
+        sgd.step()
+        assert sgd.num_steps == 2
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))

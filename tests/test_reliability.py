@@ -64,6 +64,27 @@ def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session,
         assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 4))
 
 
+def test_worker_killed_between_steps_is_recovered_by_the_calls_that_need_it(ray_session, warnings_seen):
+    """get_weights recovers and reads; foreach_model recovers but does not run the user's function twice."""
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        sgd.get_weights()  # waits for step 0: nothing is in flight when worker 0 dies
+        kill(sgd.workers[0])
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
+        assert "worker 0 is dead" in warnings_seen.text and sgd.failures == 1
+        kill(sgd.workers[1])
+        with pytest.raises(dsgd.DSGDError, match=r"^foreach_model may have run on some workers and not others, so "
+                                                 r"it was not run again after the engine recovered .* worker 1 "
+                                                 r"failed \(pid \d+"):
+            sgd.foreach_model(lambda model: 1)
+        assert sgd.failures == 2
+        assert sgd.foreach_model(lambda model: 1) == [1, 1]
+        sgd.step()
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+
+
 def test_past_max_failures_the_error_names_the_dead_actor(ray_session):
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="simple", max_failures=0) as sgd:
         sgd.step()
