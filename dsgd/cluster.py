@@ -26,7 +26,7 @@ from dsgd.actor_identity import ActorIdentity
 from dsgd.config import Options, WorkerConfig
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
 from dsgd.model import Model
-from dsgd.placement import actor_placement, place_new_workers
+from dsgd.placement import actor_placement, place_new_workers, reserved_cpus
 from dsgd.ps_actor import StepAborted
 from dsgd.server_group import ServerGroup, plan_servers
 from dsgd.sgd_worker import SGDWorker
@@ -210,7 +210,9 @@ class Cluster:
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
         opts = self.options
-        node_cpus = {node: have.get("CPU", 0) for node, have in _live_node_resources().items()}
+        node_cpus = reserved_cpus()  # inside a Tune trial: its bundles, not the nodes' CPUs
+        if node_cpus is None:
+            node_cpus = {node: have.get("CPU", 0) for node, have in _live_node_resources().items()}
         nodes = plan_servers(worker_nodes, node_cpus, opts.cpus_per_worker, opts.num_parameter_servers)
         specs = self.signature.exchange
         shard_bytes = opts.grad_shard_bytes

@@ -39,6 +39,22 @@ def actor_placement(node_id: str | None = None) -> Placement:
                                             placement_group_capture_child_tasks=False)
 
 
+def reserved_cpus() -> dict[str, float] | None:
+    """CPUs per node that the caller's placement group reserved (all its bundles), or None outside one.
+
+    Inside a group (a Tune trial) the engine may use only those, whatever
+    else the nodes have.
+    """
+    group = get_current_placement_group()
+    if group is None:
+        return None
+    table = placement_group_table(group)
+    cpus: dict[str, float] = {}
+    for bundle, node in table.get("bundles_to_node_id", {}).items():
+        cpus[node] = cpus.get(node, 0.0) + table["bundles"][bundle].get("CPU", 0.0)
+    return cpus
+
+
 def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str, Mapping[str, float]],
                       first: Collection[str] = (), last: Collection[str] = ()) -> list[str]:
     """A node for each of ``count`` new workers in turn, each needing ``needs``, while they fit.

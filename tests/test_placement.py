@@ -1,6 +1,11 @@
-"""Where new workers replacing dead ones go (no Ray needed)."""
+"""Where new workers replacing dead ones go, and what a placement group (a Tune trial) reserved."""
 
-from dsgd.placement import place_new_workers
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dsgd.placement import place_new_workers, reserved_cpus
+from dsgd.server_group import plan_servers
 
 ONE_CPU = {"CPU": 1}
 
@@ -22,3 +27,26 @@ def test_fewer_nodes_than_workers_means_the_next_one_fits_nowhere():
     assert place_new_workers(1, {"CPU": 1}, {"a": {"CPU": 0}}) == []
     assert place_new_workers(1, {"CPU": 1}, {}) == []
     assert free["a"] == {"CPU": 3, "GPU": 1}  # the caller's view is left as it was
+
+
+@ray.remote(num_cpus=1)
+def plan_inside_the_group():
+    """What the engine's driver sees in a trial: the CPUs its group reserved, and the servers it plans."""
+    node = ray.get_runtime_context().get_node_id()
+    cpus = reserved_cpus()
+    return node, cpus, plan_servers([node, node], cpus, cpus_per_worker=1, requested=None)
+
+
+def test_inside_a_placement_group_servers_are_planned_on_its_bundles_not_the_nodes_cpus(ray_session):
+    assert reserved_cpus() is None  # the driver is in no group
+    # A trial's group: its driver (bundle 0) and 2 workers of 1 CPU, on a node of 8 CPUs.
+    group = placement_group([{"CPU": 1}] * 3, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=60)
+        node, cpus, plan = ray.get(plan_inside_the_group.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0)).remote(), timeout=60)
+    finally:
+        remove_placement_group(group)
+    assert cpus == {node: 3.0}
+    assert plan == [node]  # 1 CPU left by the workers: one server, where the node's 8 CPUs would give 2
+    assert plan_servers([node, node], {node: 8.0}, cpus_per_worker=1, requested=None) == [node, node]
