@@ -40,6 +40,7 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import ray
@@ -104,16 +105,8 @@ def summarize(samples: list[dict[str, Any]], tolerance: float) -> dict[str, dict
 
 def build(creator, args: argparse.Namespace, kwargs: dict[str, Any], env: dict[str, str]) -> dsgd.DistributedSGD:
     """An engine whose workers get ``env`` on top of dsgd's worker environment (the driver's overrides it)."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # read by dsgd.cluster.worker_env as the workers start
         return dsgd.DistributedSGD(creator, num_workers=args.num_workers, strategy="ps", **kwargs)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def run(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:

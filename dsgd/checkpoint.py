@@ -90,8 +90,10 @@ def _remove_leftovers(directory: str, prefix: str) -> None:
     (".run.ckpt.old.<random>.tmp" beside ".run.ckpt.<random>.tmp") are kept.
     """
     for name in os.listdir(directory):
+        if not (name.startswith(prefix) and name.endswith(TEMP_SUFFIX)):
+            continue
         middle = name[len(prefix):-len(TEMP_SUFFIX)]
-        if name.startswith(prefix) and name.endswith(TEMP_SUFFIX) and middle and "." not in middle:
+        if middle and "." not in middle:
             os.unlink(os.path.join(directory, name))
 
 

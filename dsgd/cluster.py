@@ -41,7 +41,7 @@ PING_TIMEOUT_S = 10.0
 # - TF_CPU_ALLOCATOR_USE_BFC true gives TensorFlow's CPU tensors its best-fit pool (the
 #   allocator it uses for GPU memory) instead of malloc. A step frees and allocates
 #   every gradient again; glibc's malloc keeps a varying share of that freed memory, so
-#   a worker's RSS wandered by 5-10 % over hundreds of steps, while the pool is reused
+#   a worker's RSS wandered by 3-9 % over hundreds of steps, while the pool is reused
 #   and stays flat (benchmarks/soak.py, docs/benchmarks.md "Soak").
 WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
