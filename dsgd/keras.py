@@ -14,10 +14,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from dsgd import keras_outputs
 from dsgd.model import Model
-
-# Keys of step(fetch_stats=True)'s result that a metric must not shadow.
-_RESERVED_METRIC_NAMES = ("loss", "step", "step_time_s", "samples_per_s", "skipped")
 
 _BUILD_INSIDE = ("build the tf_keras model inside model_creator, e.g. "
                  "model_creator = lambda w, d: dsgd.KerasModel(tf_keras.Sequential([...]), ...)")
@@ -54,28 +52,33 @@ class KerasModel(Model):
                 batches=my_batches(worker_index, device_index))
 
     Args:
-        model: a ``tf_keras.Model`` (Sequential, functional or subclassed),
-            built here: its variables are created by this call, in the
-            replica's variable scope. Its regularization losses (``model.losses``)
-            are added to the loss, and its update ops (batch normalization's
-            moving statistics) go to ``UPDATE_OPS``, which dsgd averages
-            over all replicas after every step.
+        model: a ``tf_keras.Model`` (Sequential with or without an input
+            shape, functional, subclassed, nested), made in ``model_creator``
+            for this replica. It is called once here, in training mode, on
+            the replica's inputs; the regularization losses and update ops
+            (batch normalization's moving statistics) of that call are added
+            to the loss and to ``UPDATE_OPS`` (which dsgd averages over all
+            replicas after every step).
         loss: a tf_keras loss object, a loss name (``"mse"``,
             ``"sparse_categorical_crossentropy"``, ...) or a callable
             ``(y_true, y_pred) -> tensor``; a non-scalar result is averaged.
+            For a model with several outputs (a list or dict), one loss for
+            every output or a list or dict of losses, one per output; the
+            step's loss is their sum.
         optimizer: a ``tf.compat.v1.train.Optimizer`` (Keras optimizers do
             not fit dsgd's graph-mode apply).
         metrics: names (``"accuracy"``, ``"mae"``, any name
             ``tf_keras.metrics.get`` knows as a function) or callables
             ``(y_true, y_pred) -> tensor``, reported under their name (a
-            callable's ``__name__``) as the mean over the batch.
-            Stateful ``tf_keras.metrics.Metric`` objects are refused.
+            callable's ``__name__``) as the mean over the batch. With several
+            outputs each is reported per output, as ``<output>_<name>``, or
+            given per output as a dict ``{output: [metrics]}``. Stateful ``tf_keras.metrics.Metric`` objects are refused.
         batches: this replica's input, one of
             - an iterable of ``(x, y)`` tuples or of dicts of numpy arrays
               (read through ``features`` and ``label``), e.g.
               ``dsgd.get_dataset_shard("train").iter_batches(batch_format="numpy")``.
-              ``x`` may also be a list or dict of arrays for a model with
-              several inputs. Each step feeds the next batch. When the
+              ``x`` (``y``) may also be a list or dict of arrays for a model
+              with several inputs (outputs). Each step feeds the next batch. When the
               iterable runs out, iterating it again starts the next epoch
               (a list, a Ray ``DataIterator.iter_batches(...)`` result);
               a one-pass iterator (a generator) raises an error instead.
@@ -84,14 +87,15 @@ class KerasModel(Model):
               ``.repeat()`` on it to train for more than one pass).
             - an ``(x, y)`` pair of tensors of the replica's graph (e.g. from
               your own ``tf.data`` iterator): no feed either.
-        features: the key (or a list of keys, for several inputs) of ``x``
-            in dict batches.
-        label: the key of ``y`` in dict batches.
+        features: the key of ``x`` in dict batches, or a list or dict of
+            keys for a model with several inputs.
+        label: the key of ``y`` in dict batches, or a list or dict of keys
+            for a model with several outputs (the outputs' structure).
     """
 
     def __init__(self, model: Any, loss: Any, optimizer: tf.compat.v1.train.Optimizer,
                  metrics: Sequence[str | Callable] = (), batches: Any = None,
-                 features: str | Sequence[str] | None = None, label: str | None = None):
+                 features: Any = None, label: Any = None):
         tf_keras = _import_tf_keras()
         _check_model(model, tf_keras)
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
@@ -110,20 +114,41 @@ class KerasModel(Model):
         self._iterator: collections.abc.Iterator | None = None
         self._pending: tuple[Any, Any] | None = None
         self.inputs, self.labels = self._build_inputs(batches)
-
-        self.outputs = model(self.inputs, training=True)
-        self.loss = _scalar(_resolve_loss(loss, tf_keras)(self.labels, self.outputs))
-        if model.losses:
-            self.loss = tf.add_n([self.loss] + [tf.cast(l, self.loss.dtype) for l in model.losses])
-        self.metrics = _build_metrics(metrics, self.labels, self.outputs, tf_keras)
-        for op in model.updates:
-            if op not in tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS):
-                tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, op)
+        self._build_training_step(loss, metrics, tf_keras)
+        self._inference_outputs: Any = None
         # Keras names layers uniquely per graph ("dense", then "dense_1" in the next
         # replica). Resetting its counters here lets the next replica's layers, made by
         # the same model_creator, get this replica's names, so that every replica's
         # variables strip to the same names ("sequential/dense/kernel").
         tf_keras.backend.reset_uids()
+
+    def _build_training_step(self, loss: Any, metrics: Any, tf_keras) -> None:
+        """The model called on this replica's inputs in training mode: outputs, loss, metrics, updates.
+
+        Only what this call makes counts: a model built on its own ``Input``
+        (an input shape, the functional API) also holds the batch-norm updates
+        and activity losses of that build, which read its ``Input``
+        placeholder. Weight regularization is made anew on each read of
+        ``model.losses``, so it counts once.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        earlier = set(graph.get_operations())
+        self.outputs = self.model(self.inputs, training=True)
+        names = keras_outputs.output_names(self.outputs, self.model)
+        keras_outputs.check_labels(self.labels, self.outputs)
+        self.loss = keras_outputs.total_loss(loss, self.labels, self.outputs, names, tf_keras)
+        regularization = [l for l in self.model.losses if _op(l) not in earlier]
+        if regularization:
+            self.loss = tf.add_n([self.loss] + [tf.cast(l, self.loss.dtype) for l in regularization])
+        self.metrics = keras_outputs.build_metrics(metrics, self.labels, self.outputs, names, tf_keras)
+        self.updates = [u for u in self.model.updates if _op(u) not in earlier]
+        _check_feeds(self.model, fed=tf.nest.flatten(self.inputs) + tf.nest.flatten(self.labels),
+                     fetches={"loss": self.loss, **{f"metric {k!r}": v for k, v in self.metrics.items()},
+                              **{f"update {_op(u).name}": u for u in self.updates}})
+        for update in self.updates:
+            tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+        self._scope = graph.get_name_scope()
+        self._device = _op(tf.nest.flatten(self.outputs)[0]).device
 
     # ---- dsgd.Model --------------------------------------------------------
 
@@ -142,9 +167,37 @@ class KerasModel(Model):
             return {}
         x, y = self._next_batch()
         feed = dict(zip(tf.nest.flatten(self.inputs), _flatten_like(self.inputs, x, "x")))
-        feed[self.labels] = y
+        feed.update(zip(tf.nest.flatten(self.labels), _flatten_like(self.labels, y, "y")))
         self.batches_read += 1
         return feed
+
+    # ---- inference -----------------------------------------------------------
+
+    def predict(self, x: Any, batch_size: int | None = None) -> Any:
+        """The model's outputs for ``x`` in inference mode, in the worker's session.
+
+        ``training=False``: batch normalization uses its moving statistics and
+        dropout is off (``step()`` runs the model in training mode). ``x`` is
+        structured like the batches' inputs (an array, or a list or dict of
+        arrays); the result like the model's outputs. Call it on a replica,
+        e.g. ``sgd.for_model(lambda m: m.predict(x_test))``. The inference
+        graph is built on the first call.
+        """
+        sess = tf.compat.v1.get_default_session()
+        if sess is None or sess.graph is not _op(self.loss).graph:
+            raise RuntimeError("KerasModel.predict runs in its worker's session: call it through "
+                               "sgd.for_model(fn) or sgd.foreach_model(fn)")
+        if self._inference_outputs is None:
+            with sess.graph.as_default(), tf.device(self._device), tf.compat.v1.name_scope(
+                    f"{self._scope}/inference/" if self._scope else "inference/"):
+                self._inference_outputs = self.model(self.inputs, training=False)
+        arrays = [np.asarray(a) for a in _flatten_like(self.inputs, x, "x")]
+        size = len(arrays[0])
+        step = batch_size or max(size, 1)
+        parts = [sess.run(self._inference_outputs, dict(zip(tf.nest.flatten(self.inputs),
+                                                            [a[i:i + step] for a in arrays])))
+                 for i in range(0, size, step)]
+        return tf.nest.map_structure(lambda *chunks: np.concatenate(chunks), *parts)
 
     # ---- input -------------------------------------------------------------
 
@@ -175,7 +228,7 @@ class KerasModel(Model):
         self._pending = self._next_batch()  # read now for its shapes; fed by the first get_feed_dict
         x, y = self._pending
         inputs = tf.nest.map_structure(lambda a: _placeholder(a, "input"), x)
-        return inputs, _placeholder(y, "label")
+        return inputs, tf.nest.map_structure(lambda a: _placeholder(a, "label"), y)
 
     def _split(self, element: Any, what: str) -> tuple[Any, Any]:
         """(x, y) from one batch: a pair, or a dict read through features/label."""
@@ -183,13 +236,12 @@ class KerasModel(Model):
             if self.features is None:
                 raise ValueError(f"{what} are dicts with keys {sorted(element)}; pass features= and label= "
                                  "to name the model's input and the label among them")
-            keys = [self.features] if isinstance(self.features, str) else list(self.features)
-            missing = [k for k in keys + [self.label] if k not in element]
+            missing = [k for k in tf.nest.flatten(self.features) + tf.nest.flatten(self.label) if k not in element]
             if missing:
                 raise KeyError(f"{what} have no key {missing[0]!r} (features={self.features!r}, "
                                f"label={self.label!r}); their keys: {sorted(element)}")
-            x = element[self.features] if isinstance(self.features, str) else [element[k] for k in keys]
-            return x, element[self.label]
+            return (tf.nest.map_structure(element.__getitem__, self.features),
+                    tf.nest.map_structure(element.__getitem__, self.label))
         if isinstance(element, (tuple, list)) and len(element) == 2:
             if self.features is not None:
                 raise ValueError(f"{what} are (x, y) pairs: features= and label= only apply to dict batches")
@@ -216,7 +268,7 @@ class KerasModel(Model):
             except StopIteration:
                 raise RuntimeError("KerasModel batches yielded no batch in a new pass over it") from None
         x, y = self._split(element, "KerasModel batches")
-        return tf.nest.map_structure(np.asarray, x), np.asarray(y)
+        return tf.nest.map_structure(np.asarray, x), tf.nest.map_structure(np.asarray, y)
 
 
 def _check_model(model: Any, tf_keras) -> None:
@@ -262,67 +314,42 @@ def _flatten_like(structure: Any, value: Any, what: str) -> list:
     return tf.nest.flatten(value)
 
 
-def _scalar(value: Any) -> tf.Tensor:
-    value = tf.convert_to_tensor(value)
-    return value if value.shape.rank == 0 else tf.reduce_mean(value)
+def _op(tensor_or_op: tf.Tensor | tf.Operation) -> tf.Operation:
+    return tensor_or_op if isinstance(tensor_or_op, tf.Operation) else tensor_or_op.op
 
 
-def _resolve_loss(loss: Any, tf_keras) -> Callable:
-    if isinstance(loss, str):
-        try:
-            return tf_keras.losses.get(loss)
-        except ValueError as e:
-            raise ValueError(f"KerasModel loss {loss!r} is not a tf_keras loss name: {e}") from e
-    if not callable(loss):
-        raise TypeError(f"KerasModel loss must be a tf_keras loss, a loss name or a callable "
-                        f"(y_true, y_pred) -> tensor, got {type(loss).__name__}")
-    return loss
+def _check_feeds(model: Any, fed: list[tf.Tensor], fetches: dict[str, Any]) -> None:
+    """Refuse a model whose step would read a placeholder that dsgd does not feed.
+
+    Walks the graph back from every fetch of the step; the first placeholder
+    that is not one of the batch's inputs or labels is named, with the layer
+    that reads it, instead of TensorFlow's feed error at the first step.
+    """
+    fed_ops = {_op(t) for t in fed}
+    reached: dict[tf.Operation, tuple[str, tf.Operation | None]] = {}  # op -> (fetch, the op that reads it)
+    queue = collections.deque()
+    for what, fetch in fetches.items():
+        if _op(fetch) not in reached:
+            reached[_op(fetch)] = (what, None)
+            queue.append(_op(fetch))
+    while queue:
+        op = queue.popleft()
+        what, reader = reached[op]
+        if op.type == "Placeholder" and op not in fed_ops:
+            layer = _layer_of(reader or op, model)
+            raise ValueError(
+                f"KerasModel cannot train this model: its {what} reads placeholder {op.name!r}"
+                f"{f' (in layer {layer!r}, op {reader.name})' if layer and reader else ''}, which dsgd never "
+                "feeds: a step feeds only the batch's inputs and labels. Build every loss, update and output "
+                "from the model's call on its inputs (a layer must not use a tensor or placeholder made "
+                "outside that call)")
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent not in reached:
+                reached[parent] = (what, op)
+                queue.append(parent)
 
 
-def _accuracy(labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
-    """Keras's choice for "accuracy": binary, one-hot or sparse, from the shapes."""
-    if outputs.shape[-1] == 1:
-        return tf.cast(tf.equal(tf.cast(labels > 0.5, tf.float32),
-                                tf.cast(tf.reshape(outputs, tf.shape(labels)) > 0.5, tf.float32)), tf.float32)
-    predicted = tf.argmax(outputs, axis=-1)
-    if labels.shape.rank == outputs.shape.rank and labels.shape[-1] != 1:
-        return tf.cast(tf.equal(tf.argmax(labels, axis=-1), predicted), tf.float32)  # one-hot labels
-    labels = tf.reshape(labels, tf.shape(predicted))
-    return tf.cast(tf.equal(tf.cast(labels, tf.int64), predicted), tf.float32)
-
-
-def _build_metrics(metrics: Sequence[str | Callable], labels: tf.Tensor, outputs: Any,
-                   tf_keras) -> dict[str, tf.Tensor]:
-    if isinstance(metrics, (str, collections.abc.Mapping)) or callable(metrics):
-        raise TypeError(f"KerasModel metrics must be a list of names or callables, got {metrics!r}")
-    built: dict[str, tf.Tensor] = {}
-    for metric in metrics:
-        if isinstance(metric, tf_keras.metrics.Metric):
-            raise TypeError(
-                f"KerasModel metric {metric.name!r} is a stateful tf_keras.metrics.Metric, whose running totals "
-                "dsgd does not average; pass its name or a function (y_true, y_pred) -> tensor")
-        if isinstance(metric, str):
-            name = metric
-            if metric in ("accuracy", "acc"):
-                fn = _accuracy
-            else:
-                try:
-                    fn = tf_keras.metrics.get(metric)
-                except ValueError as e:
-                    raise ValueError(f"KerasModel metric {metric!r} is not a tf_keras metric name: {e}") from e
-                if isinstance(fn, tf_keras.metrics.Metric):
-                    raise TypeError(f"KerasModel metric {metric!r} names a stateful tf_keras.metrics.Metric; "
-                                    "pass a function (y_true, y_pred) -> tensor instead")
-        elif callable(metric):
-            fn = metric
-            name = getattr(metric, "__name__", None) or getattr(metric, "name", None)
-            if not name or name == "<lambda>":
-                raise ValueError(f"KerasModel metric {metric!r} has no name; use a def'd function "
-                                 "(its __name__ is the name in the step's stats)")
-        else:
-            raise TypeError(f"KerasModel metrics must be names or callables, got {metric!r}")
-        if name in built or name in _RESERVED_METRIC_NAMES:
-            raise ValueError(f"KerasModel metric name {name!r} is used twice or is reserved "
-                             f"({', '.join(_RESERVED_METRIC_NAMES)})")
-        built[name] = _scalar(fn(labels, outputs))
-    return built
+def _layer_of(op: tf.Operation, model: Any) -> str | None:
+    """The innermost Keras layer whose name scope holds ``op``, if any."""
+    names = {getattr(m, "name", None) for m in model.submodules} | {model.name}
+    return next((part for part in reversed(op.name.split("/")[:-1]) if part in names), None)

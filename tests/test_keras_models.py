@@ -1,0 +1,163 @@
+"""dsgd.KerasModel on tf_keras models as users write them: input shapes, the functional API,
+subclassed and nested models, batch norm, dropout, regularizers, several inputs and outputs,
+and tf_keras.applications models."""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dsgd
+import keras_test_models as km
+from dsgd_test_models import REPLICAS_2x1, assert_replicas_identical, assert_weights_close
+
+WORKERS = 2
+
+
+def start_weights(sgd, seed: int = 5) -> dict:
+    """Small random weights on every replica; moving variances positive."""
+    rng = np.random.RandomState(seed)
+    weights = {k: (np.abs if "moving_variance" in k else np.asarray)(0.3 * rng.randn(*v.shape)).astype(v.dtype)
+               for k, v in sgd.get_weights().items()}
+    sgd.set_weights(weights)
+    return weights
+
+
+@pytest.mark.parametrize("kind", km.DETERMINISTIC)
+def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(ray_session, kind):
+    with dsgd.DistributedSGD(functools.partial(km.kind_creator, kind), num_workers=WORKERS) as sgd:
+        start = start_weights(sgd)
+        stats = [sgd.step(fetch_stats=True) for _ in range(km.STEPS)]
+        expected, first_loss = km.eager_reference(kind, start, REPLICAS_2x1, km.STEPS)
+        assert sgd.get_weights().keys() == expected.keys()
+        assert_weights_close(sgd.get_weights(), expected)
+        assert_replicas_identical(sgd, WORKERS)
+    # The step's loss is the replicas' mean loss before the step, regularization included once.
+    assert stats[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind, bias_before_bn", [("sequential_input_layer_bn", "dense/bias"),
+                                                  ("functional_bn_dropout", "dense_1/bias")])
+def test_model_with_batch_norm_trains_and_every_replica_keeps_identical_variables(ray_session, kind, bias_before_bn):
+    with dsgd.DistributedSGD(functools.partial(km.kind_creator, kind), num_workers=WORKERS,
+                             devices_per_worker=2) as sgd:
+        start = start_weights(sgd)
+        for _ in range(km.STEPS):
+            sgd.step()
+        got = sgd.get_weights()
+        assert_replicas_identical(sgd, WORKERS * 2)
+    moving = [name for name in got if "moving_" in name]
+    assert len(moving) == 2
+    # Everything trained, moving statistics included, but the bias of the layer before batch norm:
+    # normalization subtracts the batch mean, so that bias has a zero gradient.
+    unchanged = [name for name in got if np.array_equal(got[name], start[name])]
+    assert unchanged == [bias_before_bn]
+
+
+@pytest.mark.parametrize("kind", km.APPLICATIONS)
+def test_application_model_with_batch_norm_trains_with_identical_replicas(ray_session, kind):
+    with dsgd.DistributedSGD(functools.partial(km.kind_creator, kind), num_workers=WORKERS) as sgd:
+        start = sgd.get_weights()
+        losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(2)]
+        got = sgd.get_weights()
+        assert_replicas_identical(sgd, WORKERS)
+    assert all(np.isfinite(losses))
+    moving = [name for name in got if name.endswith("moving_mean")]
+    assert moving and not all(np.array_equal(got[name], start[name]) for name in moving)
+
+
+# ---- in-process: KerasModel built in a graph like a dsgd worker builds it, no Ray --------------
+
+def build(kind: str, device_index: int = 0) -> dsgd.KerasModel:
+    with tf.compat.v1.variable_scope(f"device_{device_index}"):
+        return km.kind_creator(kind, 0, device_index)
+
+
+def test_only_the_replicas_own_call_contributes_update_ops():
+    with tf.Graph().as_default():
+        model = build("sequential_input_layer_bn", device_index=1)
+        # The model also holds the two updates of its build on its own Input layer, which nothing feeds.
+        assert len(model.model.updates) == 4
+        assert len(model.updates) == 2
+        assert all(u.name.startswith("device_1/sequential/batch_normalization/AssignMovingAvg") for u in model.updates)
+        assert tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS) == model.updates
+
+
+def test_a_model_reading_a_placeholder_nobody_feeds_is_refused_naming_it():
+    with tf.Graph().as_default():
+        with tf.compat.v1.variable_scope("device_0"):
+            with pytest.raises(ValueError, match=r"its loss reads placeholder 'device_0/scale' \(in layer "
+                                                 r"'reads_outside_placeholder', op .*\), which dsgd never feeds"):
+                dsgd.KerasModel(km.ReadsOutsidePlaceholder(), loss="mse",
+                                optimizer=tf.compat.v1.train.GradientDescentOptimizer(km.LR),
+                                batches=km.replica_batches(0, 0))
+
+
+def test_labels_must_match_the_outputs_and_losses_one_per_output():
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match=r"has a dict of 2 outputs \(keys \['pair', 'value'\]\) but the "
+                                             r"batches' labels are one output"):
+            dsgd.KerasModel(km.BUILDERS["two_outputs"](), loss="mse",
+                            optimizer=tf.compat.v1.train.GradientDescentOptimizer(km.LR),
+                            batches=km.replica_batches(0, 0))
+        with pytest.raises(ValueError, match=r"loss is a dict with keys \['value'\]; expected one entry per "
+                                             r"output: \['pair', 'value'\]"):
+            dsgd.KerasModel(km.BUILDERS["two_outputs"](), loss={"value": "mse"},
+                            optimizer=tf.compat.v1.train.GradientDescentOptimizer(km.LR),
+                            batches=[km.kind_batch("two_outputs", 0, 0, 0)])
+
+
+def test_several_outputs_report_each_metric_per_output_and_dict_batches_name_their_keys():
+    rng = np.random.RandomState(0)
+    rows = {"x": rng.randn(4, km.IN).astype(np.float32), "v": rng.randn(4, 1).astype(np.float32),
+            "p": rng.randn(4, 2).astype(np.float32)}
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        model = dsgd.KerasModel(km.BUILDERS["two_outputs"](), loss={"value": "mse", "pair": "mae"},
+                                optimizer=tf.compat.v1.train.GradientDescentOptimizer(km.LR), metrics=["mae"],
+                                batches=[rows], features="x", label={"value": "v", "pair": "p"})
+        assert sorted(model.get_metrics()) == ["pair_mae", "value_mae"]
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = model.get_feed_dict()
+        loss, outputs = sess.run([model.loss, model.outputs], feed)
+    expected = np.mean((outputs["value"] - rows["v"]) ** 2) + np.mean(np.abs(outputs["pair"] - rows["p"]))
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_predict_runs_batch_norm_in_inference_mode_with_the_moving_statistics():
+    x = np.random.RandomState(1).randn(7, km.IN).astype(np.float32)
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        model = build("sequential_input_layer_bn")
+        sess.run(tf.compat.v1.global_variables_initializer())
+        rng = np.random.RandomState(2)
+        for v in tf.compat.v1.global_variables():
+            v.load(np.abs(rng.randn(*v.shape.as_list())).astype(np.float32) + 0.1, sess)
+        weights = {v.name.split(":")[0].split("/", 1)[1]: sess.run(v) for v in tf.compat.v1.global_variables()}
+        predicted = model.predict(x, batch_size=3)
+        training = sess.run(model.outputs, {model.inputs: x})
+    names = km.graph_variable_names("sequential_input_layer_bn")
+    kernel, bias, gamma, beta, mean, variance, kernel_2, bias_2 = (weights[n] for n in names)
+    h = x @ kernel + bias
+    h = (h - mean) / np.sqrt(variance + 1e-3) * gamma + beta
+    np.testing.assert_allclose(predicted, h @ kernel_2 + bias_2, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(training, predicted)  # training mode normalizes with the batch's statistics
+
+
+def test_predict_outside_the_workers_session_says_where_to_call_it():
+    with tf.Graph().as_default():
+        model = build("functional")
+        with pytest.raises(RuntimeError, match=r"predict runs in its worker's session: call it through "
+                                               r"sgd.for_model"):
+            model.predict(np.zeros((1, km.IN), np.float32))
+
+
+def test_keras_variables_of_every_kind_strip_to_the_same_names_on_every_replica():
+    for kind in ("sequential_input_layer_bn", "functional", "subclassed", "two_inputs"):
+        with tf.Graph().as_default() as graph:
+            for device in range(2):
+                build(kind, device)
+            names = [v.name.split(":")[0] for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)]
+        stripped = [n.split("/", 1)[1] for n in names]
+        assert stripped[:len(stripped) // 2] == stripped[len(stripped) // 2:] == km.graph_variable_names(kind), kind
+        tf_keras.backend.reset_uids()
