@@ -57,8 +57,9 @@ def run_case(batch_size: int, tiles: int, args: argparse.Namespace, data: dict[s
     order = np.random.RandomState(0).permutation(len(data["y_train"]) * tiles) % len(data["y_train"])
     arrays = {"image": data["x_train"][order], "label": data["y_train"][order]}
     dataset = ray.data.from_items([{"image": x, "label": y} for x, y in zip(arrays["image"], arrays["label"])])
-    creators = {"numpy": (mnist_keras.make_model_creator(example_args, arrays), None),
-                "ray-data": (mnist_keras.make_model_creator(example_args), {"train": dataset})}
+    image_shape = arrays["image"].shape[1:]
+    creators = {"numpy": (mnist_keras.make_model_creator(example_args, image_shape, arrays), None),
+                "ray-data": (mnist_keras.make_model_creator(example_args, image_shape), {"train": dataset})}
     global_batch = batch_size * args.num_workers * args.devices_per_worker
     steps_per_epoch = len(order) // global_batch
     print(f"\n== batch {batch_size} per replica, {args.num_workers} x {args.devices_per_worker} replicas "

@@ -25,20 +25,28 @@ import dsgd
 import mnist  # examples/mnist.py, next to this file: its data, flags and training loop
 
 
-def make_model_creator(args: argparse.Namespace, train: dict[str, np.ndarray] | None = None):
+def make_model_creator(args: argparse.Namespace, image_shape: tuple[int, ...],
+                       train: dict[str, np.ndarray] | None = None):
     """model_creator for DistributedSGD: one tf_keras convnet per replica, fed from its split of "train".
 
-    With ``train`` (arrays; ``--input numpy``) each replica is fed its slice
-    of them instead, from a list of batches: the feed_dict baseline.
+    The convnet is written as Keras code usually is: an input shape, batch
+    normalization and dropout (both in training mode during steps; see
+    ``test_accuracy`` for inference). With ``train`` (arrays; ``--input
+    numpy``) each replica is fed its slice of them instead, from a list of
+    batches: the feed_dict baseline.
     """
     def create(worker_index: int, device_index: int) -> dsgd.KerasModel:
         import tf_keras
 
+        layers = tf_keras.layers
         net = tf_keras.Sequential([
-            tf_keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            tf_keras.layers.Conv2D(64, 3, strides=2, padding="same", activation="relu"),
-            tf_keras.layers.Flatten(),
-            tf_keras.layers.Dense(10),
+            layers.InputLayer(image_shape),
+            layers.Conv2D(32, 3, padding="same", use_bias=False), layers.BatchNormalization(), layers.ReLU(),
+            layers.Conv2D(64, 3, strides=2, padding="same", use_bias=False), layers.BatchNormalization(),
+            layers.ReLU(),
+            layers.Flatten(),
+            layers.Dropout(0.25),
+            layers.Dense(10),
         ])
         if train is None:
             batches = dsgd.get_dataset_shard("train").iter_batches(
@@ -57,8 +65,11 @@ def make_model_creator(args: argparse.Namespace, train: dict[str, np.ndarray] | 
 
 
 def test_accuracy(model: dsgd.KerasModel, images: np.ndarray, labels: np.ndarray) -> float:
-    """Accuracy of one replica on the test set, in its worker's session (the default while dsgd runs fn)."""
-    logits = tf.compat.v1.get_default_session().run(model.outputs, {model.inputs: images})
+    """Accuracy of one replica on the test set, in inference mode (batch norm's moving statistics, no dropout).
+
+    Runs on the replica's worker, through ``sgd.for_model``: ``predict`` uses its session.
+    """
+    logits = model.predict(images, batch_size=1000)
     return float(np.mean(np.argmax(logits, axis=1) == labels))
 
 
@@ -80,13 +91,14 @@ def main(argv: list[str] | None = None) -> float:
     # The training set as a Ray Dataset of {"image", "label"} rows, in the object store;
     # shuffled once here (streaming_split deals blocks, so each replica gets a mix of digits).
     order = np.random.RandomState(0).permutation(len(data["y_train"]))
+    image_shape = data["x_train"].shape[1:]
     if args.input == "ray-data":
         train = ray.data.from_items([{"image": x, "label": y}
                                      for x, y in zip(data["x_train"][order], data["y_train"][order])])
-        create, datasets = make_model_creator(args), {"train": train}
+        create, datasets = make_model_creator(args, image_shape), {"train": train}
     else:
         arrays = {"image": data["x_train"][order], "label": data["y_train"][order]}
-        create, datasets = make_model_creator(args, arrays), None
+        create, datasets = make_model_creator(args, image_shape, arrays), None
     start = time.perf_counter()
     with dsgd.DistributedSGD(create, num_workers=args.num_workers,
                              devices_per_worker=args.devices_per_worker, strategy=args.strategy,
