@@ -161,3 +161,23 @@ def test_keras_variables_of_every_kind_strip_to_the_same_names_on_every_replica(
         stripped = [n.split("/", 1)[1] for n in names]
         assert stripped[:len(stripped) // 2] == stripped[len(stripped) // 2:] == km.graph_variable_names(kind), kind
         tf_keras.backend.reset_uids()
+
+
+def test_dict_inputs_are_fed_from_dict_batches_through_a_dict_of_feature_keys():
+    rng = np.random.RandomState(3)
+    rows = {"first": rng.randn(4, km.IN).astype(np.float32), "second": rng.randn(4, 2).astype(np.float32),
+            "target": rng.randn(4, 1).astype(np.float32)}
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        a, b = tf_keras.Input((km.IN,), name="a"), tf_keras.Input((2,), name="b")
+        net = tf_keras.Model({"a": a, "b": b}, tf_keras.layers.Dense(1)(tf_keras.layers.Concatenate()([a, b])))
+        model = dsgd.KerasModel(net, loss="mse", optimizer=tf.compat.v1.train.GradientDescentOptimizer(km.LR),
+                                batches=[rows], features={"a": "first", "b": "second"}, label="target")
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = model.get_feed_dict()
+        assert set(model.inputs) == {"a", "b"}
+        np.testing.assert_array_equal(feed[model.inputs["a"]], rows["first"])
+        np.testing.assert_array_equal(feed[model.inputs["b"]], rows["second"])
+        kernel, bias = sess.run(net.trainable_variables)
+        loss = sess.run(model.loss, feed)
+    pred = np.concatenate([rows["first"], rows["second"]], axis=1) @ kernel + bias
+    assert loss == pytest.approx(np.mean((pred - rows["target"]) ** 2), rel=1e-5)
