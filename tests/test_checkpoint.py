@@ -193,6 +193,14 @@ def test_a_file_that_is_not_a_whole_checkpoint_gets_an_error_naming_it_and_the_p
         checkpoint.load(str(path), EXPECTED)
 
 
+def test_a_checkpoint_whose_weight_has_another_dtype_is_refused_naming_both(tmp_path):
+    path = tmp_path / "float64.ckpt"
+    checkpoint.save(path, {"weights": {"w": np.zeros(WEIGHT.shape, np.float64)}, "optimizer": {}, "applied_steps": 1})
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))} was written by a different model: "
+                                         "weights 'w' is float64\\[1000\\], the model has float32\\[1000\\]"):
+        checkpoint.load(str(path), EXPECTED)
+
+
 def test_a_directory_without_a_checkpoint_is_named_with_what_it_holds(tmp_path):
     np.save(tmp_path / "model.npy", np.zeros(3))  # what Ray 0.6's save_checkpoint wrote
     with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))} is not a checkpoint: it is a directory "
