@@ -25,7 +25,9 @@ class Regression(dsgd.Model):
     """y = x . W_TRUE on a fixed batch per replica, w from zero, momentum SGD at config's lr.
 
     With ``kill_at`` set, worker 1 SIGKILLs its own process at that call of
-    get_feed_dict (its step id), once: it leaves ``marker`` behind.
+    get_feed_dict (its step id), once: it leaves ``marker`` behind. With
+    ``marker`` set, worker 0 appends a line to ``calls_file(config)`` at every
+    call: the batches it computed, across restarts of its trial.
     """
 
     def __init__(self, worker_index, device_index, config):
@@ -52,7 +54,14 @@ class Regression(dsgd.Model):
             open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         self.calls += 1
+        if self.worker_index == 0 and self.marker:
+            with open(calls_file(self.kill_at, self.marker), "a") as f:
+                f.write("batch\n")
         return {self.x: self.x_value, self.y: self.x_value @ W_TRUE}
+
+
+def calls_file(kill_at, marker) -> str:
+    return f"{marker}.worker-0-batches.kill-at-{kill_at}"
 
 
 def regression_creator(config):
@@ -151,6 +160,11 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
     history = killed.metrics_dataframe
     rows = list(zip(history["training_iteration"], history["num_steps"]))
     assert rows in ([(1, 2), (2, 4), (3, 6), (4, 8), (5, 10)], [(4, 8), (5, 10)]), rows
+    # What tells a resume from a restart from scratch: after the restart worker 0 computed steps 6 to 9
+    # only. Before the kill it computed steps 0 to 6, and step 7 too if it got there before worker 1 died.
+    batches = {kill_at: len(open(calls_file(kill_at, marker)).readlines()) for kill_at in (None, 7)}
+    assert batches[None] == 10
+    assert batches[7] in (7 + 4, 8 + 4), batches  # a restart from scratch would make it 17 or 18
     got, expected = final_state(killed), final_state(uninterrupted)
     assert got.keys() == expected.keys() and any(k.startswith("optimizer/") for k in got)
     for key in expected:
