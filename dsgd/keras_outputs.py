@@ -11,7 +11,7 @@ there are several outputs.
 from __future__ import annotations
 
 import collections.abc
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import pytest
 import dsgd
 from dsgd import checkpoint
 from dsgd.shards import VarSpec
-from dsgd_test_models import AdamNet, TanhNet, assert_replicas_identical, wait_until
+from dsgd_test_models import AdamNet, TanhNet, assert_replicas_identical
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SAVE_LOOP_JOB = os.path.join(TESTS_DIR, "save_loop_job.py")
@@ -92,33 +93,32 @@ def test_save_into_new_directories_makes_each_one_durable_in_its_parent(tmp_path
 
 
 def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    """SIGKILL a process while it writes a 128 MiB checkpoint over an older one: the older one loads."""
+    """SIGKILL a process half-way through writing a 128 MiB checkpoint over an older one: the older one loads."""
     elements = 32 << 20
     path = tmp_path / "run.ckpt"
-
-    def half_written() -> list[str]:
-        """Files in the directory that a save has begun but not half finished."""
-        return [p.name for p in tmp_path.iterdir() if 0 < p.stat().st_size < elements * 4 // 2]
-
     proc = subprocess.Popen([sys.executable, SAVE_LOOP_JOB, str(path), str(elements)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    deadline = threading.Timer(120, proc.kill)  # bounds the reads below: a killed job's stdout ends
+    deadline.start()
     try:
-        # Once a first save has finished (the path exists), kill the process early in a later one.
-        wait_until(lambda: proc.poll() is not None or (path.exists() and half_written()), timeout_s=60, poll_s=0.002)
+        # The job says when its second save has written half of its file, and waits there.
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert lines == ["SAVED 0\n", "HALF-WRITTEN 1\n"], (lines, proc.poll())
         proc.kill()
-        out, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=30)
     finally:
+        deadline.cancel()
         proc.kill()
     assert proc.returncode == -signal.SIGKILL, err[-2000:]
-    saved = [int(line.split()[1]) for line in out.splitlines() if line.startswith("SAVED ")]
     state = checkpoint.load(path, {"weights": [VarSpec("w", (elements,), np.dtype(np.float32))], "optimizer": []})
-    assert state["applied_steps"] == saved[-1]
-    assert np.all(state["weights"]["w"] == saved[-1])
+    assert state["applied_steps"] == 0
+    assert np.all(state["weights"]["w"] == 0)
     left = [name for name in os.listdir(tmp_path) if name != "run.ckpt"]
     assert len(left) == 1 and re.fullmatch(r"\.run\.ckpt\.\w+\.tmp", left[0]), left  # it was killed mid-save
+    assert elements * 4 // 2 <= (tmp_path / left[0]).stat().st_size < elements * 4
     other = tmp_path / ".run.ckpt.old.abcd1234.tmp"  # a temporary file of the checkpoint "run.ckpt.old"
     other.write_bytes(b"")
-    checkpoint.save(path, small_state(saved[-1] + 1))  # the next save removes the killed save's file, only that
+    checkpoint.save(path, small_state(1))  # the next save removes the killed save's file, only that
     assert sorted(os.listdir(tmp_path)) == [other.name, "run.ckpt"]
 
 
