@@ -191,6 +191,13 @@ def test_peers_run_interleaved(ray_session, tmp_path):
 
 def test_turnstile_gives_every_worker_each_turn_in_step(ray_session):
     turnstile = peers.Turnstile.remote(2)
+    try:
+        take_three_turns(turnstile)
+    finally:
+        ray.kill(turnstile)
+
+
+def take_three_turns(turnstile) -> None:
     events, steps_taken = [], {}
 
     def worker(rank):

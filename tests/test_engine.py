@@ -8,7 +8,7 @@ import pytest
 import dsgd
 from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close, batch,
-                              numpy_forward, numpy_step, set_start_weights)
+                              numpy_forward, numpy_step, replica_weights, set_start_weights)
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
@@ -18,27 +18,37 @@ def assert_all_four_identical(sgd):
     assert_replicas_identical(sgd, WORKERS * DEVICES)
 
 
+INITIAL: dict[str, list[dict[str, np.ndarray]]] = {}  # every replica's weights as each engine was built
+
+
 @pytest.fixture(scope="module")
 def engines(ray_session):
     """One 2x2 engine per exchange; "ps" with tiny shards so variables get split.
 
     "ps" moves shards with the C++ ops (the default), "ps-python" without.
     """
-    built = {
-        "simple": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="simple"),
-        "ps": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
-                                  grad_shard_bytes=24, use_ops=True),
-        "ps-python": dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
-                                         grad_shard_bytes=24, use_ops=False),
-    }
-    yield built
-    for sgd in built.values():
-        sgd.shutdown()
+    options = {"simple": dict(strategy="simple"),
+               "ps": dict(strategy="ps", grad_shard_bytes=24, use_ops=True),
+               "ps-python": dict(strategy="ps", grad_shard_bytes=24, use_ops=False)}
+    built = {}
+    try:
+        for name, kwargs in options.items():
+            built[name] = dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, **kwargs)
+            INITIAL[name] = replica_weights(built[name])  # before any test sets weights or steps
+        yield built
+    finally:
+        for sgd in built.values():
+            sgd.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_random_init_is_broadcast_to_every_replica(engines, strategy):
-    assert_all_four_identical(engines[strategy])
+    replicas = INITIAL[strategy]
+    assert len(replicas) == WORKERS * DEVICES
+    for i, other in enumerate(replicas[1:], start=1):
+        for name in replicas[0]:
+            assert np.array_equal(other[name], replicas[0][name]), f"replica {i} differs in {name}"
+    assert np.all(replicas[0]["layer/b"] != 0)  # a random initializer ran: the same values came to every replica
 
 
 def test_ps_serves_many_partitions_per_server_through_shared_memory(engines):

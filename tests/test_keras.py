@@ -17,7 +17,7 @@ REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
 
 
 def start_weights(sgd, seed: int = 3) -> dict:
-    """Fixed random weights on every replica (before any step, so the data is at its first batch)."""
+    """Fixed random weights on every replica."""
     rng = np.random.RandomState(seed)
     weights = {k: (0.5 * rng.randn(*v.shape)).astype(v.dtype) for k, v in sgd.get_weights().items()}
     sgd.set_weights(weights)
@@ -32,12 +32,15 @@ def assert_close(got: dict, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def dense_engines(ray_session):
-    built = {strategy: dsgd.DistributedSGD(km.dense_creator, num_workers=WORKERS, devices_per_worker=DEVICES,
-                                           strategy=strategy)
-             for strategy in ("simple", "ps")}
-    yield built
-    for sgd in built.values():
-        sgd.shutdown()
+    built = {}
+    try:
+        for strategy in ("simple", "ps"):
+            built[strategy] = dsgd.DistributedSGD(km.dense_creator, num_workers=WORKERS, devices_per_worker=DEVICES,
+                                                  strategy=strategy)
+        yield built
+    finally:
+        for sgd in built.values():
+            sgd.shutdown()
 
 
 def test_weights_are_named_like_the_keras_variables_without_the_replica_scope(dense_engines):
@@ -53,19 +56,23 @@ def test_weights_are_named_like_the_keras_variables_without_the_replica_scope(de
 
 
 def test_dense_model_trains_like_sgd_on_the_union_of_batches_under_both_strategies(dense_engines):
-    # Runs before any other step on these engines: each replica's data is at its first batch.
+    # Other tests may have stepped these engines: start from the batch the replicas are at.
+    read = {m for sgd in dense_engines.values() for m in sgd.foreach_model(lambda m: m.batches_read)}
+    assert len(read) == 1
+    first = read.pop()
     start = None
     for sgd in dense_engines.values():
         start = start_weights(sgd)
     expected = {k: v.astype(np.float64) for k, v in start.items()}
-    per_replica = [km.dense_forward(expected, km.batch(w, d, 0)[0])[1] - km.batch(w, d, 0)[1] for w, d in REPLICAS]
-    for step in range(km.STEPS + 1):  # one step past the data: the batches start over
-        stats = [sgd.step(fetch_stats=(step == 0)) for sgd in dense_engines.values()]
+    x0 = {(w, d): km.batch(w, d, first % km.STEPS) for w, d in REPLICAS}
+    per_replica = [km.dense_forward(expected, x0[r][0])[1] - x0[r][1] for r in REPLICAS]
+    for step in range(first, first + km.STEPS + 1):  # past the end of the data: the batches start over
+        stats = [sgd.step(fetch_stats=(step == first)) for sgd in dense_engines.values()]
         expected = km.dense_sgd_step(expected, REPLICAS, step % km.STEPS)
         for sgd in dense_engines.values():
             assert_close(sgd.get_weights(), expected)
             assert_replicas_identical(sgd, WORKERS * DEVICES)
-        if step == 0:
+        if step == first:
             for s in stats:  # metrics by name and by callable, means over the replicas, before the step
                 assert s["loss"] == pytest.approx(np.mean([np.mean(e ** 2) for e in per_replica]), rel=1e-5)
                 assert s["mae"] == pytest.approx(np.mean([np.mean(np.abs(e)) for e in per_replica]), rel=1e-5)
@@ -73,7 +80,8 @@ def test_dense_model_trains_like_sgd_on_the_union_of_batches_under_both_strategi
     simple, ps = (sgd.get_weights() for sgd in dense_engines.values())
     for name in simple:
         assert np.array_equal(simple[name], ps[name]), name
-    assert dense_engines["ps"].foreach_model(lambda m: m.epoch) == [1] * len(REPLICAS)
+    epochs = (first + km.STEPS) // km.STEPS  # epochs started after the first
+    assert dense_engines["ps"].foreach_model(lambda m: m.epoch) == [epochs] * len(REPLICAS)
 
 
 def test_batch_norm_moving_statistics_are_the_mean_update_on_every_replica(ray_session):
