@@ -87,7 +87,11 @@ def run(trainable, param_space, tmp_path, iterations, **tune_config):
         run_config=tune.RunConfig(name="run", storage_path=str(tmp_path), verbose=0,
                                   stop={"training_iteration": iterations},
                                   failure_config=tune.FailureConfig(max_failures=1)))
-    results = tuner.fit()
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        results = tuner.fit()
+    finally:  # Tune leaves its own SIGINT handler installed in the test process
+        signal.signal(signal.SIGINT, handler)
     assert results.num_errors == 0, [r.error for r in results]
     return results
 
