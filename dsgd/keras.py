@@ -9,7 +9,7 @@ KerasModel is built, so ``import dsgd`` does not need it.
 from __future__ import annotations
 
 import collections.abc
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -72,14 +72,15 @@ class KerasModel(Model):
             ``(y_true, y_pred) -> tensor``, reported under their name (a
             callable's ``__name__``) as the mean over the batch. With several
             outputs each is reported per output, as ``<output>_<name>``, or
-            given per output as a dict ``{output: [metrics]}``. Stateful ``tf_keras.metrics.Metric`` objects are refused.
+            given per output as a dict ``{output: [metrics]}``. Stateful
+            ``tf_keras.metrics.Metric`` objects are refused.
         batches: this replica's input, one of
             - an iterable of ``(x, y)`` tuples or of dicts of numpy arrays
               (read through ``features`` and ``label``), e.g.
               ``dsgd.get_dataset_shard("train").iter_batches(batch_format="numpy")``.
               ``x`` (``y``) may also be a list or dict of arrays for a model
-              with several inputs (outputs). Each step feeds the next batch. When the
-              iterable runs out, iterating it again starts the next epoch
+              with several inputs (outputs). Each step feeds the next batch.
+              When the iterable runs out, iterating it again starts the next epoch
               (a list, a Ray ``DataIterator.iter_batches(...)`` result);
               a one-pass iterator (a generator) raises an error instead.
             - a ``tf.data.Dataset`` created inside ``model_creator``: read in
@@ -94,7 +95,7 @@ class KerasModel(Model):
     """
 
     def __init__(self, model: Any, loss: Any, optimizer: tf.compat.v1.train.Optimizer,
-                 metrics: Sequence[str | Callable] = (), batches: Any = None,
+                 metrics: Sequence[str | Callable] | Mapping[str, Any] = (), batches: Any = None,
                  features: Any = None, label: Any = None):
         tf_keras = _import_tf_keras()
         _check_model(model, tf_keras)
@@ -193,7 +194,9 @@ class KerasModel(Model):
                 self._inference_outputs = self.model(self.inputs, training=False)
         arrays = [np.asarray(a) for a in _flatten_like(self.inputs, x, "x")]
         size = len(arrays[0])
-        step = batch_size or max(size, 1)
+        if size == 0:
+            raise ValueError("KerasModel.predict got no rows: x needs at least one")
+        step = batch_size or size
         parts = [sess.run(self._inference_outputs, dict(zip(tf.nest.flatten(self.inputs),
                                                             [a[i:i + step] for a in arrays])))
                  for i in range(0, size, step)]
