@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dsgd import object_store
+from dsgd import arrays
 from dsgd.shards import VIEW_BYTES, Segment, Shard, VarSpec, piece_view, segments
 
 __all__ = [
@@ -148,7 +148,7 @@ def build_send(grads: Sequence[tf.Tensor], shard: Shard,
 
 def _register(array: np.ndarray) -> int:
     drain_released()
-    address, nbytes = object_store.address_range(array)
+    address, nbytes = arrays.address_range(array)
     with _lock:
         handle = _clib.dsgd_register_buffer(address, nbytes)
         _arrays[handle] = array
