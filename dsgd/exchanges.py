@@ -42,7 +42,8 @@ class Exchange:
     def __init__(self, runner: StepRunner):
         self.runner = runner
 
-    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None):
+    def step(self, step_id: int, fetch_stats: bool,
+             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
         """One step of this worker; its result dict (stats, and "skipped" if the apply skipped it)."""
         raise NotImplementedError
 
@@ -56,7 +57,7 @@ class Alone(Exchange):
         with runner.default_session():
             self.apply = worker_graph.build_apply(built, built.replica_means, runner.config)
 
-    def step(self, step_id, fetch_stats, means=None):
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
         runner = self.runner
         out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)},
                            runner.feed_dict(), "compute and apply")
@@ -74,7 +75,8 @@ class DriverAverage(Exchange):
         super().__init__(runner)
         self._stats: dict[str, float] = {}  # the step's stats, from its gradients' call to its apply
 
-    def step(self, step_id, fetch_stats, means=None):
+    def step(self, step_id: int, fetch_stats: bool,
+             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
         runner = self.runner
         built = runner.built
         if means is None:

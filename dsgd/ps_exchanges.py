@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -34,7 +35,7 @@ class PythonParameterServers(Exchange):
         super().__init__(runner)
         self.client = client
 
-    def step(self, step_id, fetch_stats, means=None):
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
         runner, client = self.runner, self.client
         built = runner.built
         out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
@@ -104,7 +105,7 @@ class OpsParameterServers(Exchange):
         with self._callback(f"receive partition {shard.index}"):
             return self.client.receive(shard, int(step))
 
-    def step(self, step_id, fetch_stats, means=None):
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
         from dsgd import ops
 
         runner = self.runner
