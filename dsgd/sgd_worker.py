@@ -41,6 +41,11 @@ class SGDWorker:
         return self.runner.sess
 
     @property
+    def graph(self) -> tf.Graph | None:
+        """The session's graph, where the replicas live."""
+        return self.runner.sess.graph if self.runner.sess is not None else None
+
+    @property
     def built(self) -> worker_graph.WorkerGraph | None:
         return self.runner.built
 
