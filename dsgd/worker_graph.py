@@ -3,9 +3,11 @@
 ``build`` runs the user's ``model_creator`` once per device, each call under
 its own ``tf.device`` and ``variable_scope("device_<i>")``, checks what it
 returns, and adds: every replica's gradients, their mean over the worker's
-devices (the local allreduce), the apply ops, and the ops that read and write
-the weights and optimizer state. It returns a frozen ``WorkerGraph``; the
-worker actor (``dsgd.sgd_worker``) only runs it.
+devices (the local allreduce), an apply of means fed from Python (which
+makes the optimizer's slots), and the ops that read and write the weights
+and optimizer state. It returns a frozen ``WorkerGraph``. An exchange that
+applies another way (``dsgd.exchanges``) adds its own apply with
+``build_apply``; the worker actor (``dsgd.sgd_worker``) runs them.
 
 What is exchanged between workers is the list of *exchange tensors*: the
 averaged gradient of every trainable variable and, for models with
