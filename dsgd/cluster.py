@@ -58,9 +58,7 @@ class Cluster:
         self.signature: WorkerSignature | None = None  # what every worker built
         self.calls = Calls(options.timeout_s, options.startup_timeout_s)
         self._model_creator = model_creator
-        self._datasets = datasets  # name -> ray.data.Dataset (dsgd.data), or None
-        self._split_owner = None  # the dsgd.data.SplitOwner actor behind the current splits
-        self._splits: dict[str, list] | None = None  # name -> its splits, one per replica
+        self.splits = data.DatasetSplits(datasets, options.devices_per_worker)
         self._worker_nodes: list[str] = []  # the node id of each worker
 
     # ---- start ------------------------------------------------------------
@@ -75,7 +73,7 @@ class Cluster:
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
         self._worker_nodes = [i.node_id for i in self.calls.identify(self.workers)]
-        self._split_datasets()
+        self.splits.split(self._worker_nodes, self.calls.call_startup)
         self._build_models(range(self.options.num_workers))
         if self.options.uses_ps:
             self.check_object_store()
@@ -149,9 +147,9 @@ class Cluster:
 
     def _build_models(self, indices) -> None:
         """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
-        creators = [data.ShardedModelCreator(self._model_creator, self._worker_splits(i)) for i in indices]
+        creators = [data.ShardedModelCreator(self._model_creator, self.splits.for_worker(i)) for i in indices]
         signatures = self.calls.call_startup([self.workers[i].setup.remote(c) for i, c in zip(indices, creators)],
-                                       "the workers to build their models")
+                                             "the workers to build their models")
         expected = self.signature or signatures[0]
         for i, sig in zip(indices, signatures):
             if sig != expected:
@@ -160,29 +158,9 @@ class Cluster:
                     f"{shards.spec_difference(sig.weights + sig.exchange, expected.weights + expected.exchange) or sig.metrics}")
         self.signature = expected
 
-    # ---- datasets (dsgd.data) ----------------------------------------------
-
-    def _split_datasets(self) -> None:
-        """Split every dataset over the replicas, streaming, in a new owner actor (no-op without datasets)."""
-        if not self._datasets:
-            return
-        replica_nodes = [n for n in self._worker_nodes for _ in range(self.options.devices_per_worker)]
-        self._split_owner = data.SplitOwner.options(scheduling_strategy=actor_placement()).remote()
-        self._splits = self.calls.call_startup(self._split_owner.split.remote(self._datasets, replica_nodes),
-                                         "Ray Data to split the datasets over the replicas")
-
-    def _worker_splits(self, index: int) -> dict[str, list] | None:
-        """Worker ``index``'s replicas' splits of every dataset, device order; None without datasets."""
-        if self._splits is None:
-            return None
-        per_worker = self.options.devices_per_worker
-        return {name: splits[index * per_worker:(index + 1) * per_worker] for name, splits in self._splits.items()}
-
     def stop_datasets(self) -> None:
-        """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
-        if self._split_owner is not None:
-            ray.kill(self._split_owner)
-        self._split_owner, self._splits = None, None
+        """Stop the dataset splits: every read waiting on one fails now (no-op without datasets)."""
+        self.splits.stop()
 
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
@@ -222,9 +200,9 @@ class Cluster:
         if dead_workers:
             self._replace_workers(dead_workers)
         rebuilt = dead_workers
-        if self._datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
+        if self.splits.datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
             self.stop_datasets()
-            self._split_datasets()
+            self.splits.split(self._worker_nodes, self.calls.call_startup)
             rebuilt = range(self.options.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
