@@ -98,7 +98,8 @@ class SGDWorker:
 
     # ---- stepping -----------------------------------------------------------
 
-    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None):
+    def step(self, step_id: int, fetch_stats: bool,
+             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
         """One step through the worker's exchange (``means``: the driver's, for "simple"'s second call)."""
         return self.exchange.step(step_id, fetch_stats, means)
 
