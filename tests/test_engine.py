@@ -9,7 +9,8 @@ import dsgd
 from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close, batch,
                               numpy_forward, numpy_step, set_start_weights)
-from dsgd_test_models import ps_actors, server_group
+
+from dsgd_test_models import ps_actors, server_group  # the engine's internals
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
