@@ -101,6 +101,18 @@ def start_ray(address: str | None = None, **init_kwargs: Any) -> None:
         ray.init(runtime_env={"env_vars": env_vars}, logging_level="ERROR", **init_kwargs)
 
 
+def parameter_servers(sgd: Any) -> list:
+    """The engine's parameter-server actors, read from its internals ([] without servers)."""
+    group = sgd._cluster.servers
+    return list(group.actors) if group else []
+
+
+def partition_count(sgd: Any) -> int:
+    """How many partitions the engine's gradients travel in (0 without servers)."""
+    group = sgd._cluster.servers
+    return len(group.layout) if group else 0
+
+
 def command_line(module: str, argv: list[str] | None) -> str:
     """The command that made a run: this process's own, or `python -m module argv` when
     `main(argv)` was called from Python."""

@@ -160,7 +160,7 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
             record["setup_s"][name] = time.perf_counter() - start
             print(f"  {name}: built in {record['setup_s'][name]:.1f} s", flush=True)
         ps = engines["ps"]
-        record["num_parameter_servers"] = len(ps.ps_actors)
+        record["num_parameter_servers"] = len(common.parameter_servers(ps))
         record["num_partitions"] = len(getattr(ps, "layout", []))
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
               f"{record['num_partitions']} partitions", flush=True)

@@ -8,7 +8,7 @@ of large gradients, DsgdPack only for runs of small ones): (c) put as one
 object, each byte copied once by one thread (to a server on another node);
 (c2) copied into a shared-memory buffer made once (to a server on the same
 node, dsgd.ps_client). Read side: (d) ray.get + feed_dict + TF slicing
-vs. (e) the zero-copy DsgdObjectTensor + DsgdUnpack path
+vs. (e) the zero-copy DsgdAliasTensor + DsgdUnpack path
 (dsgd.ops.receive_shard + unpack). Prints wall time and the process's CPU time (all
 threads): on a machine whose cores are busy training, CPU time is what a
 copy really costs.

@@ -46,6 +46,7 @@ def main() -> None:
 
     import ray
     import tensorflow as tf
+    from ray.util.state import list_actors  # counts the servers the same way in any engine version
 
     import dsgd
 
@@ -77,7 +78,8 @@ def main() -> None:
             sgd.step()
         sgd.get_weights()
         wall, cpu = (time.perf_counter() - wall) / args.steps, (busy_cpu_s() - cpu) / args.steps
-        print(f"tree {args.tree}: {args.partitions} partitions requested, {len(sgd.ps_actors)} parameter "
+        servers = list_actors(filters=[("class_name", "=", "ParameterServer"), ("state", "=", "ALIVE")])
+        print(f"tree {args.tree}: {args.partitions} partitions requested, {len(servers)} parameter "
               f"server processes; per step: {wall * 1e3:.2f} ms wall, {cpu * 1e3:.2f} ms machine CPU")
     ray.shutdown()
 

@@ -73,7 +73,7 @@ class DsgdRun:
     def details(self) -> dict[str, Any]:
         """What the run's record holds beyond the common fields."""
         return {"strategy": self.strategy, "gpu": self.gpu, "engine_kwargs": self.engine_kwargs,
-                "num_parameter_servers": len(self.sgd.ps_actors), "worker_nodes": self.worker_nodes,
+                "num_parameter_servers": len(common.parameter_servers(self.sgd)), "worker_nodes": self.worker_nodes,
                 "setup_s": self.setup_s, "engine_step_times_s": [s["step_time_s"] for s in self.stats],
                 "final_loss": self.stats[-1]["loss"] if self.stats else None}
 

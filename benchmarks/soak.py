@@ -71,7 +71,7 @@ def object_store_used_mib() -> float:
 
 def actor_pids(sgd: dsgd.DistributedSGD) -> dict[str, int]:
     """'worker 0', 'parameter server 0', ... -> pid, for every actor of the engine; they must run on this node."""
-    identities = ray.get([actor.identity.remote() for actor in sgd.workers + sgd.ps_actors], timeout=60)
+    identities = ray.get([actor.identity.remote() for actor in sgd.workers + common.parameter_servers(sgd)], timeout=60)
     here = ray.get_runtime_context().get_node_id()
     elsewhere = [str(i) for i in identities if i.node_id != here]
     if elsewhere:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
             engines[label] = build(creator, args, kwargs, env)
         sgd = engines[DEFAULTS]
         record: dict[str, Any] = {"shape": args.shape, "tensors": len(variables), "elements": elements,
-                                  "num_parameter_servers": len(sgd.ps_actors), "num_partitions": len(sgd.layout)}
+                                  "num_parameter_servers": len(common.parameter_servers(sgd)), "num_partitions": common.partition_count(sgd)}
         print(f"{args.shape}: {len(variables)} tensors, {elements / 1e6:.2f} M float32; {args.num_workers} workers, "
               f"{record['num_parameter_servers']} parameter servers, {record['num_partitions']} partitions; "
               f"engines: {', '.join(engines)}", flush=True)

@@ -1,40 +1,36 @@
-"""The engine's actors on Ray: starts, places, waits on, replaces and kills them.
+"""The engine's actors on Ray: starts, places, replaces and kills them.
 
 ``Cluster`` owns the worker actors and the parameter servers
-(``dsgd.server_group``). It checks that the Ray cluster has the CPUs and GPUs
-for the workers before starting any, and the object-store memory for the
-exchange before starting the parameter servers (the exchange's size is known
-once the workers have built their models). It is the one place that waits on
-Ray: every wait has a bound, and Ray's errors come out as dsgd's, naming the
-actor that failed (``ActorFailure`` for a dead actor, which the driver
-recovers from). Replacements for dead actors go on live nodes: a new worker
-on a node with room for it beside the surviving workers (else an error names
-what is missing), a new parameter server beside the workers.
+(``dsgd.server_group``, which also plans them). It checks that the Ray
+cluster has the CPUs and GPUs for the workers before starting any, and the
+object-store memory for the exchange before starting the parameter servers
+(the exchange's size is known once the workers have built their models).
+Every wait goes through its ``calls`` (``dsgd.calls``: bounded, Ray's errors
+turned into dsgd's). Replacements for dead actors go on live nodes: a new
+worker on a node with room for it beside the surviving workers (else an
+error names what is missing), a new parameter server beside the workers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Callable
 
 import ray
 
 from dsgd import data, shards
-from dsgd.actor_identity import ActorIdentity
+from dsgd.calls import Calls
 from dsgd.config import Options, WorkerConfig
-from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, WorkerMismatchError
+from dsgd.errors import ActorFailure, DSGDError, WorkerMismatchError
 from dsgd.model import Model
-from dsgd.placement import actor_placement, place_new_workers, reserved_cpus
-from dsgd.ps_actor import StepAborted
-from dsgd.server_group import ServerGroup, plan_servers
+from dsgd.placement import actor_placement, live_node_resources, place_new_workers
+from dsgd.server_group import ServerGroup, plan_group
 from dsgd.sgd_worker import SGDWorker
 from dsgd.worker_graph import WorkerSignature
 
 logger = logging.getLogger(__name__)
 
-PING_TIMEOUT_S = 10.0
 # The workers' environment, each variable unless the driver's environment sets it:
 # - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
 #   cuInit" on CPU-only machines;
@@ -50,19 +46,6 @@ def worker_env() -> dict[str, str]:
     """The environment variables a new worker gets: WORKER_ENV_DEFAULTS, overridden by the driver's."""
     return {name: os.environ.get(name, default) for name, default in WORKER_ENV_DEFAULTS.items()}
 
-# Errors that mean an actor (or an object it owned) is gone: recoverable.
-_FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
-
-
-def _fault_of(error: BaseException) -> BaseException | None:
-    """The actor failure behind ``error``, if that is what it is."""
-    if isinstance(error, _FAULTS):
-        return error
-    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, _FAULTS):
-        return error.cause
-    return None
-
-
 class Cluster:
     """The workers and parameter servers of one engine."""
 
@@ -73,11 +56,9 @@ class Cluster:
         self.workers: list[Any] = []
         self.servers: ServerGroup | None = None
         self.signature: WorkerSignature | None = None  # what every worker built
+        self.calls = Calls(options.timeout_s, options.startup_timeout_s)
         self._model_creator = model_creator
-        self._identities: dict[str, ActorIdentity] = {}  # actor id -> who it is
-        self._datasets = datasets  # name -> ray.data.Dataset (dsgd.data), or None
-        self._split_owner = None  # the dsgd.data.SplitOwner actor behind the current splits
-        self._splits: dict[str, list] | None = None  # name -> its splits, one per replica
+        self.splits = data.DatasetSplits(datasets, options.devices_per_worker)
         self._worker_nodes: list[str] = []  # the node id of each worker
 
     # ---- start ------------------------------------------------------------
@@ -91,8 +72,8 @@ class Cluster:
         """
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
-        self._worker_nodes = [i.node_id for i in self._identify(self.workers)]
-        self._split_datasets()
+        self._worker_nodes = [i.node_id for i in self.calls.identify(self.workers)]
+        self.splits.split(self._worker_nodes, self.calls.call_startup)
         self._build_models(range(self.options.num_workers))
         if self.options.uses_ps:
             self.check_object_store()
@@ -101,7 +82,7 @@ class Cluster:
     def check_resources(self) -> None:
         """Fail fast, naming what is missing, instead of waiting forever."""
         total = ray.cluster_resources()
-        nodes = list(_live_node_resources().values())
+        nodes = list(live_node_resources().values())
         opts = self.options
         for resource, per_worker in self._worker_needs().items():
             have = total.get(resource, 0)
@@ -131,7 +112,7 @@ class Cluster:
         bounded). Raises DSGDError naming what is missing if no node has room.
         """
         needs = self._worker_needs()
-        free = {node: {r: have.get(r, 0) for r in needs} for node, have in _live_node_resources().items()}
+        free = {node: {r: have.get(r, 0) for r in needs} for node, have in live_node_resources().items()}
         others = [node for i, node in enumerate(self._worker_nodes) if i not in new]
         for node in others:
             if node in free:
@@ -164,17 +145,11 @@ class Cluster:
             runtime_env={"env_vars": worker_env()},
             scheduling_strategy=actor_placement(node_id)).remote(index, self.worker_config)
 
-    def _identify(self, actors: list, what: str = "the actors to start") -> list[ActorIdentity]:
-        """Wait for ``actors`` to start; remember who they are, to name them in errors."""
-        identities = self.call_startup([a.identity.remote() for a in actors], what)
-        self._identities.update((i.actor_id, i) for i in identities)
-        return identities
-
     def _build_models(self, indices) -> None:
         """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
-        creators = [data.ShardedModelCreator(self._model_creator, self._worker_splits(i)) for i in indices]
-        signatures = self.call_startup([self.workers[i].setup.remote(c) for i, c in zip(indices, creators)],
-                                       "the workers to build their models")
+        creators = [data.ShardedModelCreator(self._model_creator, self.splits.for_worker(i)) for i in indices]
+        signatures = self.calls.call_startup([self.workers[i].setup.remote(c) for i, c in zip(indices, creators)],
+                                             "the workers to build their models")
         expected = self.signature or signatures[0]
         for i, sig in zip(indices, signatures):
             if sig != expected:
@@ -183,129 +158,31 @@ class Cluster:
                     f"{shards.spec_difference(sig.weights + sig.exchange, expected.weights + expected.exchange) or sig.metrics}")
         self.signature = expected
 
-    # ---- datasets (dsgd.data) ----------------------------------------------
-
-    def _split_datasets(self) -> None:
-        """Split every dataset over the replicas, streaming, in a new owner actor (no-op without datasets)."""
-        if not self._datasets:
-            return
-        replica_nodes = [n for n in self._worker_nodes for _ in range(self.options.devices_per_worker)]
-        self._split_owner = data.SplitOwner.options(scheduling_strategy=actor_placement()).remote()
-        self._splits = self.call_startup(self._split_owner.split.remote(self._datasets, replica_nodes),
-                                         "Ray Data to split the datasets over the replicas")
-
-    def _worker_splits(self, index: int) -> dict[str, list] | None:
-        """Worker ``index``'s replicas' splits of every dataset, device order; None without datasets."""
-        if self._splits is None:
-            return None
-        per_worker = self.options.devices_per_worker
-        return {name: splits[index * per_worker:(index + 1) * per_worker] for name, splits in self._splits.items()}
-
     def stop_datasets(self) -> None:
-        """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
-        if self._split_owner is not None:
-            ray.kill(self._split_owner)
-        self._split_owner, self._splits = None, None
+        """Stop the dataset splits: every read waiting on one fails now (no-op without datasets)."""
+        self.splits.stop()
 
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
-        opts = self.options
-        node_cpus = reserved_cpus()  # inside a Tune trial: its bundles, not the nodes' CPUs
-        if node_cpus is None:
-            node_cpus = {node: have.get("CPU", 0) for node, have in _live_node_resources().items()}
-        nodes = plan_servers(worker_nodes, node_cpus, opts.cpus_per_worker, opts.num_parameter_servers)
-        specs = self.signature.exchange
-        shard_bytes = opts.grad_shard_bytes
-        if shard_bytes is None:
-            shard_bytes = shards.default_partition_bytes(specs, len(nodes))
-        layout = shards.plan_shards(specs, shard_bytes)
-        self.servers = ServerGroup(layout, nodes[:len(layout)], opts.num_workers, opts.timeout_s)
-        self._identify(self.servers.start())
+        self.servers = plan_group(self.options, self.signature.exchange, worker_nodes)
+        self.calls.identify(self.servers.start())
         self.connect_parameter_servers()
-        logger.info("strategy 'ps': %s%s", self.servers.describe(),
-                    "" if opts.grad_shard_bytes is None and opts.num_parameter_servers is None else
-                    f" (grad_shard_bytes={opts.grad_shard_bytes}, num_parameter_servers={opts.num_parameter_servers})")
 
     def connect_parameter_servers(self) -> None:
         group = self.servers
-        timeout = self.options.startup_timeout_s
-        self.call_startup([w.connect.remote(group.layout, group.placement, group.actors, timeout) for w in self.workers],
-                          "the workers to connect to the parameter servers")
+        self.calls.call_startup([w.connect.remote(group.layout, group.placement, group.actors) for w in self.workers],
+                                "the workers to connect to the parameter servers")
 
-    # ---- waiting ----------------------------------------------------------
-
-    def call(self, refs, what: str, timeout: float | None = None):
-        """ray.get bounded by ``timeout_s`` (or ``timeout``), Ray's errors turned into dsgd's naming the actor.
-
-        Results are taken as they complete, so the first failure is raised at
-        once rather than after the slowest of the other calls.
-        """
-        return self._wait(refs, what, self.options.timeout_s if timeout is None else timeout,
-                          "raise timeout_s if steps are legitimately this slow")
-
-    def call_startup(self, refs, what: str):
-        """``call`` for set-up work (starting actors, building models), bounded by ``startup_timeout_s``."""
-        return self._wait(refs, what, self.options.startup_timeout_s,
-                          "raise startup_timeout_s if building is legitimately this slow, or check with "
-                          "`ray status` that nothing else holds the CPUs the actors need")
-
-    def _wait(self, refs, what: str, timeout: float, hint: str):
-        pending = list(refs) if isinstance(refs, list) else [refs]
-        deadline = time.monotonic() + timeout
-        values = {}
-        try:
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
-                values[ready[0]] = ray.get(ready[0])
-        except ray.exceptions.RayError as e:
-            fault = _fault_of(e)
-            if fault is not None:
-                raise ActorFailure(f"{self._describe(fault)} while waiting for {what}: {fault}") from e
-            if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
-                raise e.cause.with_traceback(None) from None
-            raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
-        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
-
-    def wait_finished(self, refs: list) -> None:
-        """Wait (bounded by ``timeout_s``) until calls have returned or failed; their results are not wanted."""
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.options.timeout_s)
-            if len(ready) < len(refs):
-                logger.warning("%d calls had not finished after %.0fs; going on without them",
-                               len(refs) - len(ready), self.options.timeout_s)
-
-    def _describe(self, error: BaseException) -> str:
-        """'worker 1 (pid 4242 on node 3fa2c1e0) failed', for the actor behind an error."""
-        identity = self._identities.get(getattr(error, "actor_id", None))
-        return f"{identity} failed ({identity.where})" if identity else "an actor failed"
-
-    @staticmethod
-    def _answers(refs: list, timeout: float) -> list:
-        """Each call's result, or None for one that failed or had not returned within ``timeout`` (one bound for all)."""
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
-        answers = []
-        for ref in refs:
-            try:
-                answers.append(ray.get(ref, timeout=timeout) if ref in ready else None)
-            except ray.exceptions.RayError:
-                answers.append(None)
-        return answers
-
-    def _unresponsive(self, actors: list) -> list[int]:
-        """Indices of ``actors`` that are dead or do not answer a ping within ``PING_TIMEOUT_S``, all pinged at once."""
-        identities = self._answers([a.identity.remote() for a in actors], PING_TIMEOUT_S)
-        return [i for i, identity in enumerate(identities) if identity is None]
+    # ---- state -----------------------------------------------------------
 
     def latest_state(self) -> dict:
         """``get_state()`` of the live worker that has applied the most steps (worker 0 when none is behind)."""
-        counts = self._answers([w.applied_steps_count.remote() for w in self.workers], self.options.timeout_s)
+        counts = self.calls.answers([w.applied_steps_count.remote() for w in self.workers], self.options.timeout_s)
         live = [i for i, count in enumerate(counts) if count is not None]
         if not live:
             raise DSGDError("no worker answered, so there is no state to read; restore from a checkpoint")
         source = max(live, key=lambda i: counts[i])
-        return self.call(self.workers[source].get_state.remote(), f"worker {source}'s state")
+        return self.calls.call(self.workers[source].get_state.remote(), f"worker {source}'s state")
 
     # ---- recovery's operations ------------------------------------------
 
@@ -316,22 +193,22 @@ class Cluster:
         missing if there are none); then parameter servers, beside the
         workers, so a server lost with its node moves to a live one.
         """
-        dead_workers = self._unresponsive(self.workers)
+        dead_workers = self.calls.unresponsive(self.workers)
         if len(dead_workers) == self.options.num_workers:
             raise DSGDError("every worker died, so no replica is left to restore the weights from; "
                             "restore from a checkpoint (DistributedSGD.restore) in a new engine")
         if dead_workers:
             self._replace_workers(dead_workers)
         rebuilt = dead_workers
-        if self._datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
+        if self.splits.datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
             self.stop_datasets()
-            self._split_datasets()
+            self.splits.split(self._worker_nodes, self.calls.call_startup)
             rebuilt = range(self.options.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
-        dead_servers = self._unresponsive(self.servers.actors) if self.servers else []
+        dead_servers = self.calls.unresponsive(self.servers.actors) if self.servers else []
         if dead_servers:
-            for identity in self._identify(self.servers.replace(dead_servers, self._worker_nodes)):
+            for identity in self.calls.identify(self.servers.replace(dead_servers, self._worker_nodes)):
                 logger.warning("parameter server %d is dead; started a new one, pid %d on node %s",
                                identity.index, identity.pid, identity.node_id[:8])
         if dead_servers or (self.servers and rebuilt):
@@ -352,11 +229,11 @@ class Cluster:
                 ray.kill(self.workers[i])
                 self.workers[i] = self._new_worker(i, node)
             try:
-                identities = self._identify([self.workers[i] for i in dead],
+                identities = self.calls.identify([self.workers[i] for i in dead],
                                             f"new workers {dead} to start (each needs {needs} on its node)")
                 break
             except ActorFailure:
-                if set(nodes) <= _live_node_resources().keys():
+                if set(nodes) <= live_node_resources().keys():
                     raise
                 logger.warning("a node chosen for a new worker is lost too; placing the new workers again")
         for i, identity in zip(dead, identities):
@@ -370,7 +247,7 @@ class Cluster:
     def reset_servers(self, step_id: int) -> None:
         """Servers forget partial sums and expect ``step_id`` next (no-op without servers)."""
         if self.servers:
-            self.call(self.servers.reset(step_id), "the parameter servers to reset")
+            self.calls.call(self.servers.reset(step_id), "the parameter servers to reset")
 
     # ---- teardown ---------------------------------------------------------
 
@@ -383,11 +260,6 @@ class Cluster:
                 self.servers.kill()
             self.stop_datasets()
         self.workers, self.servers = [], None
-
-
-def _live_node_resources() -> dict[str, dict[str, float]]:
-    """Node id -> total resources, of the nodes Ray lists as alive."""
-    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _amounts(resources: dict[str, float]) -> str:

@@ -23,12 +23,13 @@ NAN_POLICIES = ("raise", "skip", "ignore")
 class WorkerConfig:
     """Everything a worker needs to build its graph, fixed at construction."""
 
-    num_workers: int
+    exchange: str  # how a step combines gradients: "alone", "driver" or "ps" (Options.exchange)
     devices_per_worker: int
     gpu: bool
     all_reduce_alg: str
     cpus_per_worker: int
-    timeout_s: float
+    step_timeout_s: float  # bounds each wait inside a step (DistributedSGD's timeout_s)
+    startup_timeout_s: float  # bounds each wait while connecting (DistributedSGD's startup_timeout_s)
     nan_policy: str = "raise"
     use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
     feed_concurrently: bool = False  # ask the replicas' get_feed_dict in threads of their own (Ray Data input)
@@ -92,6 +93,13 @@ class Options:
         return self.strategy == "ps" and self.num_workers > 1
 
     @property
+    def exchange(self) -> str:
+        """How a step combines gradients: "alone" (one worker), "driver" ("simple") or "ps"."""
+        if self.num_workers == 1:
+            return "alone"
+        return "ps" if self.strategy == "ps" else "driver"
+
+    @property
     def samples_per_step(self) -> int | None:
         """Samples in one step over all replicas, if ``batch_size`` was given."""
         if self.batch_size is None:
@@ -100,9 +108,9 @@ class Options:
 
     def worker_config(self, use_ops: bool, feed_concurrently: bool = False) -> WorkerConfig:
         """What every worker is built with; ``use_ops`` as resolved by the driver."""
-        return WorkerConfig(self.num_workers, self.devices_per_worker, self.gpu, self.all_reduce_alg,
-                            self.cpus_per_worker, self.timeout_s, self.nan_policy, use_ops=use_ops,
-                            feed_concurrently=feed_concurrently)
+        return WorkerConfig(self.exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
+                            self.cpus_per_worker, self.timeout_s, self.startup_timeout_s, self.nan_policy,
+                            use_ops=use_ops, feed_concurrently=feed_concurrently)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -2,7 +2,8 @@
 
 The driver has each dataset split over all ``num_workers * devices_per_worker``
 replicas with ``Dataset.streaming_split(replicas, equal=True)``, inside a
-small ``SplitOwner`` actor: Ray's coordinator actor, which runs the dataset
+small ``SplitOwner`` actor (``DatasetSplits`` keeps the current one and its
+splits): Ray's coordinator actor, which runs the dataset
 and deals its blocks to the replicas, belongs to that owner, so killing the
 owner stops the coordinator and fails any read waiting on it (after a fault,
 a replica may wait at an epoch's start for a replica that is gone). Nothing
@@ -96,6 +97,43 @@ class SplitOwner:
         """Each dataset split over the replicas (one per entry of ``nodes``, their node ids), streaming, equal."""
         return {name: ds.streaming_split(len(nodes), equal=True, locality_hints=list(nodes))
                 for name, ds in datasets.items()}
+
+
+class DatasetSplits:
+    """The driver's side: the current splits of the engine's datasets, and the owner actor they live in."""
+
+    def __init__(self, datasets: dict[str, "ray.data.Dataset"] | None, devices_per_worker: int):
+        self.datasets = datasets  # name -> dataset, or None without datasets=
+        self.devices_per_worker = devices_per_worker
+        self._owner = None  # the SplitOwner actor behind the current splits
+        self._splits: dict[str, list] | None = None  # name -> its splits, one per replica
+
+    def split(self, worker_nodes: list[str], wait: Callable[[Any, str], Any]) -> None:
+        """Split every dataset over the replicas of workers on ``worker_nodes``, in a new owner actor.
+
+        ``wait(ref, what)`` is the driver's bounded wait. No-op without datasets.
+        """
+        if not self.datasets:
+            return
+        from dsgd.placement import actor_placement
+
+        replica_nodes = [n for n in worker_nodes for _ in range(self.devices_per_worker)]
+        self._owner = SplitOwner.options(scheduling_strategy=actor_placement()).remote()
+        self._splits = wait(self._owner.split.remote(self.datasets, replica_nodes),
+                            "Ray Data to split the datasets over the replicas")
+
+    def for_worker(self, index: int) -> dict[str, list] | None:
+        """Worker ``index``'s replicas' splits of every dataset, device order; None without datasets."""
+        if self._splits is None:
+            return None
+        per_worker = self.devices_per_worker
+        return {name: splits[index * per_worker:(index + 1) * per_worker] for name, splits in self._splits.items()}
+
+    def stop(self) -> None:
+        """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
+        if self._owner is not None:
+            ray.kill(self._owner)
+        self._owner, self._splits = None, None
 
 
 class ShardedModelCreator:

@@ -1,29 +1,25 @@
-"""The driver: the public ``DistributedSGD`` facade.
+"""The driver: the public ``DistributedSGD`` facade, its arguments and their delegation.
 
-It checks the options (``dsgd.config``), owns the steps in flight, and hands
-the rest on: the actors and every wait on Ray to ``dsgd.cluster``, how a step
-combines gradients to ``dsgd.strategies``, what happens after a failure to
-``dsgd.recovery``.
+It checks the options (``dsgd.config``) and hands the rest on: the actors to
+``dsgd.cluster``, the steps (in flight, counted, interrupted, recovered) to
+the step ledger (``dsgd.ledger``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import ray
 
-from dsgd import checkpoint, data, shards, strategies, timeline
+from dsgd import checkpoint, data
 from dsgd.cluster import Cluster
 from dsgd.config import Options
-from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+from dsgd.ledger import StepLedger
 from dsgd.model import Model
-from dsgd.recovery import Recovery
-from dsgd.server_group import ServerGroup
 from dsgd.sgd_worker import SGDWorker
 
 logger = logging.getLogger(__name__)
@@ -42,6 +38,15 @@ def _ops_wanted(use_ops: bool | None) -> bool:
     logger.warning("the dsgd op library could not be built or loaded (run `python -m dsgd.ops.build` "
                    "to see why); the 'ps' strategy exchanges shards through Python instead")
     return False
+
+
+def _scalar_logger(logdir: str | None):
+    """A TensorBoard writer for the step stats in ``logdir`` (dsgd.tensorboard), or None."""
+    if logdir is None:
+        return None
+    from dsgd.tensorboard import ScalarLogger
+
+    return ScalarLogger(logdir)
 
 
 def _checkpoint_dir(path: Any, method: str) -> str:
@@ -134,28 +139,18 @@ class DistributedSGD:
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does")
-        self._next_step = 0  # steps submitted; step ids count from 0
-        self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
-        self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
-        self._closed = False
-        self._trace: timeline.Recorder | None = None
-        self._scalars = None
-        if opts.logdir is not None:
-            from dsgd.tensorboard import ScalarLogger
-
-            self._scalars = ScalarLogger(opts.logdir)
+        self._scalars = _scalar_logger(opts.logdir)
         worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops),
                                            feed_concurrently=datasets is not None)
         if not ray.is_initialized():
             logger.info("Ray is not initialized; starting a local Ray instance")
             ray.init()
         self._cluster = Cluster(opts, model_creator, worker_config, datasets)
-        self._strategy = strategies.make(opts.strategy, opts.num_workers, self._cluster.call, self._span)
-        self._recovery = Recovery(self._cluster, self._strategy, opts.max_failures)
+        self._ledger = StepLedger(self._cluster, opts.max_failures)
         try:
             self._cluster.start()
-            initial = self._cluster.call_startup(self.workers[0].get_weights.remote(), "worker 0's initial weights")
-            self.set_weights(initial)
+            self.set_weights(self._cluster.calls.call_startup(self.workers[0].get_weights.remote(),
+                                                              "worker 0's initial weights"))
         except BaseException:
             self.shutdown()
             raise
@@ -180,56 +175,14 @@ class DistributedSGD:
         return self._cluster.workers
 
     @property
-    def servers(self) -> ServerGroup | None:
-        """The parameter servers ("ps" with several workers; else None)."""
-        return self._cluster.servers
-
-    @property
-    def ps_actors(self) -> list:
-        """The parameter-server actors ("ps" with several workers; else empty)."""
-        return list(self.servers.actors) if self.servers else []
-
-    @property
-    def layout(self) -> list[shards.Shard]:
-        """The gradient partitions ("ps" with several workers; else empty)."""
-        return list(self.servers.layout) if self.servers else []
-
-    @property
     def failures(self) -> int:
         """Failures recovered from so far."""
-        return self._recovery.failures
+        return self._ledger.failures
 
     @property
     def num_steps(self) -> int:
         """Steps submitted so far (restored checkpoints count theirs)."""
-        return self._next_step
-
-    def _check_open(self) -> None:
-        """Refuse calls after ``shutdown``; settle a step that Ctrl-C interrupted."""
-        if self._closed:
-            raise DSGDError("this DistributedSGD has been shut down; create a new one")
-        if self._interrupted:
-            self._settle_interrupted_step()
-
-    def _settle_interrupted_step(self) -> None:
-        """Bring every replica to one state after a KeyboardInterrupt in ``step`` (or a recovery, a restore...).
-
-        The steps whose calls were all sent complete, as without the
-        interrupt. A step that Ctrl-C cut short before all its calls were
-        sent (the "simple" driver's gather, or between two workers' calls)
-        cannot: the parameter servers abort what of it waits, and the most
-        advanced worker's state goes to every worker behind it, so it counts
-        on every replica or on none (``num_steps`` says which). An actor
-        that died meanwhile is replaced as after any failure.
-        """
-        self._drain()
-        try:
-            self._next_step = self._recovery.settle([])
-        except ActorFailure as e:
-            self._recovery.recover(e, [], self._next_step)
-        self._interrupted = False
-        logger.info("settled the step interrupted by KeyboardInterrupt: %d steps applied on every replica",
-                    self._next_step)
+        return self._ledger.num_steps
 
     # ---- stepping ---------------------------------------------------------
 
@@ -259,38 +212,18 @@ class DistributedSGD:
         good, ``shutdown`` (or leave the ``with`` block): the actors are
         killed at once, without waiting for the step.
         """
-        self._check_open()
-        with self._settle_if_interrupted():
+        with self._ledger.call():
             if write_timeline is None:
                 return self._step(fetch_stats)
-            self._drain()
-            with self._tracing(write_timeline):
+            self._ledger.drain()
+            with self._ledger.tracing(write_timeline):
                 stats = self._step(fetch_stats=True)
             return stats if fetch_stats else None
 
-    @contextlib.contextmanager
-    def _settle_if_interrupted(self) -> Iterator[None]:
-        """A KeyboardInterrupt in the body goes on up; the engine's next call settles the replicas first."""
-        try:
-            yield
-        except KeyboardInterrupt:
-            self._interrupted = True
-            raise
-
     def _step(self, fetch_stats: bool) -> dict[str, float] | None:
         start = time.perf_counter()
-        step_id = self._next_step
-        self._next_step += 1
-
-        def submit() -> None:
-            with self._span("submit"):
-                self._in_flight.append((step_id, self._strategy.submit(self.workers, step_id, fetch_stats)))
-
-        per_worker = self._guarded(submit)  # None, unless recovery completed the step
+        step_id, per_worker = self._ledger.step(fetch_stats)
         if per_worker is None:
-            with self._span("wait for the workers"):
-                per_worker = self._drain(keep_last=not fetch_stats)
-        if not fetch_stats:
             return None
         if not per_worker:
             logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
@@ -304,88 +237,15 @@ class DistributedSGD:
         stats["step"] = step_id
         return stats
 
-    def _drain(self, keep_last: bool = False) -> list | None:
-        """Wait for submitted steps (all, or all but the newest); recover from faults.
-
-        Returns the per-worker results of the newest step waited for.
-        """
-        results = None
-        while len(self._in_flight) > (1 if keep_last else 0):
-            step_id, refs = self._in_flight[0]
-            results = self._guarded(lambda: self._cluster.call(refs, f"step {step_id} on all workers"))
-            if not self._in_flight:  # recovery aborted every step in flight and re-ran them
-                return results
-            self._in_flight.pop(0)
-            strategies.warn_if_skipped(results)
-        return results
-
-    def _guarded(self, run: Callable[[], list | None]) -> list | None:
-        """``run()``; recover from a dead actor (the re-run steps' results), or settle the workers after another error."""
-        try:
-            return run()
-        except ActorFailure as e:
-            return self._recovery.recover(e, self._take_in_flight(), self._next_step)
-        except DSGDTimeoutError:
-            self._in_flight.clear()
-            raise
-        except DSGDError:
-            self._next_step = self._recovery.settle(self._take_in_flight())
-            raise
-
-    def _take_in_flight(self) -> list:
-        refs = [r for _, step_refs in self._in_flight for r in step_refs]
-        self._in_flight.clear()
-        return refs
-
-    # ---- tracing ----------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _tracing(self, path: str) -> Iterator[None]:
-        """Record the driver, the workers and the servers while the body runs; write the trace to ``path``."""
-        step_id = self._next_step
-        self._cluster.call([w.start_trace.remote() for w in self.workers], "the workers to start tracing")
-        self._trace = timeline.Recorder()
-        try:
-            with self._trace.span(f"step {step_id}"):
-                yield
-        finally:
-            driver, self._trace = self._trace, None
-            workers = self._cluster.call([w.collect_trace.remote() for w in self.workers], "the workers' traces")
-        servers = self._cluster.call(self.servers.traces(step_id), "the parameter servers' traces") if self.servers else []
-        timeline.write(path, [("driver", driver.events)]
-                       + [(f"worker {i}", events) for i, events in enumerate(workers)]
-                       + [(f"parameter server {j}", events) for j, events in enumerate(servers)])
-
-    def _span(self, name: str):
-        return timeline.maybe_span(self._trace, name)
-
     # ---- weights, state and callbacks ------------------------------------
 
-    def _on_workers(self, method: str, *args, what: str, worker_0_only: bool = False, rerun: bool = True) -> list:
-        """``method(*args)`` on every worker (or worker 0 only), after the steps in flight; the results, worker order.
-
-        A worker found dead is replaced as after a failed step, every replica
-        brought to one state, and the call made again if ``rerun`` (it must be
-        idempotent). A user's function is not run twice: after the recovery
-        a DSGDError says it may have run on some workers only.
-        """
-        self._check_open()
-        with self._settle_if_interrupted():
-            self._drain()
-            while True:
-                workers = self.workers[:1] if worker_0_only else self.workers
-                try:
-                    return self._cluster.call([getattr(w, method).remote(*args) for w in workers], what)
-                except ActorFailure as e:
-                    self._recovery.recover(e, [], self._next_step)
-                    if not rerun:
-                        raise DSGDError(f"{what} may have run on some workers and not others, so it was not run "
-                                        "again after the engine recovered from the failure below (every replica "
-                                        f"holds the same state again); call it again if that is safe. {e}") from e
+    def _on_workers(self, method: str, *args, what: str, rerun: bool = True) -> list:
+        """``method(*args)`` on every worker after the steps in flight (``StepLedger.on_workers``)."""
+        return self._ledger.on_workers(method, *args, what=what, rerun=rerun)
 
     def _on_worker_0(self, method: str, *args, what: str, rerun: bool = True) -> Any:
         """``method(*args)`` on worker 0, after the steps in flight; its result (a dead worker as in ``_on_workers``)."""
-        return self._on_workers(method, *args, what=what, worker_0_only=True, rerun=rerun)[0]
+        return self._ledger.on_workers(method, *args, what=what, worker_0_only=True, rerun=rerun)[0]
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Worker 0, replica 0's variables, keyed by name without the replica scope (``device_<i>/``)."""
@@ -393,7 +253,7 @@ class DistributedSGD:
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Assign ``weights`` (as from get_weights) to every replica on every worker."""
-        self._check_open()
+        self._ledger.check_open()
         if not isinstance(weights, dict):
             raise TypeError(f"set_weights expects a dict of name -> ndarray, got {type(weights).__name__}")
         expected = {s.name: s for s in self._cluster.signature.weights}
@@ -413,21 +273,14 @@ class DistributedSGD:
         The state is the most advanced live worker's, so a run whose lost
         worker could not be replaced can still be saved.
         """
-        self._check_open()
-        with self._settle_if_interrupted():
-            self._drain()
-            state = self._cluster.latest_state()
-        checkpoint.save(path, state)
+        checkpoint.save(path, self._ledger.latest_state())
 
     def restore(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""
-        self._check_open()
+        self._ledger.check_open()
         signature = self._cluster.signature
         state = checkpoint.load(path, {"weights": signature.weights, "optimizer": signature.optimizer})
-        self._on_workers("set_state", ray.put(state), what="the workers to load the checkpoint")
-        with self._settle_if_interrupted():
-            self._next_step = state["applied_steps"]
-            self._cluster.reset_servers(self._next_step)
+        self._ledger.restore(state)
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:
         """Ray 0.6's name: ``save`` into the directory ``checkpoint_dir`` (created if missing); the file written."""
@@ -473,8 +326,7 @@ class DistributedSGD:
         leaves the block. Without it, Ray ends the actors when the engine is
         garbage-collected (their handles are gone) or the driver exits.
         """
-        self._closed = True
-        self._in_flight = []
+        self._ledger.close()
         if self._scalars is not None:
             self._scalars.close()
         self._cluster.kill()

@@ -23,3 +23,10 @@ class ActorFailure(DSGDError):
 
 class DSGDTimeoutError(DSGDError):
     """A bounded wait on Ray ran out; the message says what was awaited."""
+
+
+class StepAborted(RuntimeError):
+    """The driver aborted the step a parameter-server call belonged to (another actor failed).
+
+    Raised inside a parameter server; the driver treats it like a dead actor.
+    """

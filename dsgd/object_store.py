@@ -88,9 +88,3 @@ def _contiguous(group: list[np.ndarray]) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(first, shape=((address - first.ctypes.data) // first.itemsize,),
                                            strides=(first.itemsize,), writeable=False)
 
-
-def address_range(array: np.ndarray) -> tuple[int, int]:
-    """``(address, nbytes)`` of a contiguous array's data."""
-    if not array.flags.c_contiguous:
-        raise ValueError("array must be C-contiguous")
-    return array.__array_interface__["data"][0], array.nbytes

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Collection, Mapping, Union
 
+import ray
+
 from ray.util.placement_group import get_current_placement_group, placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -74,3 +76,8 @@ def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str,
             left[node][r] = left[node].get(r, 0) - amount
         nodes.append(node)
     return nodes
+
+
+def live_node_resources() -> dict[str, dict[str, float]]:
+    """Node id -> total resources, of the nodes Ray lists as alive."""
+    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}

@@ -1,5 +1,9 @@
 """A training loop's progress, drawn by tqdm: steps done, throughput, latest values, ETA.
 
+For your own loop around ``DistributedSGD.step`` (the MNIST example uses
+it). It needs tqdm, the ``progress`` extra (``pip install 'dsgd[progress]'``);
+``import dsgd`` does not import this module.
+
 On a terminal, tqdm redraws one line in place. Elsewhere (a log file, CI)
 the same line, in tqdm's format with ASCII bars, is written on its own line
 every ``every`` steps and at the last step, so logs stay readable.
@@ -11,7 +15,10 @@ import sys
 import time
 from typing import Callable, Mapping, TextIO
 
-from tqdm import tqdm
+try:
+    from tqdm import tqdm
+except ModuleNotFoundError as e:  # an optional extra: say which
+    raise ModuleNotFoundError("dsgd.progress draws with tqdm: pip install 'dsgd[progress]'", name=e.name) from e
 
 
 class Progress:

@@ -5,21 +5,19 @@ design: few summing processes, many partitions). Each worker makes one call
 per partition and step: ``push`` says that its copy of the partition is
 ready and returns once the step's mean of that partition exists. The push
 that completes the set averages every worker's copy with
-``strategies.average_into`` (worker order, so the mean is bit-for-bit the
+``arrays.average_into`` (worker order, so the mean is bit-for-bit the
 same in every run and equals the "simple" strategy's) straight into the
 server's mean buffer; the pushes waiting for it wake.
 
-Two transports, chosen per worker by ``attach``:
+Each worker reaches the server through the transport ``attach`` picks for the
+pair (``dsgd.transport``): shared memory for a worker on the server's node
+(its input buffer, and one mean buffer for all local workers), the object
+store for any other (the push carries the worker's segments; the server puts
+the mean once per partition and step for all its remote workers).
 
-- **shared memory**, for a worker on the server's own node: the server
-  creates an input buffer for that worker and one mean buffer for all its
-  local workers (``dsgd.shared_memory``), created once and written in place
-  every step. The worker copies its gradients into its input buffer, the
-  server sums from there into the mean buffer, the worker reads the mean
-  from there. No object-store object is created per step.
-- **object store**, for a worker on another node: the push carries the
-  worker's segments as one object (``object_store.put``), and the server
-  puts the mean once per partition and step for all its remote workers.
+Backup workers (a step that closes without the slowest workers) plug in at
+one place, ``ParameterServer._closes``: the rule that says a partition's
+step has enough pushes to be averaged.
 
 Buffers are reused safely without locks because steps are lock-step: a
 worker writes step s+1 of a partition only after it has read step s's mean
@@ -42,23 +40,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from dsgd import actor_identity, object_store, shared_memory, strategies, timeline
-from dsgd.errors import DSGDTimeoutError
+from dsgd import actor_identity, arrays, object_store, shared_memory, timeline
+from dsgd.errors import DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
+from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd
 
 CONTROL_THREADS = 3
 
 
-class StepAborted(RuntimeError):
-    """The driver aborted the step this call belonged to (another actor failed)."""
-
-
-def start(server_index: int, num_workers: int, partitions: list[Shard], timeout_s: float,
+def start(server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
           **options) -> ray.actor.ActorHandle:
     """A ``ParameterServer`` actor with the threads it needs; ``options`` go to ``.options``."""
     return ray.remote(ParameterServer).options(
         num_cpus=0, max_concurrency=num_workers * len(partitions) + CONTROL_THREADS, **options).remote(
-        server_index, num_workers, partitions, timeout_s)
+        server_index, num_workers, partitions, step_timeout_s)
 
 
 @dataclass
@@ -78,14 +73,14 @@ class _Partition:
 class ParameterServer:
     """Runs as a threaded Ray actor (see ``start``); holds no state that outlives a step."""
 
-    def __init__(self, server_index: int, num_workers: int, partitions: list[Shard], timeout_s: float):
+    def __init__(self, server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float):
         """``partitions``: the shards of the layout this server sums.
 
-        ``timeout_s`` bounds how long a push waits for the other workers' pushes.
+        ``step_timeout_s`` bounds how long a push waits for the other workers' pushes.
         """
         self.server_index = server_index
         self.num_workers = num_workers
-        self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
         self.node_id = ray.get_runtime_context().get_node_id()
         offsets, end = [], 0
         for shard in partitions:
@@ -102,8 +97,9 @@ class ParameterServer:
             shard.index: _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)],
                                     np.frombuffer(memory, shard.dtype, shard.size, offset))
             for shard, offset in zip(partitions, offsets)}
-        self.inputs: dict[int, shared_memory.SharedBuffer] = {}  # local worker -> its input buffer
-        self.remote_workers = set(range(num_workers))  # until a worker attaches locally
+        # Each worker's end of its transport; the object store until it attaches on this node.
+        self.ends: dict[int, SharedMemoryServerEnd | ObjectStoreServerEnd] = {
+            w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
         self.changed = threading.Condition()  # guards everything that changes below
         self.aborted = False
         self.resets = 0  # a push that waited across a reset fails as aborted
@@ -112,7 +108,7 @@ class ParameterServer:
     # ---- connection --------------------------------------------------------
 
     def attach(self, worker_index: int, node_id: str | None) -> dict | None:
-        """Connect a worker; how it exchanges with this server.
+        """Connect a worker and pick the pair's transport; how the worker reaches this server.
 
         A worker on this server's node (``node_id`` equal to ours) gets shared
         buffers: ``{"input": address, "mean": address, "offsets": {partition:
@@ -121,16 +117,12 @@ class ParameterServer:
         through the object store: ``None``.
         """
         with self.changed:
-            previous = self.inputs.pop(worker_index, None)
-            if previous is not None:  # a re-attach after a recovery: the old buffer goes with its fd
-                previous.close()
+            self.ends[worker_index].close()  # a re-attach after a recovery: an old buffer goes with its fd
             if not self.shared or node_id != self.node_id:
-                self.remote_workers.add(worker_index)
+                self.ends[worker_index] = ObjectStoreServerEnd(self.server_index, worker_index)
                 return None
-            self.remote_workers.discard(worker_index)
-            buffer = shared_memory.SharedBuffer(self.nbytes, f"dsgd-ps{self.server_index}-w{worker_index}")
-            self.inputs[worker_index] = buffer
-            return {"input": buffer.address(), "mean": self.mean_buffer.address(),
+            end = self.ends[worker_index] = SharedMemoryServerEnd(self.server_index, worker_index, self.nbytes)
+            return {"input": end.buffer.address(), "mean": self.mean_buffer.address(),
                     "offsets": {j: p.offset for j, p in self.partitions.items()}}
 
     # ---- pushes ------------------------------------------------------------
@@ -150,18 +142,9 @@ class ParameterServer:
             p = self._partition(partition, worker_index)
             self._check_not_aborted(p, step_id)
             resets = self.resets
-            try:
-                p.waiting[worker_index] = self._accept(p, step_id, worker_index, stored)
-            except ValueError as e:
-                p.failures[step_id] = e
-                self.changed.notify_all()
-                raise
-            complete = len(p.waiting) == self.num_workers
-            if complete:  # sum outside the lock, so other partitions' pushes go on meanwhile
-                inputs = [p.waiting.pop(w) for w in range(self.num_workers)]
-                p.step_id = step_id + 1
-                recorder = self._recorder(step_id)
-        if complete:
+            inputs = self._take(p, step_id, worker_index, stored)
+            recorder = self._recorder(step_id) if inputs else None
+        if inputs:  # sum outside the lock, so other partitions' pushes go on meanwhile
             ref = self._sum(p, inputs, recorder)
             with self.changed:
                 if self.resets == resets:
@@ -169,20 +152,41 @@ class ParameterServer:
                     p.failures.clear()
                 self.changed.notify_all()
         with self.changed:
-            if not self.changed.wait_for(lambda: self._settled(p, step_id) or self.resets != resets,
-                                         self.timeout_s):
-                missing = sorted(set(range(self.num_workers)) - set(p.waiting))
-                raise DSGDTimeoutError(
-                    f"parameter server {self.server_index} waited more than {self.timeout_s:.0f}s for "
-                    f"workers {missing} to push partition {partition} of step {step_id}")
-            if self.resets != resets:
-                raise StepAborted(f"parameter server {self.server_index}: step {step_id} was reset")
-            self._check_not_aborted(p, step_id)
-            if step_id in p.failures:
-                raise p.failures[step_id]
+            self._wait_settled(p, step_id, resets)
             self._recorder(step_id).add(f"worker {worker_index}'s push of partition {partition} (waits for the sum)",
                                         start, timeline.now_us(), "pushes")
-            return [p.done[step_id]] if worker_index in self.remote_workers else []
+            return self.ends[worker_index].reply(p.done[step_id])
+
+    def _take(self, p: _Partition, step_id: int, worker_index: int, stored: list | None) -> list | None:
+        """Accept a push (under the lock); every worker's segments, worker order, if it closes the step."""
+        try:
+            p.waiting[worker_index] = self._accept(p, step_id, worker_index, stored)
+        except ValueError as e:
+            p.failures[step_id] = e
+            self.changed.notify_all()
+            raise
+        if not self._closes(p):
+            return None
+        p.step_id = step_id + 1
+        return [p.waiting.pop(w) for w in range(self.num_workers)]
+
+    def _closes(self, p: _Partition) -> bool:
+        """Whether ``p``'s step has the pushes it is averaged over: every worker's."""
+        return len(p.waiting) == self.num_workers
+
+    def _wait_settled(self, p: _Partition, step_id: int, resets: int) -> None:
+        """Wait (under the lock, bounded) until ``p``'s step has a mean; raise if it failed or was aborted."""
+        if not self.changed.wait_for(lambda: self._settled(p, step_id) or self.resets != resets,
+                                     self.step_timeout_s):
+            missing = sorted(set(range(self.num_workers)) - set(p.waiting))
+            raise DSGDTimeoutError(
+                f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
+                f"workers {missing} to push partition {p.shard.index} of step {step_id}")
+        if self.resets != resets:
+            raise StepAborted(f"parameter server {self.server_index}: step {step_id} was reset")
+        self._check_not_aborted(p, step_id)
+        if step_id in p.failures:
+            raise p.failures[step_id]
 
     def _partition(self, index: int, worker_index: int) -> _Partition:
         if index not in self.partitions:
@@ -196,40 +200,22 @@ class ParameterServer:
     def _accept(self, p: _Partition, step_id: int, worker_index: int,
                 stored: list[np.ndarray] | None) -> list[np.ndarray]:
         """The pushed segments, checked: the expected step, sizes and dtype, and no second push."""
-        name = f"partition {p.shard.index}"
         if p.step_id is None:
             p.step_id = step_id
         if step_id != p.step_id:
-            raise ValueError(f"parameter server {self.server_index} is summing step {p.step_id} of {name} "
-                             f"but worker {worker_index} pushed step {step_id}")
+            raise ValueError(f"parameter server {self.server_index} is summing step {p.step_id} of partition "
+                             f"{p.shard.index} but worker {worker_index} pushed step {step_id}")
         if worker_index in p.waiting:
-            raise ValueError(f"worker {worker_index} pushed {name} of step {step_id} twice")
-        if stored is None:
-            if worker_index not in self.inputs:
-                raise ValueError(f"worker {worker_index} pushed {name} without data, but it has no shared "
-                                 f"input buffer on parameter server {self.server_index} (it is not attached "
-                                 "on this node)")
-            flat = np.frombuffer(self.inputs[worker_index].memory, p.shard.dtype, p.shard.size, p.offset)
-            return [flat[start:start + size] for start, size in p.segments]
-        sizes = [size for _, size in p.segments]
-        try:
-            parts = object_store.join(stored, sizes)
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"parameter server {self.server_index} expects {p.shard.dtype} segments of sizes "
-                             f"{sizes} of {name} from worker {worker_index}: {e}") from None
-        wrong = [a.dtype for a in parts if a.dtype != p.shard.dtype]
-        if wrong:
-            raise ValueError(f"parameter server {self.server_index} expects {p.shard.dtype} segments of {name}, "
-                             f"worker {worker_index} sent {wrong[0]}")
-        return parts
+            raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
+        return self.ends[worker_index].read(p.shard, p.offset, p.segments, stored)
 
     def _sum(self, p: _Partition, inputs: list[list[np.ndarray]],
              recorder: timeline.Recorder) -> ray.ObjectRef | None:
         """Average every worker's segments into the mean buffer; the mean's ref if remote workers read it."""
         with recorder.span(f"average partition {p.shard.index} of {self.num_workers} workers", "sum"):
             for k, (start, size) in enumerate(p.segments):
-                strategies.average_into(p.mean[start:start + size], [worker[k] for worker in inputs])
-        if not self.remote_workers:
+                arrays.average_into(p.mean[start:start + size], [worker[k] for worker in inputs])
+        if not any(end.remote for end in self.ends.values()):
             return None
         with recorder.span(f"put the mean of partition {p.shard.index} for remote workers", "sum"):
             return object_store.put([p.mean])
@@ -268,12 +254,6 @@ class ParameterServer:
         """The events of ``step_id`` (kept for the last two steps)."""
         with self.changed:
             return list(self.traces[step_id].events) if step_id in self.traces else []
-
-    def waiting_for(self) -> dict[int, list[int]]:
-        """For every partition with pushes waiting: the workers that have not pushed yet."""
-        with self.changed:
-            return {j: sorted(set(range(self.num_workers)) - set(p.waiting))
-                    for j, p in self.partitions.items() if p.waiting}
 
     def identity(self) -> actor_identity.ActorIdentity:
         """Who this actor is (the driver's liveness check and error names)."""

@@ -13,13 +13,17 @@ through the object store (``dsgd.ps_client``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import ray
 
-from dsgd import ps_actor
-from dsgd.placement import actor_placement
-from dsgd.shards import Shard
+from dsgd import ps_actor, shards
+from dsgd.config import Options
+from dsgd.placement import actor_placement, live_node_resources, reserved_cpus
+from dsgd.shards import Shard, VarSpec
+
+logger = logging.getLogger(__name__)
 
 CPUS_PER_SERVER = 2  # spare CPUs on a node that justify one more server there
 
@@ -78,12 +82,12 @@ def home_for(server_nodes: Sequence[str], server: int, worker_nodes: Sequence[st
 class ServerGroup:
     """Starts, replaces, aborts, resets and traces the parameter servers of one engine."""
 
-    def __init__(self, layout: Sequence[Shard], nodes: Sequence[str], num_workers: int, timeout_s: float):
-        """``nodes[j]``: where server j runs."""
+    def __init__(self, layout: Sequence[Shard], nodes: Sequence[str], num_workers: int, step_timeout_s: float):
+        """``nodes[j]``: where server j runs; ``step_timeout_s`` bounds a push's wait for the others."""
         self.layout = list(layout)
         self.nodes = list(nodes)
         self.num_workers = num_workers
-        self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
 
@@ -100,7 +104,7 @@ class ServerGroup:
         """
         indices = range(len(self.nodes)) if indices is None else indices
         for j in indices:
-            self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.timeout_s,
+            self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.step_timeout_s,
                                             scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
@@ -138,3 +142,24 @@ class ServerGroup:
             if actor is not None:
                 ray.kill(actor)
         self.actors = [None] * len(self.nodes)
+
+
+def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequence[str]) -> ServerGroup:
+    """The servers (``plan_servers``) and partitions (``dsgd.shards``) for ``exchange``, not started yet.
+
+    The nodes' CPUs are the engine's placement group's inside a Tune trial,
+    else the live nodes'. The choice is logged.
+    """
+    node_cpus = reserved_cpus()  # inside a Tune trial: its bundles, not the nodes' CPUs
+    if node_cpus is None:
+        node_cpus = {node: have.get("CPU", 0) for node, have in live_node_resources().items()}
+    nodes = plan_servers(worker_nodes, node_cpus, options.cpus_per_worker, options.num_parameter_servers)
+    shard_bytes = options.grad_shard_bytes
+    if shard_bytes is None:
+        shard_bytes = shards.default_partition_bytes(exchange, len(nodes))
+    layout = shards.plan_shards(exchange, shard_bytes)
+    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s)
+    chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
+    logger.info("strategy 'ps': %s%s", group.describe(), "" if chosen else
+                f" (grad_shard_bytes={options.grad_shard_bytes}, num_parameter_servers={options.num_parameter_servers})")
+    return group

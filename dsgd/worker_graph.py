@@ -3,9 +3,11 @@
 ``build`` runs the user's ``model_creator`` once per device, each call under
 its own ``tf.device`` and ``variable_scope("device_<i>")``, checks what it
 returns, and adds: every replica's gradients, their mean over the worker's
-devices (the local allreduce), the apply ops, and the ops that read and write
-the weights and optimizer state. It returns a frozen ``WorkerGraph``; the
-worker actor (``dsgd.sgd_worker``) only runs it.
+devices (the local allreduce), an apply of means fed from Python (which
+makes the optimizer's slots), and the ops that read and write the weights
+and optimizer state. It returns a frozen ``WorkerGraph``. An exchange that
+applies another way (``dsgd.exchanges``) adds its own apply with
+``build_apply``; the worker actor (``dsgd.sgd_worker``) runs them.
 
 What is exchanged between workers is the list of *exchange tensors*: the
 averaged gradient of every trainable variable and, for models with
@@ -24,27 +26,22 @@ batch cached on the device, ``tf.compat.v1.metrics`` counters) and lookup
 tables are per-replica state: initialized with the weights, then left to
 each replica, never made identical across replicas.
 
-``get_metrics()`` is asked once the graph is built and every variable
-initialized, so a model may evaluate its metrics there (Ray 0.6's contract).
-Entries that are tensors of the graph are fetched with each step's stats;
-entries that are numbers are the model's own to report when the user calls
-``get_metrics()`` and are not part of the stats.
+Calling the user's model and sorting what ``get_metrics()`` returns is
+``dsgd.user_model``'s.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import numbers
 import re
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from dsgd import shards
+from dsgd import shards, user_model
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, ModelCreatorError, WorkerMismatchError
 from dsgd.model import Model
@@ -122,8 +119,7 @@ class WorkerGraph:
 
     replicas: tuple[Replica, ...]
     signature: WorkerSignature
-    local_means: tuple[tf.Tensor, ...]  # the worker's mean of each exchange tensor
-    apply_local: tf.Operation  # applies local_means on every replica (one worker alone)
+    replica_means: tuple[tuple[tf.Tensor, ...], ...]  # per replica: the worker's mean of each exchange tensor
     mean_inputs: tuple[tf.Tensor, ...]  # placeholders for the global means ("simple", Python "ps")
     apply_fed: tf.Operation  # applies mean_inputs on every replica
     state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]  # group -> per replica, name -> variable
@@ -134,13 +130,10 @@ class WorkerGraph:
     def models(self) -> list[Model]:
         return [r.model for r in self.replicas]
 
-
-@dataclass(frozen=True)
-class OpsExchange:
-    """The in-graph "ps" exchange (``build_ops_exchange``): one run computes, exchanges and applies."""
-
-    step_input: tf.Tensor
-    apply: tf.Operation
+    @property
+    def local_means(self) -> tuple[tf.Tensor, ...]:
+        """The worker's mean of each exchange tensor (replica 0's copy)."""
+        return self.replica_means[0]
 
 
 def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
@@ -174,21 +167,20 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     weights, exchange = _specs(replicas[0])
     means = _local_allreduce(replicas, config)
     mean_inputs = tuple(tf.compat.v1.placeholder(s.dtype, s.shape, name=f"mean_{k}") for k, s in enumerate(exchange))
-    apply_local = _apply_ops(replicas, means, exchange, config)
     apply_fed = _apply_ops(replicas, [mean_inputs] * len(replicas), exchange, config)
-    # The optimizer's slots exist once its apply ops do.
+    # The optimizer's slots exist once its apply ops do; later applies (``build_apply``) reuse them.
     optimizer_vars = tuple(_optimizer_state(r) for r in replicas)
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
     state_inputs, set_state = _state_io(state_vars)
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
     _initialize(session, graph)
-    replicas = tuple(replace(r, metrics=_ask_metrics(graph, session, r, worker_index)) for r in replicas)
+    replicas = tuple(replace(r, metrics=user_model.ask_metrics(graph, session, r.model, worker_index, r.index))
+                     for r in replicas)
     _check_metrics_agree(replicas, worker_index)
     return WorkerGraph(
         replicas=replicas,
         signature=WorkerSignature(weights, exchange, optimizer, tuple(sorted(replicas[0].metrics))),
-        local_means=tuple(means[0]),
-        apply_local=apply_local,
+        replica_means=tuple(tuple(m) for m in means),
         mean_inputs=mean_inputs,
         apply_fed=apply_fed,
         state_vars=state_vars,
@@ -205,71 +197,6 @@ def _initialize(session: tf.compat.v1.Session, graph: tf.Graph) -> None:
     with graph.as_default():
         session.run(tf.compat.v1.global_variables_initializer())
         session.run(tf.group(tf.compat.v1.local_variables_initializer(), tf.compat.v1.tables_initializer()))
-
-
-def _ask_metrics(graph: tf.Graph, session: tf.compat.v1.Session, r: Replica, worker_index: int) -> dict[str, tf.Tensor]:
-    """The tensors among ``get_metrics()``'s entries; numbers the model evaluated itself are left out.
-
-    Variables that ``get_metrics()`` creates (a ``tf.compat.v1.metrics``
-    counter made there) are initialized like the local ones: per replica.
-    """
-    where = f"worker {worker_index}, device {r.index}"
-    before = set(_all_variables(graph))
-    metrics = call_user(r.model, "get_metrics", where)
-    if metrics is None:
-        metrics = {}
-    if not isinstance(metrics, dict):
-        raise ModelCreatorError(
-            f"get_metrics() must return a dict of scalar tensors or numbers, got {type(metrics).__name__} "
-            f"({_short_repr(metrics)}) on {where}")
-    tensors, evaluated = {}, []
-    for name, value in metrics.items():
-        if not isinstance(name, str):
-            raise ModelCreatorError(f"get_metrics() must return a dict keyed by metric name (str), got key {name!r} on {where}")
-        if isinstance(value, (tf.Tensor, tf.Variable)):
-            if value.graph is not graph:
-                raise ModelCreatorError(f"get_metrics() entry {name!r} is a tensor of another graph, not the replica's, on {where}")
-            tensors[name] = value
-        elif _is_number(value):
-            evaluated.append(name)
-        else:
-            raise ModelCreatorError(
-                f"get_metrics() entry {name!r} must be a scalar tensor of the replica's graph or a number "
-                f"the model evaluated, got {type(value).__name__} ({_short_repr(value)}) on {where}")
-    if evaluated and (worker_index, r.index) == (0, 0):
-        logger.info("get_metrics() evaluates %s itself: not part of the step's stats; "
-                    "read them with foreach_model(lambda m: m.get_metrics())", ", ".join(evaluated))
-    created = [v for v in _all_variables(graph) if v not in before]
-    if created:
-        session.run(tf.compat.v1.variables_initializer(created))
-    return tensors
-
-
-def _all_variables(graph: tf.Graph) -> list:
-    return (graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-            + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES))
-
-
-def _is_number(value: Any) -> bool:
-    """A Python or numpy number, or a numpy array of them (what ``Tensor.eval()`` returns)."""
-    if isinstance(value, (bool, numbers.Number, np.number, np.bool_)):
-        return True
-    return isinstance(value, np.ndarray) and (np.issubdtype(value.dtype, np.number) or value.dtype == bool)
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def call_user(model: Model, method: str, where: str):
-    """``model.<method>()``, its error turned into one that names the method and the replica."""
-    try:
-        return getattr(model, method)()
-    except Exception as e:
-        raise ModelCreatorError(
-            f"{type(model).__name__}.{method}() raised on {where}: "
-            f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
 
 
 def _build_replica(graph: tf.Graph, worker_index: int, config: WorkerConfig,
@@ -294,12 +221,12 @@ def _build_replica(graph: tf.Graph, worker_index: int, config: WorkerConfig,
 def _build_gradients(graph: tf.Graph, model: Model, weights: dict[str, tf.Variable], index: int,
                      where: str, log_missing: bool) -> Replica:
     """The replica's loss and optimizer, checked; its gradients and updated state (metrics come later)."""
-    loss = call_user(model, "get_loss", where)
+    loss = user_model.call_user(model, "get_loss", where)
     if not isinstance(loss, tf.Tensor) or loss.graph is not graph:
         raise ModelCreatorError(f"get_loss() must return a tensor of the replica's graph, got {loss!r} on {where}")
     if loss.shape.rank not in (None, 0):
         raise ModelCreatorError(f"get_loss() must return a scalar, got shape {loss.shape} on {where}")
-    optimizer = call_user(model, "get_optimizer", where)
+    optimizer = user_model.call_user(model, "get_optimizer", where)
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise ModelCreatorError(
             f"get_optimizer() must return a tf.compat.v1.train.Optimizer, got {type(optimizer).__name__} on {where}")
@@ -421,35 +348,17 @@ def _state_io(state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]):
     return inputs, assign
 
 
-def build_ops_exchange(built: WorkerGraph, config: WorkerConfig, layout: Sequence[shards.Shard],
-                       send: Callable[..., None], receive: Callable[..., np.ndarray]) -> OpsExchange:
-    """The pipelined "ps" exchange, inside the graph (see dsgd/ops).
+def build_apply(built: WorkerGraph, means_per_replica: Sequence[Sequence[tf.Tensor]],
+                config: WorkerConfig) -> tf.Operation:
+    """One more apply of ``means_per_replica`` on every replica (an exchange's own), into the default graph.
 
-    ``send(shard, arrays, step)`` and ``receive(shard, step)`` are the
-    worker's callbacks. Each partition is sent to its parameter server as
-    soon as its gradients exist, while back-propagation of earlier layers
-    goes on, and received as soon as it is sent. Sends run in layout order
-    (each after the previous one) and receive k waits for send k, so a
-    worker blocks only on partitions that every worker with a longer run of
-    sends has already sent: whichever worker has sent the least always gets
-    its means, and no thread budget can deadlock. Means are read without a
-    copy; the apply runs once every partition has arrived.
+    The optimizer's state already exists (``build``'s apply made it), so this
+    must create no variable: they would be left uninitialized.
     """
-    from dsgd import ops
-
     graph = tf.compat.v1.get_default_graph()
     before = len(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
-    step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
-    received, previous = [], []
-    for shard in layout:
-        with tf.control_dependencies(previous):
-            sent = ops.build_send(built.local_means, shard, send, [step_input])
-        with tf.control_dependencies([sent]):
-            received.append(ops.receive_shard(functools.partial(receive, shard), shard, [step_input]))
-        previous = [sent]
-    means = ops.unpack(received, layout, built.signature.exchange)
-    apply = _apply_ops(built.replicas, [means] * len(built.replicas), built.signature.exchange, config)
+    apply = _apply_ops(built.replicas, means_per_replica, built.signature.exchange, config)
     if len(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)) != before:
         raise DSGDError("building the exchange created variables; the optimizer's slots must "
                         "exist after its first apply_gradients")
-    return OpsExchange(step_input, apply)
+    return apply

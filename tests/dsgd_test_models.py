@@ -276,7 +276,23 @@ def pushes_waiting(server) -> dict[int, list[int]]:
     """Partition -> workers it still waits for, on one parameter server ({} when nothing is in flight)."""
     import ray
 
-    return ray.get(server.waiting_for.remote(), timeout=30)
+    def waiting(ps) -> dict[int, list[int]]:  # runs in the server (nested: pickled by value)
+        with ps.changed:
+            return {j: sorted(set(range(ps.num_workers)) - set(p.waiting))
+                    for j, p in ps.partitions.items() if p.waiting}
+
+    return ray.get(server.__ray_call__.remote(waiting), timeout=30)
+
+
+def server_group(sgd):
+    """The engine's ``dsgd.server_group.ServerGroup`` ("ps" with several workers; else None)."""
+    return sgd._cluster.servers
+
+
+def ps_actors(sgd) -> list:
+    """The engine's parameter-server actors, server order ([] without servers)."""
+    group = server_group(sgd)
+    return list(group.actors) if group else []
 
 
 def wait_until(condition, timeout_s: float = 30.0, poll_s: float = 0.05) -> None:

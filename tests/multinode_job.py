@@ -18,7 +18,7 @@ import ray
 
 import dsgd
 from cluster_jobs import actor_node, local_cluster
-from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, set_start_weights
+from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, set_start_weights, ps_actors, server_group
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STEPS = 3
@@ -36,10 +36,10 @@ def run() -> dict:
             "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
             "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
             "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
-            "ps_nodes": [actor_node(ps) for ps in sgd.ps_actors],
+            "ps_nodes": [actor_node(ps) for ps in ps_actors(sgd)],
             # per worker, per partition: read through shared memory (its server's node) or the object store
-            "shared": sgd.foreach_worker(lambda w: [m is not None for m in w.client.means]),
-            "placement": sgd.servers.placement,
+            "shared": sgd.foreach_worker(lambda w: [type(e).__name__ == "SharedMemoryWorkerEnd" for e in w.client.ends]),
+            "placement": server_group(sgd).placement,
             "start": {k: v.tolist() for k, v in start.items()},
             "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
             "steps": STEPS,

@@ -37,7 +37,7 @@ from ray._private import ray_constants
 import dsgd
 from cluster_jobs import actor_node, local_cluster
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, SlowWorkerNet, known_actors, pushes_waiting,
-                              replica_weights, set_start_weights, wait_until)
+                              replica_weights, set_start_weights, wait_until, ps_actors)
 
 MIB = 1024 * 1024
 HEAD = {"num_cpus": 0, "object_store_memory": 100 * MIB,
@@ -53,7 +53,7 @@ def as_lists(weights: dict) -> dict:
 
 def engine_actors(sgd) -> list:
     """Every worker's and parameter server's identity, workers first (asked between steps: a worker answers after its step)."""
-    return ray.get([a.identity.remote() for a in sgd.workers + sgd.ps_actors], timeout=TIMEOUT_S)
+    return ray.get([a.identity.remote() for a in sgd.workers + ps_actors(sgd)], timeout=TIMEOUT_S)
 
 
 def crash_node(cluster, node_id: str, actors: list) -> None:
@@ -79,12 +79,12 @@ def replaced(cluster) -> dict:
                              timeout_s=TIMEOUT_S) as sgd:
         start = set_start_weights(sgd)
         worker_nodes_before = [actor_node(w) for w in sgd.workers]
-        ps_nodes_before = [actor_node(ps) for ps in sgd.ps_actors]
+        ps_nodes_before = [actor_node(ps) for ps in ps_actors(sgd)]
         actors = engine_actors(sgd)
         lost = actors[0].node_id
         sgd.step()
         sgd.step()  # step 1: worker 1 sleeps in get_feed_dict, worker 0 pushes and waits
-        wait_until(lambda: any(pushes_waiting(ps) for ps in sgd.ps_actors), TIMEOUT_S)
+        wait_until(lambda: any(pushes_waiting(ps) for ps in ps_actors(sgd)), TIMEOUT_S)
         crash_node(cluster, lost, actors)
         fault = time.monotonic()
         sgd.get_weights()  # waits for step 1: recovery re-runs it
@@ -97,7 +97,7 @@ def replaced(cluster) -> dict:
             "worker_nodes_before": worker_nodes_before,
             "ps_nodes_before": ps_nodes_before,
             "worker_nodes": [actor_node(w) for w in sgd.workers],
-            "ps_nodes": [actor_node(ps) for ps in sgd.ps_actors],
+            "ps_nodes": [actor_node(ps) for ps in ps_actors(sgd)],
             "failures": sgd.failures,
             "recover_s": recover_s,
             "start": as_lists(start),

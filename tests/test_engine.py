@@ -10,6 +10,8 @@ from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close, batch,
                               numpy_forward, numpy_step, replica_weights, set_start_weights)
 
+from dsgd_test_models import ps_actors, server_group  # the engine's internals
+
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
 
@@ -55,11 +57,11 @@ def test_ps_serves_many_partitions_per_server_through_shared_memory(engines):
     # 5*4 + 4 + 4 float32 = 112 bytes in 24-byte partitions: ceil(112 / 24) = 5 partitions, on the
     # default servers: one node of 8 CPUs holding two 1-CPU workers -> 2 servers, not 5.
     sgd = engines["ps"]
-    assert len(sgd.layout) == 5
-    assert len(sgd.ps_actors) == 2
-    assert sorted(set(sgd.servers.placement)) == [0, 1]
+    assert len(server_group(sgd).layout) == 5
+    assert len(ps_actors(sgd)) == 2
+    assert sorted(set(server_group(sgd).placement)) == [0, 1]
     # Workers and servers share one node: every partition travels through shared memory.
-    assert sgd.foreach_worker(lambda w: [m is not None for m in w.client.means]) == [[True] * 5] * 2
+    assert sgd.foreach_worker(lambda w: [type(e).__name__ == "SharedMemoryWorkerEnd" for e in w.client.ends]) == [[True] * 5] * 2
 
 
 def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
@@ -76,8 +78,8 @@ def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
 def test_explicit_server_count_is_honoured_and_default_partitions_train_correctly(ray_session):
     with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
                              num_parameter_servers=1) as sgd:
-        assert len(sgd.ps_actors) == 1
-        assert len(sgd.layout) == 1  # 112 bytes: one partition (dsgd's default is at least 1 MiB)
+        assert len(ps_actors(sgd)) == 1
+        assert len(server_group(sgd).layout) == 1  # 112 bytes: one partition (dsgd's default is at least 1 MiB)
         steps_against_numpy(sgd, REPLICAS, 2)
 
 
@@ -127,7 +129,7 @@ def test_strategies_give_the_same_weights(engines):
     for other in ("ps", "ps-python"):
         weights = engines[other].get_weights()
         for name in simple:
-            # One averaging function (dsgd.strategies.average_into) in the same order: bit for bit.
+            # One averaging function (dsgd.arrays.average_into) in the same order: bit for bit.
             assert np.array_equal(weights[name], simple[name]), f"{other} {name}"
 
 
@@ -248,7 +250,7 @@ def test_single_worker_steps_equal_numpy_reference(ray_session, strategy):
 def test_single_worker_ps_says_it_runs_like_simple_and_closes(ray_session, caplog):
     with caplog.at_level(logging.WARNING, logger="dsgd"):
         with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=2, strategy="ps") as sgd:
-            assert sgd.ps_actors == []
+            assert ps_actors(sgd) == []
             assert sgd.step(fetch_stats=True)["loss"] > 0
     assert "num_workers=1" in caplog.text
     with pytest.raises(dsgd.DSGDError, match="shut down"):

@@ -49,7 +49,7 @@ def test_after_ctrl_c_the_next_engine_steps_on_with_identical_replicas_and_is_fr
 
 def submit_to_worker_0_then_interrupt(workers, step_id, fetch_stats):
     """What Ctrl-C between the two workers' calls of a "ps" step leaves: worker 0's call sent, worker 1's not."""
-    workers[0].step_ps.remote(step_id, fetch_stats)
+    workers[0].step.remote(step_id, fetch_stats)
     raise KeyboardInterrupt
 
 
@@ -63,7 +63,7 @@ def test_interrupt_between_two_workers_calls_is_settled_by_the_next_call(ray_ses
         start = set_start_weights(sgd)
         sgd.step()
         with monkeypatch.context() as patch:
-            patch.setattr(sgd._strategy, "submit", submit_to_worker_0_then_interrupt)
+            patch.setattr(sgd._ledger._strategy, "submit", submit_to_worker_0_then_interrupt)
             with pytest.raises(KeyboardInterrupt):
                 sgd.step()
         if worker_1_dies_meanwhile:

@@ -172,7 +172,7 @@ def test_bad_fetch_and_unknown_handle(ray_session):
         t = ops.receive_shard(lambda: np.zeros(9, np.float32), shard)
         with pytest.raises(Exception, match="must return a numpy array of 8 float32"):
             _run(t)
-        bogus = ops.load().dsgd_object_tensor(tf.constant(10**12, tf.int64), T=tf.float32, size=8)
+        bogus = ops.load().dsgd_alias_tensor(tf.constant(10**12, tf.int64), T=tf.float32, size=8)
         with pytest.raises(tf.errors.NotFoundError, match="no object-store buffer"):
             _run(bogus)
     assert ops.discard_unclaimed() == 0 and ops.live_buffers() == 0

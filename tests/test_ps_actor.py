@@ -8,11 +8,10 @@ import pytest
 import ray
 
 from dsgd import object_store, ps_actor
-from dsgd.errors import DSGDTimeoutError
-from dsgd.ps_actor import StepAborted
+from dsgd.errors import DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
-from dsgd_test_models import wait_until
+from dsgd_test_models import pushes_waiting, wait_until
 
 # Two partitions: one of two small variables (packed together), one of a large one (its own segment).
 SPECS = [VarSpec("a", (5,), np.dtype(np.float32)), VarSpec("b", (3,), np.dtype(np.float32)),
@@ -48,8 +47,8 @@ def _stored(shard, flat):
 
 def _local_worker(server, worker_index):
     """This process as a worker on the server's node: the engine's client, over shared memory."""
-    client = ParameterServerClient(worker_index, LAYOUT, [0] * len(LAYOUT), timeout_s=30)
-    assert client.connect([server], timeout_s=30) == 1  # a worker on the server's node gets shared buffers
+    client = ParameterServerClient(worker_index, LAYOUT, [0] * len(LAYOUT), step_timeout_s=30, startup_timeout_s=30)
+    assert client.connect([server]) == 1  # a worker on the server's node gets shared buffers
     return client
 
 
@@ -78,7 +77,7 @@ def test_one_server_sums_many_partitions_in_worker_order_over_both_transports(ra
                       for w in order}
             replies = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
             assert replies[1] == []  # the local worker reads the mean from shared memory
-            np.testing.assert_array_equal(local.means[shard.index], expected[shard.index])  # bit for bit
+            np.testing.assert_array_equal(local.ends[shard.index].means[shard.index], expected[shard.index])  # bit for bit
             for w in (0, 2):
                 [ref] = replies[w]
                 [mean] = object_store.join(ray.get(ref, timeout=30), [shard.size])
@@ -141,7 +140,7 @@ def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     shard = LAYOUT[1]
     flat = _data(np.random.default_rng(5))[1]
     waiting = server.push.remote(0, 0, 1, _stored(shard, flat))
-    wait_until(lambda: ray.get(server.waiting_for.remote(), timeout=30) == {1: [1]})  # the push waits
+    wait_until(lambda: pushes_waiting(server) == {1: [1]})  # the push waits
     ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
     with pytest.raises(StepAborted):
         ray.get(waiting, timeout=30)

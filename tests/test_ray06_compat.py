@@ -82,8 +82,8 @@ def test_get_metrics_that_evaluates_returns_numbers(ray_session):
 
 def local_worker(model_creator) -> SGDWorker:
     """A worker built in this process, no Ray: enough to see what setup accepts."""
-    worker = SGDWorker(0, WorkerConfig(num_workers=1, devices_per_worker=1, gpu=False, all_reduce_alg="simple",
-                                       cpus_per_worker=1, timeout_s=60.0))
+    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=1, gpu=False, all_reduce_alg="simple",
+                                       cpus_per_worker=1, step_timeout_s=60.0, startup_timeout_s=60.0))
     worker.setup(model_creator)
     return worker
 
@@ -91,7 +91,7 @@ def local_worker(model_creator) -> SGDWorker:
 def test_metric_tensors_are_stats_and_numbers_are_not():
     worker = local_worker(MixedMetricsNet)
     assert worker.built.signature.metrics == ("accuracy",)
-    stats = worker.step_local(fetch_stats=True)
+    stats = worker.step(0, fetch_stats=True)
     assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
     assert set(worker.get_weights()) == WEIGHT_NAMES
 

@@ -13,7 +13,7 @@ import dsgd
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, KillCue, KillOnCue, NaNOnWorker1AtStep1,
                               SlowWorkerNet, TanhNet, actor_pids, actors_started_since, assert_replicas_identical,
                               assert_weights_close, kill, known_actors, numpy_momentum_run, pushes_waiting,
-                              set_start_weights, wait_until)
+                              set_start_weights, wait_until, ps_actors)
 
 
 @pytest.fixture
@@ -30,12 +30,12 @@ def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_
         # Between steps: both workers have applied step 0 (asked directly: the driver's calls would
         # first wait for the steps in flight), and no push waits on any server.
         assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [1, 1]
-        assert [pushes_waiting(server) for server in sgd.ps_actors] == [{}, {}]
-        kill(sgd.ps_actors[0])
+        assert [pushes_waiting(server) for server in ps_actors(sgd)] == [{}, {}]
+        kill(ps_actors(sgd)[0])
         sgd.step(fetch_stats=True)
         assert "parameter server 0 is dead" in warnings_seen.text
         sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
-        server_1 = sgd.ps_actors[1]
+        server_1 = ps_actors(sgd)[1]
         wait_until(lambda: pushes_waiting(server_1))
         # During a step: worker 0's push of step 2 waits on server 1 for worker 1's.
         assert set(map(tuple, pushes_waiting(server_1).values())) == {(1,)}
@@ -110,10 +110,10 @@ def test_worker_and_parameter_server_killed_in_the_same_step(ray_session, warnin
     with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
         start = set_start_weights(sgd)
         sgd.step()
-        worker_1, server_0 = sgd.workers[1], sgd.ps_actors[0]
+        worker_1, server_0 = sgd.workers[1], ps_actors(sgd)[0]
         pids = actor_pids(worker_1, server_0)
         sgd.step()  # step 1: worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
-        wait_until(lambda: any(pushes_waiting(server) for server in sgd.ps_actors))
+        wait_until(lambda: any(pushes_waiting(server) for server in ps_actors(sgd)))
         fault = time.monotonic()
         kill(worker_1, server_0, pids=pids)
         got = sgd.get_weights()  # waits for step 1, which recovery re-runs
@@ -140,7 +140,7 @@ def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp
         start = set_start_weights(sgd)
         sgd.step()
         sgd.get_weights()
-        cue.arm(actor_pids(sgd.ps_actors[0])[0])
+        cue.arm(actor_pids(ps_actors(sgd)[0])[0])
         fault = time.monotonic()
         kill(sgd.workers[1])
         stats = sgd.step(fetch_stats=True)  # step 1: recovery starts a new worker 1, which kills server 0
@@ -170,7 +170,7 @@ def test_parameter_server_killed_while_the_driver_saves_or_sets_weights(ray_sess
         start = set_start_weights(sgd)
         sgd.step()
         sgd.get_weights()
-        cue.arm(actor_pids(sgd.ps_actors[0])[0])
+        cue.arm(actor_pids(ps_actors(sgd)[0])[0])
         sgd.step()
         shifted = {k: v + 1 for k, v in start.items()}
         if call == "save":

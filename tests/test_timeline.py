@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 
 import dsgd
-from dsgd_test_models import TanhNet
+from dsgd_test_models import TanhNet, ps_actors, server_group
 
 
 def load_trace(path):
@@ -30,8 +30,8 @@ def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use
         sgd.step()
         stats = sgd.step(fetch_stats=True, write_timeline=str(path))
         assert stats["loss"] > 0 and stats["step"] == 1
-        num_ps = len(sgd.ps_actors)
-        placement = sgd.servers.placement
+        num_ps = len(ps_actors(sgd))
+        placement = server_group(sgd).placement
     processes, spans = load_trace(path)
     assert (num_ps, len(placement)) == (2, 3)  # 112 bytes in 40-byte partitions, on 2 servers
     assert sorted(processes.values()) == sorted(

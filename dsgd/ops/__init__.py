@@ -4,12 +4,12 @@ Write side: ``build_send`` hands a shard to a Python callback from inside the
 graph, so each shard leaves as soon as its gradients exist. The shard travels
 as segments (``dsgd.shards.segments``): large pieces as zero-copy views of the
 gradient tensors, runs of small pieces packed by ``pack`` (one C++ pass); the
-callback (``dsgd.ps_client``) copies them once, into a shared buffer or the
-object store.
+callback (``dsgd.ps_exchanges``, through ``dsgd.transport``) copies them
+once, into a shared buffer or the object store.
 
 Read side: ``receive_shard`` turns the numpy array a fetch function returns
-(normally the zero-copy view ``ray.get`` gives) into a tensor aliasing the same
-memory; ``unpack`` splits shards into per-variable gradients that alias them.
+(a view of a shared-memory mean buffer, or the zero-copy view ``ray.get``
+gives of an object) into a tensor aliasing the same memory; ``unpack`` splits shards into per-variable gradients that alias them.
 The array is kept in a registry until the last tensor using its memory dies;
 the C++ side then queues its handle and ``drain_released`` drops the array.
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dsgd import object_store
+from dsgd import arrays
 from dsgd.shards import VIEW_BYTES, Segment, Shard, VarSpec, piece_view, segments
 
 __all__ = [
@@ -148,7 +148,7 @@ def build_send(grads: Sequence[tf.Tensor], shard: Shard,
 
 def _register(array: np.ndarray) -> int:
     drain_released()
-    address, nbytes = object_store.address_range(array)
+    address, nbytes = arrays.address_range(array)
     with _lock:
         handle = _clib.dsgd_register_buffer(address, nbytes)
         _arrays[handle] = array
@@ -179,7 +179,7 @@ def receive_shard(fetch: Callable[..., np.ndarray], shard: Shard,
     handle = tf.numpy_function(fetch_and_register, list(inputs), tf.int64, stateful=True,
                                name=f"dsgd_fetch_{shard.index}")
     handle.set_shape([])
-    return _ops.dsgd_object_tensor(handle, T=_tf_dtype(dtype), size=shard.size)
+    return _ops.dsgd_alias_tensor(handle, T=_tf_dtype(dtype), size=shard.size)
 
 
 def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
@@ -239,7 +239,7 @@ def drain_released() -> int:
     """Drop the arrays TensorFlow no longer uses; return how many were dropped.
 
     Called on every fetch; the engine should also call it after each
-    ``session.run`` so object-store memory is released promptly.
+    ``session.run`` so the arrays (object-store objects among them) are released promptly.
     """
     return _drop_arrays("dsgd_drain_released")
 

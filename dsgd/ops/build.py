@@ -21,8 +21,8 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parents[1]  # sources include "dsgd/ops/cc/..."
-SOURCES = ("cc/dsgd_ops.cc", "cc/object_registry.cc")
-HEADERS = ("cc/object_registry.h",)
+SOURCES = ("cc/dsgd_ops.cc", "cc/buffer_registry.cc")
+HEADERS = ("cc/buffer_registry.h",)
 LIBRARY_NAME = "libdsgd_ops.so"
 
 

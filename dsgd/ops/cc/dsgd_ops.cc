@@ -1,14 +1,14 @@
-// TensorFlow ops that move gradient shards between tensors and Ray
-// object-store memory:
+// TensorFlow ops that move gradient shards between tensors and memory that
+// Python hands them (a shared-memory buffer or a Ray object-store object):
 //   DsgdPack          gradient pieces -> one flat shard tensor (one pass)
-//   DsgdObjectTensor  registered object-store buffer -> tensor aliasing it
+//   DsgdAliasTensor   registered buffer -> tensor aliasing it
 //   DsgdUnpack        flat shard tensors -> per-variable gradients (aliasing
 //                     the shard whenever a variable lies in one aligned piece)
 //   DsgdDataAddress   a tensor's data address (for tests and debugging)
 #include <cstring>
 #include <vector>
 
-#include "dsgd/ops/cc/object_registry.h"
+#include "dsgd/ops/cc/buffer_registry.h"
 #include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -30,19 +30,19 @@ bool IsAligned(const void* p) {
 const char* Data(const Tensor& t) { return t.tensor_data().data(); }
 char* MutableData(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
-// Memory owned by the object store; the last tensor using it releases the
-// registry handle so Python can drop the object.
-class ObjectBuffer : public TensorBuffer {
+// Memory owned by Python (shared memory or an object-store object); the last
+// tensor using it releases the registry handle so Python can drop its array.
+class AliasedBuffer : public TensorBuffer {
  public:
-  ObjectBuffer(int64_t handle, void* data, size_t nbytes)
+  AliasedBuffer(int64_t handle, void* data, size_t nbytes)
       : TensorBuffer(data), handle_(handle), nbytes_(nbytes) {}
-  ~ObjectBuffer() override { dsgd::ReleaseBuffer(handle_); }
+  ~AliasedBuffer() override { dsgd::ReleaseBuffer(handle_); }
 
   size_t size() const override { return nbytes_; }
   TensorBuffer* root_buffer() override { return this; }
   void FillAllocationDescription(AllocationDescription* proto) const override {
     proto->set_requested_bytes(nbytes_);
-    proto->set_allocator_name("dsgd_object_store");
+    proto->set_allocator_name("dsgd_aliased_buffer");
   }
   // Not ours to write: stops TensorFlow from forwarding it to in-place ops.
   bool OwnsMemory() const override { return false; }
@@ -55,7 +55,7 @@ class ObjectBuffer : public TensorBuffer {
 // A byte range of another buffer, keeping that buffer alive.
 // A view of part of another tensor's memory. Holding a Tensor keeps that
 // memory alive, with no need for TensorFlow's private DMAHelper; like
-// ObjectBuffer it does not own the memory, so TensorFlow never forwards it to
+// AliasedBuffer it does not own the memory, so TensorFlow never forwards it to
 // an op that would write in place (Tensor::Slice's view would allow that).
 class AliasBuffer : public TensorBuffer {
  public:
@@ -185,7 +185,7 @@ class PackOp : public OpKernel {
   std::vector<Piece> pieces_;
 };
 
-REGISTER_OP("DsgdObjectTensor")
+REGISTER_OP("DsgdAliasTensor")
     .Input("handle: int64")
     .Output("shard: T")
     .Attr(kTypes)
@@ -198,15 +198,15 @@ REGISTER_OP("DsgdObjectTensor")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Returns the object-store buffer registered under `handle` as a 1-D tensor of
+Returns the buffer registered under `handle` as a 1-D tensor of
 `size` elements that aliases it (no copy). The handle is released when the
 last tensor using the memory is destroyed. A buffer that is not 64-byte
 aligned is copied instead and released at once.
 )doc");
 
-class ObjectTensorOp : public OpKernel {
+class AliasTensorOp : public OpKernel {
  public:
-  explicit ObjectTensorOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit AliasTensorOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("size", &size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtype_));
   }
@@ -219,8 +219,8 @@ class ObjectTensorOp : public OpKernel {
     const int64_t handle = handle_tensor.scalar<int64_t>()();
     dsgd::RegisteredBuffer buffer;
     OP_REQUIRES(ctx, dsgd::ClaimBuffer(handle, &buffer),
-                errors::NotFound("no object-store buffer is registered under handle ",
-                                 handle));
+                errors::NotFound("no object-store buffer or shared-memory buffer "
+                                 "is registered under handle ", handle));
     const size_t nbytes = size_ * DataTypeSize(dtype_);
     if (buffer.nbytes != nbytes) {
       dsgd::ReleaseBuffer(handle);
@@ -237,7 +237,7 @@ class ObjectTensorOp : public OpKernel {
       OP_REQUIRES_OK(ctx, s);
       return;
     }
-    core::RefCountPtr<TensorBuffer> alias(new ObjectBuffer(handle, buffer.data, nbytes));
+    core::RefCountPtr<TensorBuffer> alias(new AliasedBuffer(handle, buffer.data, nbytes));
     ctx->set_output(0, Tensor(dtype_, TensorShape({size_}), std::move(alias)));
   }
 
@@ -379,10 +379,10 @@ class DataAddressOp : public OpKernel {
 #define DSGD_REGISTER(type)                                                   \
   REGISTER_KERNEL_BUILDER(                                                    \
       Name("DsgdPack").Device(DEVICE_CPU).TypeConstraint<type>("T"), PackOp); \
-  REGISTER_KERNEL_BUILDER(Name("DsgdObjectTensor")                            \
+  REGISTER_KERNEL_BUILDER(Name("DsgdAliasTensor")                            \
                               .Device(DEVICE_CPU)                             \
                               .TypeConstraint<type>("T"),                     \
-                          ObjectTensorOp);                                    \
+                          AliasTensorOp);                                    \
   REGISTER_KERNEL_BUILDER(                                                    \
       Name("DsgdUnpack").Device(DEVICE_CPU).TypeConstraint<type>("T"), UnpackOp);
 

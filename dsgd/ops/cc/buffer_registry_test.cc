@@ -1,5 +1,5 @@
 // Checks the registry's claim/release bookkeeping without TensorFlow.
-#include "dsgd/ops/cc/object_registry.h"
+#include "dsgd/ops/cc/buffer_registry.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +32,6 @@ int main() {
 
   CHECK(dsgd::DiscardUnclaimed(out, 4) == 1 && out[0] == b);
   CHECK(dsgd::LiveBufferCount() == 0);
-  std::puts("object_registry_test: OK");
+  std::puts("buffer_registry_test: OK");
   return 0;
 }

@@ -1,4 +1,4 @@
-#include "dsgd/ops/cc/object_registry.h"
+#include "dsgd/ops/cc/buffer_registry.h"
 
 #include <mutex>
 #include <unordered_map>

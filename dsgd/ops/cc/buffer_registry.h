@@ -1,13 +1,14 @@
-// Registry of object-store buffers that TensorFlow tensors may alias.
+// Registry of the buffers that TensorFlow tensors may alias.
 //
-// Python registers the address and size of a buffer it keeps alive (the
-// numpy array returned by ray.get) and gets an integer handle. The
-// DsgdObjectTensor op claims the handle and wraps the memory in a
+// Python registers the address and size of a buffer it keeps alive (a numpy
+// view of shared memory, or the array ray.get returned) and gets an integer
+// handle. The
+// DsgdAliasTensor op claims the handle and wraps the memory in a
 // TensorBuffer; when the last tensor aliasing it dies, the handle is pushed
 // onto a "released" queue that Python drains to drop its reference. No Python
 // or GIL is involved on the C++ side.
-#ifndef DSGD_OPS_CC_OBJECT_REGISTRY_H_
-#define DSGD_OPS_CC_OBJECT_REGISTRY_H_
+#ifndef DSGD_OPS_CC_BUFFER_REGISTRY_H_
+#define DSGD_OPS_CC_BUFFER_REGISTRY_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -40,4 +41,4 @@ size_t LiveBufferCount();
 
 }  // namespace dsgd
 
-#endif  // DSGD_OPS_CC_OBJECT_REGISTRY_H_
+#endif  // DSGD_OPS_CC_BUFFER_REGISTRY_H_

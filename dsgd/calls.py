@@ -1,0 +1,114 @@
+"""The one place the driver waits on Ray: every wait bounded, Ray's errors turned into dsgd's.
+
+``Calls.call`` waits for actor calls up to the step timeout (``timeout_s``),
+``call_startup`` up to the startup timeout (``startup_timeout_s``). A dead
+actor (or a lost object, or a step the parameter servers aborted) comes out
+as ``ActorFailure``, which the step ledger recovers from, naming the actor
+by what its ``identity()`` call answered (``identify``); a dsgd error raised
+inside an actor comes out as itself; any other failure as ``DSGDError``; a
+wait that runs out as ``DSGDTimeoutError`` saying what was awaited.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from dsgd.actor_identity import ActorIdentity
+from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, StepAborted
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 10.0
+
+# Errors that mean an actor (or an object it owned) is gone: recoverable.
+_FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
+
+
+def _fault_of(error: BaseException) -> BaseException | None:
+    """The actor failure behind ``error``, if that is what it is."""
+    if isinstance(error, _FAULTS):
+        return error
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, _FAULTS):
+        return error.cause
+    return None
+
+
+class Calls:
+    """Bounded waits on one engine's actor calls; knows its actors by id to name them in errors."""
+
+    def __init__(self, step_timeout_s: float, startup_timeout_s: float):
+        self.step_timeout_s = step_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._identities: dict[str, ActorIdentity] = {}  # actor id -> who it is
+
+    def call(self, refs, what: str):
+        """ray.get bounded by the step timeout, Ray's errors turned into dsgd's naming the actor.
+
+        Results are taken as they complete, so the first failure is raised at
+        once rather than after the slowest of the other calls.
+        """
+        return self._wait(refs, what, self.step_timeout_s, "raise timeout_s if steps are legitimately this slow")
+
+    def call_startup(self, refs, what: str):
+        """``call`` for set-up work (starting actors, building models), bounded by the startup timeout."""
+        return self._wait(refs, what, self.startup_timeout_s,
+                          "raise startup_timeout_s if building is legitimately this slow, or check with "
+                          "`ray status` that nothing else holds the CPUs the actors need")
+
+    def _wait(self, refs, what: str, timeout: float, hint: str):
+        pending = list(refs) if isinstance(refs, list) else [refs]
+        deadline = time.monotonic() + timeout
+        values = {}
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
+                values[ready[0]] = ray.get(ready[0])
+        except ray.exceptions.RayError as e:
+            fault = _fault_of(e)
+            if fault is not None:
+                raise ActorFailure(f"{self._describe(fault)} while waiting for {what}: {fault}") from e
+            if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
+                raise e.cause.with_traceback(None) from None
+            raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
+        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+
+    def wait_finished(self, refs: list) -> None:
+        """Wait (bounded by the step timeout) until calls have returned or failed; their results are not wanted."""
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.step_timeout_s)
+            if len(ready) < len(refs):
+                logger.warning("%d calls had not finished after %.0fs; going on without them",
+                               len(refs) - len(ready), self.step_timeout_s)
+
+    def identify(self, actors: list, what: str = "the actors to start") -> list[ActorIdentity]:
+        """Wait for ``actors`` to start; remember who they are, to name them in errors."""
+        identities = self.call_startup([a.identity.remote() for a in actors], what)
+        self._identities.update((i.actor_id, i) for i in identities)
+        return identities
+
+    def _describe(self, error: BaseException) -> str:
+        """'worker 1 (pid 4242 on node 3fa2c1e0) failed', for the actor behind an error."""
+        identity = self._identities.get(getattr(error, "actor_id", None))
+        return f"{identity} failed ({identity.where})" if identity else "an actor failed"
+
+    @staticmethod
+    def answers(refs: list, timeout: float) -> list:
+        """Each call's result, or None for one that failed or had not returned within ``timeout`` (one bound for all)."""
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+        answers = []
+        for ref in refs:
+            try:
+                answers.append(ray.get(ref, timeout=timeout) if ref in ready else None)
+            except ray.exceptions.RayError:
+                answers.append(None)
+        return answers
+
+    def unresponsive(self, actors: list) -> list[int]:
+        """Indices of ``actors`` that are dead or do not answer a ping within ``PING_TIMEOUT_S``, all pinged at once."""
+        identities = self.answers([a.identity.remote() for a in actors], PING_TIMEOUT_S)
+        return [i for i, identity in enumerate(identities) if identity is None]

@@ -1,0 +1,96 @@
+"""The worker's side of the exchange: one implementation per way a step combines gradients.
+
+A worker has one ``Exchange``; ``SGDWorker.step`` is its ``step``. Each
+implementation owns its piece of the worker's graph and its step body, built
+from the worker's ``StepRunner`` (feeds, timed runs, the checked apply):
+
+- ``Alone``: one worker; its replicas' local mean is applied in the same
+  session run that computes it.
+- ``DriverAverage`` ("simple" with several workers): a step is two calls
+  from the driver (``dsgd.strategies``): without ``means`` the worker
+  computes and returns its gradients; with the driver's ``means`` it applies
+  them.
+- ``dsgd.ps_exchanges.PythonParameterServers`` and
+  ``dsgd.ps_exchanges.OpsParameterServers`` ("ps" with several workers):
+  the partitions go to the parameter servers through the worker's
+  ``ParameterServerClient``, from Python after the gradients are computed,
+  or from inside the graph with the op library (``dsgd.ops``).
+
+Where later features plug in:
+
+- **wire compression** (16-bit partitions): in the transport pair
+  (``dsgd.transport``), whose ends write and read a partition; the op
+  library's pack and unpack (``dsgd.ops``) convert where they copy anyway.
+- **backup workers** (a step that closes without the slowest workers): in
+  the parameter server's closing rule (``ParameterServer._closes``); a
+  worker whose push finds the step closed gets its mean like any other.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dsgd import worker_graph
+from dsgd.step_runner import StepRunner
+
+
+class Exchange:
+    """How one worker's step combines its gradients with the other workers'."""
+
+    def __init__(self, runner: StepRunner):
+        self.runner = runner
+
+    def step(self, step_id: int, fetch_stats: bool,
+             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
+        """One step of this worker; its result dict (stats, and "skipped" if the apply skipped it)."""
+        raise NotImplementedError
+
+
+class Alone(Exchange):
+    """One worker: average over the local replicas and apply, one session run."""
+
+    def __init__(self, runner: StepRunner):
+        super().__init__(runner)
+        built = runner.built
+        with runner.default_session():
+            self.apply = worker_graph.build_apply(built, built.replica_means, runner.config)
+
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+        runner = self.runner
+        out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)},
+                           runner.feed_dict(), "compute and apply")
+        return runner.result(out.get("stats", {}), out)
+
+
+class DriverAverage(Exchange):
+    """"simple": the driver gathers every worker's gradients and sends back their mean.
+
+    The first call of a step returns ``(gradients, stats)``; the second,
+    given ``means``, applies them and returns the stats kept from the first.
+    """
+
+    def __init__(self, runner: StepRunner):
+        super().__init__(runner)
+        self._stats: dict[str, float] = {}  # the step's stats, from its gradients' call to its apply
+
+    def step(self, step_id: int, fetch_stats: bool,
+             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
+        runner = self.runner
+        built = runner.built
+        if means is None:
+            out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
+                             runner.feed_dict(), "compute")
+            self._stats = runner.stats(out["stats"])
+            return out["means"], self._stats
+        applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, means)))
+        return {**self._stats, **runner.result({}, applied)}
+
+
+def without_servers(runner: StepRunner) -> Exchange | None:
+    """The worker's exchange if it needs no parameter server (``WorkerConfig.exchange``); None for "ps"."""
+    kind = runner.config.exchange
+    if kind == "ps":
+        return None  # made by SGDWorker.connect (dsgd.ps_exchanges), once the servers exist
+    return Alone(runner) if kind == "alone" else DriverAverage(runner)

@@ -1,0 +1,265 @@
+"""The step ledger: one object owns the steps in flight, the step count, interrupts and recovery.
+
+``DistributedSGD`` hands every call to its ``StepLedger``. The ledger
+submits steps through the driver's half of the exchange
+(``dsgd.strategies``), keeps at most one step in flight beyond the one
+waited for, and settles the replicas whenever a call fails:
+
+- a dead actor (``ActorFailure``): ``recover`` aborts the steps in flight,
+  replaces dead actors (``Cluster.replace_dead``, which also gives every
+  worker new Ray Data splits), gives every worker that is behind (or new)
+  the full state (weights, optimizer slots, step count) of the most advanced
+  survivor, then runs again the steps no worker applied. A worker applies a
+  step only once it holds every averaged partition, so no replica applies a
+  partial or duplicated update; parameter servers hold nothing across
+  steps, so they only need a reset;
+- Ctrl-C (KeyboardInterrupt) inside a call: the next call first settles the
+  interrupted step (``settle_interrupted``);
+- another dsgd error: the replicas are brought to one state and it is raised.
+
+Elastic resizing hooks in here: it settles the steps in flight, changes the
+cluster, and goes on from ``num_steps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Iterator, Sequence
+
+import ray
+
+from dsgd import strategies, timeline
+from dsgd.cluster import Cluster
+from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+
+logger = logging.getLogger(__name__)
+
+
+def warn_if_skipped(results: Sequence[dict]) -> None:
+    """Log the reason when the workers' results say they skipped the step (nan_policy="skip")."""
+    skipped = [r["skipped"] for r in results if isinstance(r, dict) and "skipped" in r]
+    if skipped:
+        logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
+
+
+class StepLedger:
+    """The steps of one engine's ``cluster``: submitted, in flight, applied, recovered."""
+
+    def __init__(self, cluster: Cluster, max_failures: int):
+        self.cluster = cluster
+        self.max_failures = max_failures
+        self.failures = 0  # recoveries so far, over the engine's life
+        self.num_steps = 0  # steps submitted; step ids count from 0
+        self.closed = False
+        self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
+        self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
+        self._trace: timeline.Recorder | None = None
+        self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
+
+    # ---- every call ---------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Refuse calls after ``close``; settle a step that Ctrl-C interrupted."""
+        if self.closed:
+            raise DSGDError("this DistributedSGD has been shut down; create a new one")
+        if self._interrupted:
+            self.settle_interrupted()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """The body of a public call, after ``check_open``.
+
+        A KeyboardInterrupt in the body goes on up; the engine's next call settles the replicas first.
+        """
+        self.check_open()
+        try:
+            yield
+        except KeyboardInterrupt:
+            self._interrupted = True
+            raise
+
+    def settle_interrupted(self) -> None:
+        """Bring every replica to one state after a KeyboardInterrupt in ``step`` (or a recovery, a restore...).
+
+        The steps whose calls were all sent complete, as without the
+        interrupt. A step that Ctrl-C cut short before all its calls were
+        sent (the "simple" driver's gather, or between two workers' calls)
+        cannot: the parameter servers abort what of it waits, and the most
+        advanced worker's state goes to every worker behind it, so it counts
+        on every replica or on none (``num_steps`` says which). An actor
+        that died meanwhile is replaced as after any failure.
+        """
+        self.drain()
+        try:
+            self.num_steps = self.settle([])
+        except ActorFailure as e:
+            self.recover(e, [])
+        self._interrupted = False
+        logger.info("settled the step interrupted by KeyboardInterrupt: %d steps applied on every replica",
+                    self.num_steps)
+
+    def close(self) -> None:
+        """Refuse every later call; forget the steps in flight (their actors are being killed)."""
+        self.closed = True
+        self._in_flight = []
+
+    # ---- steps --------------------------------------------------------------
+
+    def step(self, fetch_stats: bool) -> tuple[int, list | None]:
+        """Submit one step; its id, and with ``fetch_stats`` its per-worker results once done ([] if recovery
+        completed it on some workers only), else None while it is still in flight."""
+        step_id = self.num_steps
+        self.num_steps += 1
+
+        def submit() -> None:
+            with self.span("submit"):
+                self._in_flight.append((step_id, self._strategy.submit(self.cluster.workers, step_id, fetch_stats)))
+
+        per_worker = self._guarded(submit)  # None, unless recovery completed the step
+        if per_worker is None:
+            with self.span("wait for the workers"):
+                per_worker = self.drain(keep_last=not fetch_stats)
+        return step_id, ((per_worker or []) if fetch_stats else None)
+
+    def drain(self, keep_last: bool = False) -> list | None:
+        """Wait for submitted steps (all, or all but the newest); recover from faults.
+
+        Returns the per-worker results of the newest step waited for.
+        """
+        results = None
+        while len(self._in_flight) > (1 if keep_last else 0):
+            step_id, refs = self._in_flight[0]
+            results = self._guarded(lambda: self.cluster.calls.call(refs, f"step {step_id} on all workers"))
+            if not self._in_flight:  # recovery aborted every step in flight and re-ran them
+                return results
+            self._in_flight.pop(0)
+            warn_if_skipped(results)
+        return results
+
+    def _guarded(self, run: Callable[[], list | None]) -> list | None:
+        """``run()``; recover from a dead actor (the re-run steps' results), or settle the workers after another error."""
+        try:
+            return run()
+        except ActorFailure as e:
+            return self.recover(e, self._take_in_flight())
+        except DSGDTimeoutError:
+            self._in_flight.clear()
+            raise
+        except DSGDError:
+            self.num_steps = self.settle(self._take_in_flight())
+            raise
+
+    def _take_in_flight(self) -> list:
+        refs = [r for _, step_refs in self._in_flight for r in step_refs]
+        self._in_flight.clear()
+        return refs
+
+    # ---- calls on the workers between steps -----------------------------------
+
+    def on_workers(self, method: str, *args, what: str, worker_0_only: bool = False, rerun: bool = True) -> list:
+        """``method(*args)`` on every worker (or worker 0 only), after the steps in flight; the results, worker order.
+
+        A worker found dead is replaced as after a failed step, every replica
+        brought to one state, and the call made again if ``rerun`` (it must be
+        idempotent). A user's function is not run twice: after the recovery
+        a DSGDError says it may have run on some workers only.
+        """
+        with self.call():
+            self.drain()
+            while True:
+                workers = self.cluster.workers[:1] if worker_0_only else self.cluster.workers
+                try:
+                    return self.cluster.calls.call([getattr(w, method).remote(*args) for w in workers], what)
+                except ActorFailure as e:
+                    self.recover(e, [])
+                    if not rerun:
+                        raise DSGDError(f"{what} may have run on some workers and not others, so it was not run "
+                                        "again after the engine recovered from the failure below (every replica "
+                                        f"holds the same state again); call it again if that is safe. {e}") from e
+
+    def restore(self, state: dict) -> None:
+        """Load a checkpoint's ``state`` onto every worker; steps go on from its step count."""
+        self.on_workers("set_state", ray.put(state), what="the workers to load the checkpoint")
+        with self.call():
+            self.num_steps = state["applied_steps"]
+            self.cluster.reset_servers(self.num_steps)
+
+    def latest_state(self) -> dict:
+        """The state of the most advanced live worker, after the steps in flight."""
+        with self.call():
+            self.drain()
+            return self.cluster.latest_state()
+
+    # ---- recovery -------------------------------------------------------------
+
+    def recover(self, error: ActorFailure, in_flight: list[ray.ObjectRef]) -> list:
+        """Recover from ``error``; the per-worker results (with stats) of the last step re-run, [] if none was.
+
+        ``in_flight``: the calls of the steps not yet waited for. Every step
+        below ``num_steps`` is applied on every worker on return.
+        """
+        while True:
+            self.failures += 1
+            if self.failures > self.max_failures:
+                raise DSGDError(f"giving up after {self.max_failures} recoveries (max_failures); "
+                                f"last failure: {error}") from error
+            logger.warning("%s; recovering (failure %d of at most %d)", error, self.failures, self.max_failures)
+            try:
+                applied = self.settle(in_flight, replace_dead=True)
+                results = []
+                for step_id in range(applied, self.num_steps):
+                    in_flight = self._strategy.submit(self.cluster.workers, step_id, True)
+                    results = self.cluster.calls.call(in_flight, f"re-run of step {step_id}")
+                    warn_if_skipped(results)
+                return results
+            except ActorFailure as e:
+                error = e
+
+    def settle(self, in_flight: list[ray.ObjectRef], replace_dead: bool = False) -> int:
+        """Abort ``in_flight``, optionally replace dead actors, bring every worker to one state; its step count."""
+        cluster = self.cluster
+        cluster.abort_servers()  # workers waiting on sums that will never complete fail now
+        if replace_dead:
+            cluster.stop_datasets()  # and those waiting on a dataset split (replace_dead splits anew)
+        cluster.calls.wait_finished(in_flight)
+        fresh = cluster.replace_dead() if replace_dead else set()
+        return self._resynchronize(fresh)
+
+    def _resynchronize(self, fresh: set[int]) -> int:
+        """Copy the most advanced survivor's state to every worker behind it (or new)."""
+        workers, calls = self.cluster.workers, self.cluster.calls
+        counts = calls.call([w.applied_steps_count.remote() for w in workers], "the workers' step counts")
+        survivors = [i for i in range(len(workers)) if i not in fresh]
+        source = max(survivors, key=lambda i: counts[i])
+        applied = counts[source]
+        behind = [w for i, w in enumerate(workers) if i in fresh or counts[i] < applied]
+        if behind:
+            state = workers[source].get_state.remote()
+            calls.call([w.set_state.remote(state) for w in behind], f"worker {source}'s state to be copied")
+        self.cluster.reset_servers(applied)
+        return applied
+
+    # ---- tracing --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tracing(self, path: str) -> Iterator[None]:
+        """Record the driver, the workers and the servers while the body runs; write the trace to ``path``."""
+        step_id, workers, calls = self.num_steps, self.cluster.workers, self.cluster.calls
+        calls.call([w.start_trace.remote() for w in workers], "the workers to start tracing")
+        self._trace = timeline.Recorder()
+        try:
+            with self._trace.span(f"step {step_id}"):
+                yield
+        finally:
+            driver, self._trace = self._trace, None
+            worker_events = calls.call([w.collect_trace.remote() for w in workers], "the workers' traces")
+        servers = self.cluster.servers
+        server_events = calls.call(servers.traces(step_id), "the parameter servers' traces") if servers else []
+        timeline.write(path, [("driver", driver.events)]
+                       + [(f"worker {i}", events) for i, events in enumerate(worker_events)]
+                       + [(f"parameter server {j}", events) for j, events in enumerate(server_events)])
+
+    def span(self, name: str):
+        """A span of the driver's timeline while one is recorded (``tracing``), else nothing."""
+        return timeline.maybe_span(self._trace, name)

@@ -1,0 +1,133 @@
+"""The worker's "ps" exchanges: partitions to the parameter servers and their means back.
+
+Both send every partition of the worker's local mean to its server through
+the worker's ``ParameterServerClient`` and apply the means it receives (see
+``dsgd.exchanges`` for the protocol and where later features plug in):
+
+- ``PythonParameterServers`` (``use_ops=False``): after the session run that
+  computes the gradients, packs and pushes each partition from Python, reads
+  the means, then applies them in a second run.
+- ``OpsParameterServers`` (the op library, ``dsgd.ops``): one session run.
+  Each partition is sent from inside the graph as soon as its gradients
+  exist, while back-propagation of earlier layers goes on, and received as
+  soon as it is sent; means reach TensorFlow without a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from dsgd import shards, timeline, worker_graph
+from dsgd.exchanges import Exchange
+from dsgd.ps_client import ParameterServerClient
+from dsgd.step_runner import StepRunner
+
+
+class PythonParameterServers(Exchange):
+    """Compute, push the partitions from Python, receive their means, apply."""
+
+    def __init__(self, runner: StepRunner, client: ParameterServerClient):
+        super().__init__(runner)
+        self.client = client
+
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+        runner, client = self.runner, self.client
+        built = runner.built
+        out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
+                         runner.feed_dict(), "compute")
+        try:
+            with runner.phase("pack and send"):
+                for shard in client.layout:
+                    client.send_gradients(shard, step_id, out["means"])
+            with runner.phase("receive"):
+                shard_means = [client.receive(shard, step_id) for shard in client.layout]
+        except BaseException:
+            client.forget_pushes()
+            raise
+        global_means = shards.unpack(shard_means, client.layout, built.signature.exchange)
+        applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, global_means)))
+        return runner.result(out["stats"], applied)
+
+
+class OpsParameterServers(Exchange):
+    """One session run: compute, send, receive and apply all happen in the graph."""
+
+    def __init__(self, runner: StepRunner, client: ParameterServerClient):
+        super().__init__(runner)
+        self.client = client
+        self._callback_error: BaseException | None = None  # TensorFlow wraps a callback's error; kept here
+        with runner.default_session():
+            self.step_input, self.apply = self._build()
+
+    def _build(self) -> tuple[tf.Tensor, tf.Operation]:
+        """The pipelined exchange, inside the graph (see dsgd/ops); the step id's placeholder and the apply.
+
+        Sends run in layout order (each after the previous one) and receive
+        k waits for send k, so a worker blocks only on partitions that every
+        worker with a longer run of sends has already sent: whichever worker
+        has sent the least always gets its means, and no thread budget can
+        deadlock. The apply runs once every partition has arrived.
+        """
+        from dsgd import ops
+
+        built, layout = self.runner.built, self.client.layout
+        step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
+        received, previous = [], []
+        for shard in layout:
+            with tf.control_dependencies(previous):
+                sent = ops.build_send(built.local_means, shard, self._send, [step_input])
+            with tf.control_dependencies([sent]):
+                received.append(ops.receive_shard(functools.partial(self._receive, shard), shard, [step_input]))
+            previous = [sent]
+        means = ops.unpack(received, layout, built.signature.exchange)
+        return step_input, worker_graph.build_apply(built, [means] * len(built.replicas), self.runner.config)
+
+    @contextlib.contextmanager
+    def _callback(self, span: str):
+        """The body of a graph callback: traced, and its error kept for ``step`` (TF wraps it)."""
+        try:
+            with timeline.maybe_span(self.runner.trace, span, "exchange"):
+                yield
+        except BaseException as e:
+            self._callback_error = e
+            raise
+
+    def _send(self, shard: shards.Shard, arrays: list[np.ndarray], step: np.ndarray) -> None:
+        with self._callback(f"send partition {shard.index}"):
+            self.client.send(shard, int(step), arrays)
+
+    def _receive(self, shard: shards.Shard, step: np.ndarray) -> np.ndarray:
+        with self._callback(f"receive partition {shard.index}"):
+            return self.client.receive(shard, int(step))
+
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+        from dsgd import ops
+
+        runner = self.runner
+        feed = runner.feed_dict()
+        feed[self.step_input] = step_id
+        self._callback_error = None
+        try:
+            out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)}, feed,
+                               "compute, exchange and apply")
+        except tf.errors.OpError:
+            ops.discard_unclaimed()
+            self.client.forget_pushes()
+            if self._callback_error is not None:
+                raise self._callback_error from None  # e.g. a dead parameter server: the driver recovers
+            raise
+        finally:
+            ops.drain_released()
+        return runner.result(out.get("stats", {}), out)
+
+
+def with_servers(runner: StepRunner, client: ParameterServerClient) -> Exchange:
+    """The worker's "ps" exchange: through the op library if the driver chose it (``use_ops``), else Python."""
+    if runner.config.use_ops:
+        return OpsParameterServers(runner, client)
+    return PythonParameterServers(runner, client)

@@ -1,0 +1,157 @@
+"""Running one worker's graph for a step: feeds, phases, stats, the apply and its non-finite check.
+
+``StepRunner`` is what every exchange (``dsgd.exchanges``) builds its step
+body from: ``feed_dict`` asks every replica for its batch, ``run`` is
+``session.run`` timed as a phase of the step (and traced while a timeline is
+recorded), ``apply`` runs an apply and turns a non-finite mean into a raised
+error or a skipped step, ``result`` reduces the replicas' stats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import tensorflow as tf
+
+from dsgd import timeline, user_model, worker_graph
+from dsgd.config import WorkerConfig
+from dsgd.errors import DSGDError, NonFiniteGradientError
+
+_NONFINITE = re.compile(r"dsgd: non-finite (gradient|value) of '([^']+)'")
+
+
+class StepRunner:
+    """Runs ``built`` in ``sess`` for worker ``worker_index``; counts the steps it applied."""
+
+    def __init__(self, worker_index: int, config: WorkerConfig):
+        self.worker_index = worker_index
+        self.config = config
+        self.sess: tf.compat.v1.Session | None = None
+        self.built: worker_graph.WorkerGraph | None = None
+        self.applied_steps = 0
+        self.trace: timeline.Recorder | None = None  # set while a timeline is recorded
+        self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+        # One thread per replica to ask for batches, with Ray Data input: a
+        # streaming split starts an epoch only once every replica has asked.
+        self._feeders = (ThreadPoolExecutor(config.devices_per_worker, thread_name_prefix="dsgd-feed")
+                         if config.feed_concurrently and config.devices_per_worker > 1 else None)
+
+    def default_session(self) -> contextlib.ExitStack:
+        """The worker's graph and session as TensorFlow's defaults (for user code too)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.sess.graph.as_default())
+        stack.enter_context(self.sess.as_default())
+        return stack
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase of the step for its stats (``<name>_s``) and, if tracing, the timeline."""
+        start = time.perf_counter()
+        try:
+            with timeline.maybe_span(self.trace, name):
+                yield
+        finally:
+            key = name.replace(",", "").replace(" ", "_") + "_s"
+            self._phase_s[key] = self._phase_s.get(key, 0.0) + time.perf_counter() - start
+
+    def run(self, fetches, feed_dict: dict, phase: str):
+        """session.run; while tracing, with TensorFlow's per-op step stats."""
+        trace = self.trace
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE) if trace else None
+        metadata = tf.compat.v1.RunMetadata() if trace else None
+        try:
+            with self.phase(phase):
+                return self.sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
+        finally:
+            if trace:
+                trace.events += timeline.from_step_stats(metadata.step_stats)
+
+    # ---- feeding ------------------------------------------------------------
+
+    def feed_dict(self) -> dict:
+        """Every replica's next batch (asked concurrently with Ray Data input); starts the step's phase timings."""
+        self._phase_s = {}
+        with self.phase("get_feed_dict"):
+            replicas = self.built.replicas
+            parts = (self._feeders.map(self._replica_feed, replicas) if self._feeders
+                     else map(self._replica_feed, replicas))
+            feed: dict = {}
+            for part in parts:
+                feed.update(part)
+            return feed
+
+    def _replica_feed(self, replica: worker_graph.Replica) -> dict:
+        """``replica``'s get_feed_dict(), checked; in any thread, with the worker's session as the default."""
+        where = f"worker {self.worker_index}, device {replica.index}"
+        with self.default_session():
+            part = user_model.call_user(replica.model, "get_feed_dict", where) or {}
+            if not isinstance(part, dict):
+                raise DSGDError(f"get_feed_dict() must return a dict, got {type(part).__name__} on {where}")
+            for key in part:
+                self._check_feed_key(key, where)
+        return part
+
+    def _check_feed_key(self, key, where: str) -> None:
+        graph = self.sess.graph
+        if isinstance(key, (tf.Tensor, tf.Operation)) and key.graph is graph:
+            return
+        if isinstance(key, str):
+            try:
+                graph.as_graph_element(key)
+                return
+            except (KeyError, ValueError) as e:
+                raise DSGDError(f"get_feed_dict() on {where} names {key!r}, which is not a tensor of the model's graph: {e}") from e
+        raise DSGDError(
+            f"get_feed_dict() on {where} returned key {key!r}, which is not a tensor of the replica's graph; "
+            "use placeholders created in the model's __init__")
+
+    # ---- stats and the apply --------------------------------------------------
+
+    def stats_fetches(self, fetch_stats: bool) -> dict:
+        """What to fetch for the step's stats: every replica's loss and metric tensors ({} without stats)."""
+        if not fetch_stats:
+            return {}
+        replicas = self.built.replicas
+        return {"loss": [r.loss for r in replicas],
+                "metrics": {k: [r.metrics[k] for r in replicas] for k in replicas[0].metrics}}
+
+    def stats(self, fetched: dict) -> dict[str, float]:
+        """Loss and metrics (means over replicas) with the step's phase times; {} if none were fetched."""
+        if not fetched:
+            return {}
+        stats = {"loss": float(np.mean(fetched["loss"]))}
+        stats.update({k: float(np.mean(v)) for k, v in fetched["metrics"].items()})
+        return {**stats, **self._phase_s}
+
+    def apply(self, fetches: dict, feed_dict: dict, phase: str = "apply") -> dict:
+        """Run an apply; a non-finite mean raises or skips the step on every replica.
+
+        Every worker applies the same global mean, so every worker makes the
+        same choice and replicas stay identical. Returns the run's outputs
+        and, under "skipped", the variable that made the step skip.
+        """
+        try:
+            out = self.run(fetches, feed_dict, phase)
+        except tf.errors.InvalidArgumentError as e:
+            found = _NONFINITE.search(e.message)
+            if not found:
+                raise
+            what = f"non-finite {found.group(1)} of variable '{found.group(2)}' in step {self.applied_steps}"
+            if self.config.nan_policy == "raise":
+                raise NonFiniteGradientError(
+                    f"{what}; no replica applied it (nan_policy='skip' skips such steps)") from None
+            self.applied_steps += 1
+            return {"skipped": what}
+        self.applied_steps += 1
+        return out
+
+    def result(self, fetched_stats: dict, applied: dict) -> dict:
+        """A step's result: its stats, and "skipped" if the apply skipped it."""
+        result = self.stats(fetched_stats)
+        if "skipped" in applied:
+            result["skipped"] = applied["skipped"]
+        return result
