@@ -204,7 +204,7 @@ class Cluster:
     def stop_datasets(self) -> None:
         """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
         if self._split_owner is not None:
-            ray.kill(self._split_owner)
+            data.stop_splits(self._split_owner)
         self._split_owner, self._splits = None, None
 
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -150,6 +151,8 @@ class DistributedSGD:
             logger.info("Ray is not initialized; starting a local Ray instance")
             ray.init()
         self._cluster = Cluster(opts, model_creator, worker_config, datasets)
+        self._kill_actors = weakref.finalize(self, self._cluster.kill)  # also when garbage-collected
+        self._kill_actors.atexit = False  # at exit, ray.shutdown ends them
         self._strategy = strategies.make(opts.strategy, opts.num_workers, self._cluster.call, self._span)
         self._recovery = Recovery(self._cluster, self._strategy, opts.max_failures)
         try:
@@ -470,14 +473,16 @@ class DistributedSGD:
         """Kill the worker and parameter-server actors, at once, even mid-step. Safe to call twice.
 
         Leaving a ``with`` block calls it, also when a KeyboardInterrupt
-        leaves the block. Without it, Ray ends the actors when the engine is
-        garbage-collected (their handles are gone) or the driver exits.
+        leaves the block. Without it, the engine kills them when it is
+        garbage-collected, and Ray when the driver exits. With ``datasets=``,
+        the splits' executors are shut down first (their tasks cancelled,
+        their progress bars closed), then their coordinators killed.
         """
         self._closed = True
         self._in_flight = []
         if self._scalars is not None:
             self._scalars.close()
-        self._cluster.kill()
+        self._kill_actors()
 
     def __enter__(self) -> "DistributedSGD":
         return self
