@@ -179,6 +179,13 @@ class SlowWorkerNet(FixedDataMomentumNet):
         return super().get_feed_dict()
 
 
+def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
+    """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
+    if worker_index == 1:
+        time.sleep(SlowWorkerNet.DELAY_S)
+    return TanhNet(worker_index, device_index)
+
+
 class KillCue:
     """A file naming a process for a worker to SIGKILL once: a fault at a point that only code inside the worker reaches.
 
