@@ -3,7 +3,8 @@
 Started by tests/test_shutdown.py in its own process and session, with its
 own Ray and its dashboard (which serves ``ray.util.state``). Ray Data's
 progress bars are on, as a user has them. Three engines, one after the
-other, each stepped into its second epoch of input before it is stopped:
+other, each stopped after 15 steps (with datasets: partway into the first
+epoch, the dataset still running):
 
 1. ``datasets=``, stopped by leaving its ``with`` block;
 2. no datasets, stopped by ``shutdown()``;
@@ -69,32 +70,31 @@ def engine(datasets: bool) -> dsgd.DistributedSGD:
     return dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", timeout_s=120, startup_timeout_s=120)
 
 
+def left_after(how: str, datasets: bool) -> list[str]:
+    """Build an engine, step it, stop it ``how``: what it left running, by ``left_running``."""
+    before = running()
+    if how == "with block":
+        with engine(datasets) as sgd:
+            for _ in range(STEPS):
+                sgd.step()
+        return left_running(before)
+    sgd = engine(datasets)
+    for _ in range(STEPS):
+        sgd.step()
+    if how == "shutdown":
+        sgd.shutdown()
+    else:
+        del sgd
+        gc.collect()
+    return left_running(before)
+
+
 def main() -> None:
     ray.init(num_cpus=4, include_dashboard=True, logging_level="ERROR")
     ray.data.range(1).materialize()  # Ray Data's own actors for the whole cluster start here, not with an engine
-    left = {}
-
-    before = running()
-    with engine(datasets=True) as sgd:
-        for _ in range(STEPS):
-            sgd.step()
-    left["with block, datasets"] = left_running(before)
-
-    before = running()
-    sgd = engine(datasets=False)
-    for _ in range(STEPS):
-        sgd.step()
-    sgd.shutdown()
-    left["shutdown, no datasets"] = left_running(before)
-
-    before = running()
-    sgd = engine(datasets=True)
-    for _ in range(STEPS):
-        sgd.step()
-    del sgd
-    gc.collect()
-    left["garbage collected, datasets"] = left_running(before)
-
+    left = {"with block, datasets": left_after("with block", datasets=True),
+            "shutdown, no datasets": left_after("shutdown", datasets=False),
+            "garbage collected, datasets": left_after("garbage collection", datasets=True)}
     print("ENGINES STOPPED", flush=True)
     for i in range(5):
         time.sleep(1)
