@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 import dsgd
-from dsgd import cluster
 from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close, batch,
-                              numpy_forward, numpy_step, set_start_weights, slow_to_build_on_worker_1)
+                              numpy_forward, numpy_step, set_start_weights)
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
@@ -228,15 +227,6 @@ def test_workers_run_with_dsgds_environment_the_drivers_variables_first(engines,
     monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
     assert worker_env() == {"TF_CPU_ALLOCATOR_USE_BFC": "false", "TF_CPP_MIN_LOG_LEVEL": "3"}
-
-
-def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, caplog, monkeypatch):
-    monkeypatch.setattr(cluster, "PROGRESS_AFTER_S", 1.0)  # worker 1 builds for 3 s longer
-    with caplog.at_level(logging.INFO, logger="dsgd"):
-        dsgd.DistributedSGD(slow_to_build_on_worker_1, num_workers=2, strategy="simple").shutdown()
-    waits = [r.getMessage() for r in caplog.records if r.name == "dsgd.cluster" and r.getMessage().startswith("waiting")]
-    building = [m for m in waits if "for the workers to build their models: " in m]
-    assert building and all(m.split("; not yet: ")[1].endswith("worker 1") for m in building), waits
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])

@@ -1,12 +1,16 @@
-"""What a user sees: the examples' own lines, and TensorFlow's start-up lines only when asked for (dsgd.tf_logs)."""
+"""What a user sees: the examples' own lines, TensorFlow's start-up lines only when asked for (dsgd.tf_logs), and
+progress while the engine is being built."""
 
+import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from dsgd import tf_logs
+import dsgd
+from dsgd import cluster, tf_logs
+from dsgd_test_models import slow_to_build_on_worker_1
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
 # What TensorFlow 2.21 writes to stderr as it is imported on a machine without GPUs.
@@ -55,3 +59,12 @@ def test_mnist_example_prints_its_own_lines_and_no_tensorflow_start_up_line():
     assert re.search(r"^\s*100%.*20/20 .*loss .*accuracy", out.stdout, re.MULTILINE), out.stdout
     assert re.search(r"^test accuracy [0-9.]+ after 20 steps", out.stdout, re.MULTILINE), out.stdout
     assert not [m for m in START_UP_MARKERS if m in out.stdout], out.stdout  # driver and workers alike
+
+
+def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, caplog, monkeypatch):
+    monkeypatch.setattr(cluster, "PROGRESS_AFTER_S", 1.0)  # worker 1 builds for 3 s longer
+    with caplog.at_level(logging.INFO, logger="dsgd"):
+        dsgd.DistributedSGD(slow_to_build_on_worker_1, num_workers=2, strategy="simple").shutdown()
+    waits = [r.getMessage() for r in caplog.records if r.name == "dsgd.cluster" and r.getMessage().startswith("waiting")]
+    building = [m for m in waits if "for the workers to build their models: " in m]
+    assert building and all(m.split("; not yet: ")[1].endswith("worker 1") for m in building), waits
