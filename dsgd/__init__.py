@@ -2,13 +2,18 @@
 
 Names are imported on first use, so that processes which need only a light
 module (the parameter-server actors import ``dsgd.ps_actor``) do not pay for
-importing TensorFlow.
+importing TensorFlow. Importing dsgd before TensorFlow keeps TensorFlow's
+start-up lines out of stderr unless ``TF_CPP_MIN_LOG_LEVEL=0`` (``dsgd.tf_logs``).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from dsgd import tf_logs
+
+tf_logs.install()
 
 _EXPORTS = {
     "DistributedSGD": "dsgd.distributed_sgd",

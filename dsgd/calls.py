@@ -22,6 +22,10 @@ from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, StepAborted
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
+# A wait on the actors that passes PROGRESS_AFTER_S is logged (logger "dsgd", INFO): what is
+# awaited, how many calls are done and which actors are not; again every PROGRESS_EVERY_S.
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
 
 # Errors that mean an actor (or an object it owned) is gone: recoverable.
 _FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
@@ -60,14 +64,20 @@ class Calls:
 
     def _wait(self, refs, what: str, timeout: float, hint: str):
         pending = list(refs) if isinstance(refs, list) else [refs]
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, next_report = start + timeout, start + PROGRESS_AFTER_S
         values = {}
         try:
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
+                ready, pending = ray.wait(pending, num_returns=1,
+                                          timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
+                if ready:
+                    values[ready[0]] = ray.get(ready[0])
+                elif time.monotonic() >= deadline:
                     raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
-                values[ready[0]] = ray.get(ready[0])
+                else:
+                    self._log_progress(what, len(values), pending, time.monotonic() - start)
+                    next_report += PROGRESS_EVERY_S
         except ray.exceptions.RayError as e:
             fault = _fault_of(e)
             if fault is not None:
@@ -76,6 +86,13 @@ class Calls:
                 raise e.cause.with_traceback(None) from None
             raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
         return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+
+    def _log_progress(self, what: str, done: int, pending: list, waited_s: float) -> None:
+        """'waiting 15s for the workers to build their models: 1 of 3 done; not yet: worker 1, worker 2'."""
+        actor_ids = [ref.task_id().actor_id().hex() for ref in pending]
+        names = list(dict.fromkeys(str(self._identities[a]) for a in actor_ids if a in self._identities))
+        logger.info("waiting %.0fs for %s: %d of %d done%s", waited_s, what, done, done + len(pending),
+                    f"; not yet: {', '.join(names)}" if names else "")
 
     def wait_finished(self, refs: list) -> None:
         """Wait (bounded by the step timeout) until calls have returned or failed; their results are not wanted."""

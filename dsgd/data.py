@@ -3,10 +3,12 @@
 The driver has each dataset split over all ``num_workers * devices_per_worker``
 replicas with ``Dataset.streaming_split(replicas, equal=True)``, inside a
 small ``SplitOwner`` actor (``DatasetSplits`` keeps the current one and its
-splits): Ray's coordinator actor, which runs the dataset
-and deals its blocks to the replicas, belongs to that owner, so killing the
-owner stops the coordinator and fails any read waiting on it (after a fault,
-a replica may wait at an epoch's start for a replica that is gone). Nothing
+splits): Ray's coordinator actor, which runs the dataset and deals its
+blocks to the replicas, belongs to that owner. Stopping the splits
+(``DatasetSplits.stop``: at shutdown, after a fault) shuts the coordinators'
+executors down (their tasks cancelled, their progress bars closed), ends the
+coordinators and kills the owner, which fails any read waiting on them (after
+a fault, a replica may wait at an epoch's start for a replica that is gone). Nothing
 is gathered on the driver. Each worker is sent its replicas' splits inside
 the model creator (``ShardedModelCreator``), which makes a replica "current"
 while ``model_creator`` builds it; ``get_dataset_shard`` reads that.
@@ -89,14 +91,46 @@ def check_datasets(datasets: Any) -> dict[str, "ray.data.Dataset"] | None:
     return dict(datasets)
 
 
+# Bound on stopping a dataset's executors before its coordinators are killed anyway.
+STOP_TIMEOUT_S = 10.0
+
+
 @ray.remote(num_cpus=0)
 class SplitOwner:
     """Makes the streaming splits; they (their coordinator actors) live as long as this actor."""
 
+    def __init__(self):
+        self._coordinators: list = []
+
     def split(self, datasets: dict[str, "ray.data.Dataset"], nodes: list[str]) -> dict[str, list]:
         """Each dataset split over the replicas (one per entry of ``nodes``, their node ids), streaming, equal."""
-        return {name: ds.streaming_split(len(nodes), equal=True, locality_hints=list(nodes))
-                for name, ds in datasets.items()}
+        splits = {name: ds.streaming_split(len(nodes), equal=True, locality_hints=list(nodes))
+                  for name, ds in datasets.items()}
+        # Ray keeps a dataset's coordinator in each of its splits (StreamSplitDataIterator, Ray 2.60).
+        self._coordinators += [s[0]._coord_actor for s in splits.values() if hasattr(s[0], "_coord_actor")]
+        return splits
+
+    def stop(self) -> None:
+        """Shut the coordinators' executors down, let the coordinators exit, kill those that have not.
+
+        An executor that shuts down cancels its tasks and closes its progress
+        bars; a coordinator killed mid-epoch leaves them open, and the driver
+        redraws them with every line it prints from then on. A coordinator
+        that exits (rather than is killed) also reports its tasks' last
+        states to Ray first.
+        """
+        for calls in ([c.shutdown_executor.remote() for c in self._coordinators],
+                      [c.__ray_terminate__.remote() for c in self._coordinators]):
+            ray.wait(calls, num_returns=len(calls), timeout=STOP_TIMEOUT_S)
+        for coordinator in self._coordinators:
+            ray.kill(coordinator)
+        self._coordinators = []
+
+
+def stop_splits(owner) -> None:
+    """Stop a ``SplitOwner``'s splits (every read waiting on one fails) and kill it; bounded by ``STOP_TIMEOUT_S`` x 3."""
+    ray.wait([owner.stop.remote()], timeout=3 * STOP_TIMEOUT_S)
+    ray.kill(owner)
 
 
 class DatasetSplits:
@@ -132,7 +166,7 @@ class DatasetSplits:
     def stop(self) -> None:
         """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
         if self._owner is not None:
-            ray.kill(self._owner)
+            stop_splits(self._owner)
         self._owner, self._splits = None, None
 
 

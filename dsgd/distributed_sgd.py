@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -146,6 +147,8 @@ class DistributedSGD:
             logger.info("Ray is not initialized; starting a local Ray instance")
             ray.init()
         self._cluster = Cluster(opts, model_creator, worker_config, datasets)
+        self._kill_actors = weakref.finalize(self, self._cluster.kill)  # also when garbage-collected
+        self._kill_actors.atexit = False  # at exit, ray.shutdown ends them
         self._ledger = StepLedger(self._cluster, opts.max_failures)
         try:
             self._cluster.start()
@@ -323,13 +326,15 @@ class DistributedSGD:
         """Kill the worker and parameter-server actors, at once, even mid-step. Safe to call twice.
 
         Leaving a ``with`` block calls it, also when a KeyboardInterrupt
-        leaves the block. Without it, Ray ends the actors when the engine is
-        garbage-collected (their handles are gone) or the driver exits.
+        leaves the block. Without it, the engine kills them when it is
+        garbage-collected, and Ray when the driver exits. With ``datasets=``,
+        the splits' executors are shut down first (their tasks cancelled,
+        their progress bars closed), then their coordinators killed.
         """
         self._ledger.close()
         if self._scalars is not None:
             self._scalars.close()
-        self._cluster.kill()
+        self._kill_actors()
 
     def __enter__(self) -> "DistributedSGD":
         return self

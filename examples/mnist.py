@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import tensorflow as tf
 
-import dsgd
+import dsgd  # before tensorflow: dsgd keeps TensorFlow's start-up lines out of the output
+import tensorflow as tf
 from dsgd.progress import Progress
 
 IDX_FILES = {

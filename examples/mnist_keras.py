@@ -19,9 +19,9 @@ import time
 import numpy as np
 import ray
 import ray.data
-import tensorflow as tf
 
-import dsgd
+import dsgd  # before tensorflow: dsgd keeps TensorFlow's start-up lines out of the output
+import tensorflow as tf
 import mnist  # examples/mnist.py, next to this file: its data, flags and training loop
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 
 import ray
@@ -54,12 +53,10 @@ def model_args(args: argparse.Namespace, lr: float) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> tune.ResultGrid:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env = {"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2"}}
     if args.address:
-        ray.init(address=args.address, runtime_env=env)
+        ray.init(address=args.address)
     else:
-        ray.init(num_cpus=args.num_cpus, include_dashboard=False, runtime_env=env)
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False)
     # Trials and workers run elsewhere: ship examples/mnist.py's code with the model creator.
     ray.cloudpickle.register_pickle_by_value(mnist)
 
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> tune.ResultGrid:
     with dsgd.DistributedSGD(config_to_model_creator(best.config), num_workers=1, strategy="simple") as sgd:
         with best.checkpoint.as_directory() as directory:
             sgd.restore(directory)
-        accuracy = sgd.foreach_worker(lambda w: w.models[0].test_accuracy(w.sess))[0]
+        accuracy = sgd.for_model(lambda model: model.test_accuracy())
     print(f"best trial: lr={best.config['lr']:g}, loss {best.metrics['loss']:.4f} after "
           f"{best.metrics['num_steps']} steps; its checkpoint ({best.checkpoint.path}) restored: "
           f"test accuracy {accuracy:.4f}")

@@ -179,6 +179,13 @@ class SlowWorkerNet(FixedDataMomentumNet):
         return super().get_feed_dict()
 
 
+def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
+    """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
+    if worker_index == 1:
+        time.sleep(SlowWorkerNet.DELAY_S)
+    return TanhNet(worker_index, device_index)
+
+
 class KillCue:
     """A file naming a process for a worker to SIGKILL once: a fault at a point that only code inside the worker reaches.
 
@@ -322,22 +329,32 @@ def run_job(script: str, timeout_s: float) -> dict:
     ``timeout_s``, so nothing it started outlives it; a job that times out,
     fails or prints no result fails the test with its stderr's tail.
     """
+    return _run_job(script, timeout_s, stderr=subprocess.PIPE)[0]
+
+
+def run_job_with_output(script: str, timeout_s: float) -> tuple[dict, str]:
+    """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
+    return _run_job(script, timeout_s, stderr=subprocess.STDOUT)
+
+
+def _run_job(script: str, timeout_s: float, stderr: int) -> tuple[dict, str]:
+    """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
     with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
         env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
         proc = subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=stderr, text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_process_group(proc)
             out, err = proc.communicate()
-            raise AssertionError(f"{script} timed out after {timeout_s}s; stderr tail:\n{err[-4000:]}") from None
+            raise AssertionError(f"{script} timed out after {timeout_s}s; stderr tail:\n{(err or out)[-4000:]}") from None
         finally:
             kill_process_group(proc)
     results = [line[len(RESULT_PREFIX):] for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not results:
-        raise AssertionError(f"{script} exited with {proc.returncode}; stderr tail:\n{err[-4000:]}")
-    return json.loads(results[-1])
+        raise AssertionError(f"{script} exited with {proc.returncode}; stderr tail:\n{(err or out)[-4000:]}")
+    return json.loads(results[-1]), out
 
 
 def actor_pids(*actors) -> list[int]:

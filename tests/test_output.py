@@ -1,0 +1,70 @@
+"""What a user sees: the examples' own lines, TensorFlow's start-up lines only when asked for (dsgd.tf_logs), and
+progress while the engine is being built."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dsgd
+from dsgd import cluster, tf_logs
+from dsgd_test_models import slow_to_build_on_worker_1
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
+# What TensorFlow 2.21 writes to stderr as it is imported on a machine without GPUs.
+START_UP_MARKERS = ("absl::InitializeLog", "oneDNN custom operations", "cudart_stub", "cpu_feature_guard")
+
+
+def user_env(**variables: str) -> dict[str, str]:
+    """This process's environment without the test session's TF_CPP_MIN_LOG_LEVEL, plus ``variables``."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return {**env, **variables}
+
+
+def import_output(env: dict[str, str]) -> str:
+    """What ``import dsgd, tensorflow`` writes in a new process."""
+    out = subprocess.run([sys.executable, "-c", "import dsgd, tensorflow; print('imported')"], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.split() == ["imported"], out.stderr[-2000:]
+    return out.stderr
+
+
+def test_start_up_lines_are_dropped_and_other_lines_kept():
+    text = (f"{tf_logs.ABSL_NOTICE}\n"
+            "I0000 00:00:1795483744.197626    3631 port.cc:153] oneDNN custom operations are on.\n"
+            "I1124 01:29:03.234973    3631 cpu_feature_guard.cc:227] This TensorFlow binary is optimized.\n"
+            "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow.\n"
+            "E0000 00:00:1795484359.612400   20023 cuda_platform.cc:52] failed call to cuInit\n"
+            "/x.py:3: DeprecationWarning: old\n")
+    assert tf_logs.without_start_up_lines(text) == (
+        "E0000 00:00:1795484359.612400   20023 cuda_platform.cc:52] failed call to cuInit\n"
+        "/x.py:3: DeprecationWarning: old\n")
+
+
+def test_importing_tensorflow_after_dsgd_is_quiet_unless_the_user_sets_level_0():
+    quiet = import_output(user_env())
+    assert not [m for m in START_UP_MARKERS if m in quiet], quiet
+    assert not [m for m in START_UP_MARKERS if m in import_output(user_env(TF_CPP_MIN_LOG_LEVEL="1"))]
+    assert "absl::InitializeLog" in import_output(user_env(TF_CPP_MIN_LOG_LEVEL="0"))  # the user asked: TF's lines
+
+
+def test_mnist_example_prints_its_own_lines_and_no_tensorflow_start_up_line():
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "20", "--log-every", "10", "--num-cpus", "4"],
+                         env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "built 2 x 1 replicas (ps)" in out.stdout
+    assert re.search(r"^\s*100%.*20/20 .*loss .*accuracy", out.stdout, re.MULTILINE), out.stdout
+    assert re.search(r"^test accuracy [0-9.]+ after 20 steps", out.stdout, re.MULTILINE), out.stdout
+    assert not [m for m in START_UP_MARKERS if m in out.stdout], out.stdout  # driver and workers alike
+
+
+def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, caplog, monkeypatch):
+    monkeypatch.setattr(cluster, "PROGRESS_AFTER_S", 1.0)  # worker 1 builds for 3 s longer
+    with caplog.at_level(logging.INFO, logger="dsgd"):
+        dsgd.DistributedSGD(slow_to_build_on_worker_1, num_workers=2, strategy="simple").shutdown()
+    waits = [r.getMessage() for r in caplog.records if r.name == "dsgd.cluster" and r.getMessage().startswith("waiting")]
+    building = [m for m in waits if "for the workers to build their models: " in m]
+    assert building and all(m.split("; not yet: ")[1].endswith("worker 1") for m in building), waits
