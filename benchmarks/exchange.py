@@ -161,7 +161,7 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
             print(f"  {name}: built in {record['setup_s'][name]:.1f} s", flush=True)
         ps = engines["ps"]
         record["num_parameter_servers"] = len(common.parameter_servers(ps))
-        record["num_partitions"] = len(getattr(ps, "layout", []))
+        record["num_partitions"] = common.partition_count(ps)
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
               f"{record['num_partitions']} partitions", flush=True)
         bound = Bound(num_elements, args.num_workers)
