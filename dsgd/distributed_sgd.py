@@ -26,6 +26,12 @@ from dsgd.sgd_worker import SGDWorker
 logger = logging.getLogger(__name__)
 
 
+def _init_ray_if_needed() -> None:
+    if not ray.is_initialized():
+        logger.info("Ray is not initialized; starting a local Ray instance")
+        ray.init()
+
+
 def _ops_wanted(use_ops: bool | None) -> bool:
     """Whether the "ps" exchange uses the op library; builds it if needed."""
     if use_ops is False:
@@ -143,9 +149,7 @@ class DistributedSGD:
         self._scalars = _scalar_logger(opts.logdir)
         worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops),
                                            feed_concurrently=datasets is not None)
-        if not ray.is_initialized():
-            logger.info("Ray is not initialized; starting a local Ray instance")
-            ray.init()
+        _init_ray_if_needed()
         self._cluster = Cluster(opts, model_creator, worker_config, datasets)
         self._kill_actors = weakref.finalize(self, self._cluster.kill)  # also when garbage-collected
         self._kill_actors.atexit = False  # at exit, ray.shutdown ends them
