@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dsgd import actor_identity, exchanges, ps_exchanges, shards, timeline, worker_graph
+from dsgd import actor_identity, exchanges, ps_exchanges, shards, tf_logs, timeline, worker_graph
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError
 from dsgd.model import Model
@@ -29,6 +29,7 @@ class SGDWorker:
     """Runs as a Ray actor. ``sess`` is its session, ``models`` its replicas in device order."""
 
     def __init__(self, worker_index: int, config: WorkerConfig):
+        tf_logs.python_warnings_follow_cpp_level()
         self.worker_index = worker_index
         self.config = config
         self.runner = StepRunner(worker_index, config)

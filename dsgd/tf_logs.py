@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -34,6 +35,19 @@ _CPU_FEATURES_TAIL = "To enable the following instructions:"  # cpu_feature_guar
 def hides_start_up_lines() -> bool:
     """Whether ``TF_CPP_MIN_LOG_LEVEL`` (unset: 3) hides INFO lines."""
     return os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3").strip() != "0"
+
+
+def python_warnings_follow_cpp_level() -> None:
+    """TensorFlow's Python-side warnings follow ``TF_CPP_MIN_LOG_LEVEL`` as its C++ lines do.
+
+    Building a graph logs deprecation warnings through the ``tensorflow``
+    logger (tf_keras's batch normalization: "_colocate_with ... is
+    deprecated"), one set per worker. At level 2 or 3 (unset: dsgd's 3) that
+    logger shows errors only; at 0 or 1 it is left as TensorFlow sets it.
+    dsgd's workers call this; a driver's own logger is the user's.
+    """
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3").strip() in ("2", "3"):
+        logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
 
 def without_start_up_lines(text: str) -> str:

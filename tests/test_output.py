@@ -50,6 +50,19 @@ def test_importing_tensorflow_after_dsgd_is_quiet_unless_the_user_sets_level_0()
     assert "absl::InitializeLog" in import_output(user_env(TF_CPP_MIN_LOG_LEVEL="0"))  # the user asked: TF's lines
 
 
+def test_tensorflows_python_warnings_follow_the_cpp_level_in_workers():
+    code = ("import logging; from dsgd import tf_logs; tf_logs.python_warnings_follow_cpp_level(); "
+            "print(logging.getLevelName(logging.getLogger('tensorflow').level))")
+    levels = {}
+    for level in (None, "0", "1", "2", "3"):
+        env = user_env() if level is None else user_env(TF_CPP_MIN_LOG_LEVEL=level)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        levels[level] = out.stdout.strip()
+    assert levels == {None: "ERROR", "0": "NOTSET", "1": "NOTSET", "2": "ERROR", "3": "ERROR"}
+
+
 def test_mnist_example_prints_its_own_lines_and_no_tensorflow_start_up_line():
     out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "20", "--log-every", "10", "--num-cpus", "4"],
                          env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
