@@ -127,12 +127,6 @@ class SplitOwner:
         self._coordinators = []
 
 
-def stop_splits(owner) -> None:
-    """Stop a ``SplitOwner``'s splits (every read waiting on one fails) and kill it; bounded by ``STOP_TIMEOUT_S`` x 3."""
-    ray.wait([owner.stop.remote()], timeout=3 * STOP_TIMEOUT_S)
-    ray.kill(owner)
-
-
 class DatasetSplits:
     """The driver's side: the current splits of the engine's datasets, and the owner actor they live in."""
 
@@ -164,9 +158,13 @@ class DatasetSplits:
         return {name: splits[index * per_worker:(index + 1) * per_worker] for name, splits in self._splits.items()}
 
     def stop(self) -> None:
-        """Stop the splits (their coordinators): every read waiting on one fails now (no-op without datasets)."""
+        """Stop the splits (their coordinators) and kill their owner: every read waiting on one fails now.
+
+        Bounded by ``STOP_TIMEOUT_S`` x 3; a no-op without datasets.
+        """
         if self._owner is not None:
-            stop_splits(self._owner)
+            ray.wait([self._owner.stop.remote()], timeout=3 * STOP_TIMEOUT_S)
+            ray.kill(self._owner)
         self._owner, self._splits = None, None
 
 

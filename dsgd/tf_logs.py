@@ -32,9 +32,14 @@ _INFO_LINE = re.compile(r"I\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
 _CPU_FEATURES_TAIL = "To enable the following instructions:"  # cpu_feature_guard's second line
 
 
+def _cpp_level() -> str:
+    """``TF_CPP_MIN_LOG_LEVEL`` as set, or dsgd's default "3" when unset."""
+    return os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3").strip()
+
+
 def hides_start_up_lines() -> bool:
     """Whether ``TF_CPP_MIN_LOG_LEVEL`` (unset: 3) hides INFO lines."""
-    return os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3").strip() != "0"
+    return _cpp_level() != "0"
 
 
 def python_warnings_follow_cpp_level() -> None:
@@ -46,7 +51,7 @@ def python_warnings_follow_cpp_level() -> None:
     logger shows errors only; at 0 or 1 it is left as TensorFlow sets it.
     dsgd's workers call this; a driver's own logger is the user's.
     """
-    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3").strip() in ("2", "3"):
+    if _cpp_level() in ("2", "3"):
         logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
 

@@ -81,6 +81,11 @@ def assert_replicas_identical(sgd, num_replicas: int) -> None:
     """Every replica on every worker holds bit-identical weights."""
     replicas = replica_weights(sgd)
     assert len(replicas) == num_replicas
+    assert_all_identical(replicas)
+
+
+def assert_all_identical(replicas: list[dict[str, np.ndarray]]) -> None:
+    """Every replica's weights (a list as ``replica_weights`` returns it) equal the first's, bit for bit."""
     for i, other in enumerate(replicas[1:], start=1):
         assert other.keys() == replicas[0].keys()
         for name in replicas[0]:

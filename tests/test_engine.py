@@ -7,8 +7,9 @@ import pytest
 
 import dsgd
 from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
-from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close, batch,
-                              numpy_forward, numpy_step, replica_weights, set_start_weights)
+from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
+                              assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
+                              set_start_weights)
 
 from dsgd_test_models import ps_actors, server_group  # the engine's internals
 
@@ -47,9 +48,7 @@ def engines(ray_session):
 def test_random_init_is_broadcast_to_every_replica(engines, strategy):
     replicas = INITIAL[strategy]
     assert len(replicas) == WORKERS * DEVICES
-    for i, other in enumerate(replicas[1:], start=1):
-        for name in replicas[0]:
-            assert np.array_equal(other[name], replicas[0][name]), f"replica {i} differs in {name}"
+    assert_all_identical(replicas)
     assert np.all(replicas[0]["layer/b"] != 0)  # a random initializer ran: the same values came to every replica
 
 
