@@ -83,9 +83,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def start_ray(address: str | None = None, **init_kwargs: Any) -> None:
+def start_ray(address: str | None = None, node_ip_address: str | None = None, **init_kwargs: Any) -> None:
     """Connect to the cluster at `address`, or start Ray here with `init_kwargs` (no dashboard
-    unless they ask for one).
+    unless they ask for one). `node_ip_address`: this machine's address in that cluster, where
+    Ray cannot tell it (a head node on a bridge of its own).
 
     Either way the job's workers find the `benchmarks` package (the repository
     root is put on their PYTHONPATH) and TensorFlow's C++ logging is quiet.
@@ -95,7 +96,8 @@ def start_ray(address: str | None = None, **init_kwargs: Any) -> None:
     if address:
         # Code in the workers that looks the cluster up (Ray Train does) finds this one.
         env_vars["RAY_ADDRESS"] = address
-        ray.init(address=address, runtime_env={"env_vars": env_vars}, logging_level="ERROR")
+        ray.init(address=address, runtime_env={"env_vars": env_vars}, logging_level="ERROR",
+                 _node_ip_address=node_ip_address)
     else:
         init_kwargs.setdefault("include_dashboard", False)
         ray.init(runtime_env={"env_vars": env_vars}, logging_level="ERROR", **init_kwargs)

@@ -304,22 +304,22 @@ class RayTrainRun:
         shutil.rmtree(self.storage, ignore_errors=True)
 
 
-def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any], two_node: bool) -> Run:
+def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any], spread: bool) -> Run:
     """`system` (one of SYSTEMS), built and ready to step."""
     if system == "single":
         return SingleProcessRun(cfg)
     if system == "raytrain":
-        return RayTrainRun(cfg, spread=two_node)
+        return RayTrainRun(cfg, spread=spread)
     return DsgdRun(cfg, strategy=system, **engine_kwargs)
 
 
 def run_interleaved(systems: list[str], cfg: common.BenchConfig, engine_kwargs: dict[str, Any],
-                    two_node: bool, **record_fields: Any) -> list[dict[str, Any]]:
+                    spread: bool, **record_fields: Any) -> list[dict[str, Any]]:
     """Build every system, run them in alternating rounds, close them; one record per system."""
     runs: list[Run] = []
     try:
         for system in systems:
-            runs.append(build_run(system, cfg, engine_kwargs, two_node))
+            runs.append(build_run(system, cfg, engine_kwargs, spread))
         times, order, interrupted = common.run_rounds(
             {run.label: run.step for run in runs}, cfg.warmup + cfg.num_iters, cfg.warmup,
             describe=common.images_per_s(cfg.global_batch))
@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     common.add_engine_flags(parser)
     parser.add_argument("--two-node", action="store_true",
                         help="start a simulated two-node cluster here (one worker of each system per node)")
+    parser.add_argument("--spread", action="store_true",
+                        help="on a cluster this script joins: one worker of each system per node "
+                             "(--two-node implies it)")
     parser.add_argument("--object-store-memory", type=int, default=None,
                         help="bytes (per node with --two-node, default 1 GiB), when this script starts Ray")
     parser.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
@@ -451,15 +454,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         workers_per_node = math.ceil(cfg.num_workers / 2)
         ray_context = two_node_cluster(workers_per_node * cfg.cpus_per_worker * distributed + 1,
                                        args.object_store_memory or 1 << 30, **dashboard)
+    elif ray.is_initialized():
+        where = f"the cluster this process joined ({sum(n['Alive'] for n in ray.nodes())} nodes)"
+        ray_context = contextlib.nullcontext()
     else:
         where = "one node"
-        if not ray.is_initialized():
-            # Logical CPUs for every system's workers at once: they take turns, so they share the cores.
-            common.start_ray(num_cpus=cfg.num_workers * cfg.cpus_per_worker * distributed + 1,
-                             object_store_memory=args.object_store_memory, **dashboard)
+        # Logical CPUs for every system's workers at once: they take turns, so they share the cores.
+        common.start_ray(num_cpus=cfg.num_workers * cfg.cpus_per_worker * distributed + 1,
+                         object_store_memory=args.object_store_memory, **dashboard)
         ray_context = contextlib.nullcontext()
     with ray_context:
-        records = run_interleaved(args.systems, cfg, common.engine_kwargs(args), args.two_node,
+        records = run_interleaved(args.systems, cfg, common.engine_kwargs(args), args.two_node or args.spread,
                                   command=command, cluster=where)
     for record in records:
         common.print_summary(record)

@@ -1,0 +1,77 @@
+"""The linked cluster of benchmarks/links.py: nodes in network namespaces behind rate-limited veths.
+
+The script runs in its own process (it starts its own Ray cluster). The test
+interrupts it with Ctrl-C (SIGINT) once it has measured the first link, and
+checks that the limit held and that nothing it made is left: namespaces,
+links, processes.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import linked_cluster
+from benchmarks.linked_cluster import PREFIX, missing_requirements, tbf_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMIT_GBIT = 0.2
+START_TIMEOUT_S = 240
+
+
+def _leftovers() -> list[str]:
+    """Namespaces, links and processes named for a linked cluster that still exist."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for text in (namespaces, links) for line in text.splitlines() if PREFIX in line] + \
+           [line for line in processes.splitlines() if "dsgd-ln-" in line and "ray" in line]
+
+
+def test_token_bucket_burst_fits_an_offloaded_segment_and_one_millisecond():
+    assert tbf_args(1.0)[:5] == ["tbf", "rate", "1000mbit", "burst", str(128 << 10)]
+    assert tbf_args(10.0)[4] == str(int(10e9 / 8 / 1000))
+
+
+@pytest.mark.skipif(missing_requirements() is not None, reason=f"linked cluster: {missing_requirements()}")
+def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
+    assert not _leftovers(), "a previous linked cluster was left behind"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.linked_cluster", "--nodes", "2",
+         "--link-gbit", str(LIMIT_GBIT), str(LIMIT_GBIT), "--probe-mb", "8"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    output, rates = [], []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        for line in job.stdout:
+            output.append(line)
+            match = re.match(r"link [\d.]+ Gbit/s, node (169\.254\.77\.\d+): node -> head ([\d.]+) Gbit/s, "
+                             r"head -> node ([\d.]+) Gbit/s", line)
+            if match:
+                rates += [float(match[2]), float(match[3])]
+                if len(rates) == 4:  # both nodes of the first rate measured: interrupt the second
+                    job.send_signal(signal.SIGINT)
+            if time.monotonic() > deadline:
+                break
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    text = "".join(output)
+    assert len(rates) >= 4, text[-3000:]
+    assert max(rates) <= LIMIT_GBIT * 1.1, f"a link beat its {LIMIT_GBIT} Gbit/s limit: {rates}"
+    assert "KeyboardInterrupt" in text, text[-3000:]  # stopped by Ctrl-C, not finished
+    assert job.returncode != 0
+    assert not _leftovers()
+
+
+def test_without_root_the_script_says_why_and_starts_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="needs root"):
+        linked_cluster.main(["--nodes", "1"])
