@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -10,7 +11,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -81,6 +82,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_ops:
         kwargs["use_ops"] = False
     return kwargs
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """This process's environment variables set to `values` while open, then as they were."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def start_ray(address: str | None = None, node_ip_address: str | None = None, **init_kwargs: Any) -> None:

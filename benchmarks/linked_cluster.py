@@ -247,14 +247,13 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
     if reason:
         raise RuntimeError(f"a linked cluster cannot be made here: {reason}")
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    previous_env = {name: os.environ.get(name) for name in RAY_ENV}
-    os.environ.update(RAY_ENV)
     cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
     remove_network(nodes)
     try:
-        cluster.make_network()
-        cluster.start_ray(head_cpus, cpus_per_node, object_store_memory, dashboard)
-        yield cluster
+        with common.environment(**RAY_ENV):
+            cluster.make_network()
+            cluster.start_ray(head_cpus, cpus_per_node, object_store_memory, dashboard)
+            yield cluster
     finally:
         try:
             cluster.stop_ray()
@@ -262,11 +261,6 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
             shutil.rmtree(cluster.temp_dir, ignore_errors=True)
         finally:
             signal.signal(signal.SIGTERM, previous_sigterm)
-            for name, value in previous_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 @ray.remote(num_cpus=0)

@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import ray
+import tensorflow as tf
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import dsgd.ops as ops  # noqa: E402
-from dsgd import object_store, shared_memory  # noqa: E402
-from dsgd.shards import VarSpec, pack, plan_shards, segments  # noqa: E402
+import dsgd.ops as ops
+from dsgd import object_store, shared_memory
+from dsgd.shards import VarSpec, pack, plan_shards, segments
 
 TOTAL_FLOATS = 44_500_000
 

@@ -59,6 +59,10 @@ SYSTEMS = ("single", "raytrain", "simple", "ps")
 SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms",
                 "simple": "dsgd-simple", "ps": "dsgd-ps"}
 RAY_TRAIN_STOP_S = 120.0
+# TensorFlow's CPU allocator, one setting for every system: dsgd's workers default to the BFC pool
+# (dsgd/cluster.py), so the single process and Ray Train's workers get the same unless told otherwise.
+ALLOCATOR_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+ALLOCATORS = {"bfc": "true", "default": "false"}
 
 
 class Run(Protocol):
@@ -212,6 +216,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     stepping when the turnstile gives it the turn."""
     from ray import train
 
+    os.environ[ALLOCATOR_ENV] = config["allocator"]  # read when TensorFlow makes its first CPU tensor
     cfg = common.BenchConfig(**config["cfg"])
     tf.config.threading.set_intra_op_parallelism_threads(cfg.cpus_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, cfg.cpus_per_worker))  # as dsgd's workers
@@ -261,7 +266,8 @@ class RayTrainRun:
         self.turnstile = Turnstile.remote(cfg.num_workers)
         self.storage = tempfile.mkdtemp(prefix="dsgd-raytrain-")
         trainer = TensorflowTrainer(
-            _ray_train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": self.turnstile},
+            _ray_train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": self.turnstile,
+                                                "allocator": os.environ[ALLOCATOR_ENV]},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers,
                                          resources_per_worker={"CPU": cfg.cpus_per_worker},
                                          placement_strategy="SPREAD" if spread else "PACK"),
@@ -339,23 +345,19 @@ def two_node_cluster(cpus_per_node: int, object_store_memory: int, **init_kwargs
     """
     from ray.cluster_utils import Cluster
 
-    previous = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = private = tempfile.mkdtemp(prefix="dsgd-2n-")
-    cluster = Cluster()
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_memory, **init_kwargs)
-        cluster.wait_for_nodes()
-        common.start_ray(cluster.address)
-        yield
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if previous is None:
-            del os.environ["RAY_TMPDIR"]
-        else:
-            os.environ["RAY_TMPDIR"] = previous
-        shutil.rmtree(private, ignore_errors=True)
+    private = tempfile.mkdtemp(prefix="dsgd-2n-")
+    with common.environment(RAY_TMPDIR=private):
+        cluster = Cluster()
+        try:
+            for _ in range(2):
+                cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_memory, **init_kwargs)
+            cluster.wait_for_nodes()
+            common.start_ray(cluster.address)
+            yield
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
@@ -365,7 +367,7 @@ def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
 
 
 def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir: Path,
-                 command: str, cluster: str = "one node") -> Path:
+                 command: str, cluster: str = "one node", allocator: str = "bfc") -> Path:
     """A markdown table of images/s with ratios to the single process, Ray Train and dsgd "simple"."""
     by_system = {r["system"]: r for r in records}
     peers = [by_system.get(SYSTEM_NAMES[s]) for s in ("single", "raytrain", "simple")]
@@ -377,7 +379,8 @@ def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir
         "",
         (f"{cfg.image_size}x{cfg.image_size} images, {cfg.batch_size} per replica, "
          f"{cfg.num_workers} worker(s) x {cfg.devices_per_worker} device(s), global batch "
-         f"{cfg.global_batch}; {cfg.cpus_per_worker} CPU(s)/threads per worker; {cluster}. "
+         f"{cfg.global_batch}; {cfg.cpus_per_worker} CPU(s)/threads per worker; {cluster}; "
+         f"TensorFlow's {allocator} CPU allocator in every system. "
          f"The systems ran interleaved: {cfg.warmup} warm-up rounds, then {cfg.num_iters} measured, "
          f"each round one step of every system, in an order rotated every round. "
          f"Host: {host['cpu_model']}, {host['cores']} cores."),
@@ -433,6 +436,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     common.add_engine_flags(parser)
     parser.add_argument("--two-node", action="store_true",
                         help="start a simulated two-node cluster here (one worker of each system per node)")
+    parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="bfc",
+                        help="TensorFlow's CPU allocator in every system: its BFC pool (dsgd workers' "
+                             "default) or TensorFlow's default")
     parser.add_argument("--spread", action="store_true",
                         help="on a cluster this script joins: one worker of each system per node "
                              "(--two-node implies it)")
@@ -463,13 +469,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         common.start_ray(num_cpus=cfg.num_workers * cfg.cpus_per_worker * distributed + 1,
                          object_store_memory=args.object_store_memory, **dashboard)
         ray_context = contextlib.nullcontext()
-    with ray_context:
+    # One allocator for this process (the single process), dsgd's workers and Ray Train's.
+    with ray_context, common.environment(**{ALLOCATOR_ENV: ALLOCATORS[args.allocator]}):
         records = run_interleaved(args.systems, cfg, common.engine_kwargs(args), args.two_node or args.spread,
-                                  command=command, cluster=where)
+                                  command=command, cluster=where, allocator=args.allocator)
     for record in records:
         common.print_summary(record)
         common.write_json(record, args.results_dir / f"{record['system']}.json")
-    report = write_report(records, cfg, args.results_dir, command, where)
+    report = write_report(records, cfg, args.results_dir, command, where, args.allocator)
     print(report.read_text())
     if records and not args.no_plot:
         print(f"plot written to {plot_throughput(records, cfg, args.results_dir)}")
