@@ -184,6 +184,62 @@ class SlowWorkerNet(FixedDataMomentumNet):
         return super().get_feed_dict()
 
 
+class Gate:
+    """A file-backed gate that holds worker code at a chosen point until the test lets it on.
+
+    While the gate is closed, ``pass_through`` (called inside a worker)
+    marks that it has arrived, then waits, at most ``MAX_WAIT_S``, until the
+    test opens it. The test waits for the arrival (``wait_arrived``), so a
+    fault it injects then lands while the worker is provably at that point.
+    """
+
+    MAX_WAIT_S = 120.0
+
+    def __init__(self, path: str):
+        self.path = path
+        self.arrived = path + ".arrived"
+
+    def close(self) -> None:
+        open(self.path, "w").close()
+
+    def open(self) -> None:
+        os.remove(self.path)
+
+    def pass_through(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        open(self.arrived, "w").close()
+        deadline = time.monotonic() + self.MAX_WAIT_S
+        while os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gate {self.path} stayed closed for {self.MAX_WAIT_S:.0f} s")
+            time.sleep(0.01)
+
+    def wait_arrived(self, timeout_s: float = 60.0) -> None:
+        wait_until(lambda: os.path.exists(self.arrived), timeout_s)
+
+
+def steps_applied(sgd) -> list[int]:
+    """How many steps each worker has applied, asked of the workers directly: each answers once the step it
+    is running is done, without the driver's drain (which would launch nothing but wait for everything)."""
+    import ray
+
+    return ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=60)
+
+
+class GatedWorker1Net(FixedDataMomentumNet):
+    """Worker 1 passes ``gate`` before feeding each batch: held there while the test keeps it closed."""
+
+    def __init__(self, worker_index: int, device_index: int, gate: Gate):
+        super().__init__(worker_index, device_index)
+        self.gate = gate
+
+    def get_feed_dict(self):
+        if self.worker_index == 1:
+            self.gate.pass_through()
+        return super().get_feed_dict()
+
+
 def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
     """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
     if worker_index == 1:

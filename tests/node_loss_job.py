@@ -9,7 +9,7 @@ about five seconds.
 Three 2-CPU nodes besides the head:
 
 1. ``replaced``: two workers of 1 CPU, each with a parameter server on its
-   node. Worker 1 is slow to produce its batches (``SlowWorkerNet``); while
+   node. Worker 1 is held before its batches of step 1 (``GatedWorker1Net``); while
    worker 0 waits on the servers for worker 1's pushes of step 1, the node
    of worker 0 is lost. The live nodes have room for a new worker: the
    engine replaces worker 0 and the server there, re-runs step 1 and trains
@@ -25,6 +25,7 @@ Three 2-CPU nodes besides the head:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -36,8 +37,8 @@ from ray._private import ray_constants
 
 import dsgd
 from cluster_jobs import actor_node, local_cluster
-from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, SlowWorkerNet, known_actors, pushes_waiting,
-                              replica_weights, set_start_weights, wait_until, ps_actors)
+from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedWorker1Net, known_actors,
+                              pushes_waiting, replica_weights, set_start_weights, steps_applied, wait_until, ps_actors)
 
 MIB = 1024 * 1024
 HEAD = {"num_cpus": 0, "object_store_memory": 100 * MIB,
@@ -74,24 +75,30 @@ def cpu_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
 
 
-def replaced(cluster) -> dict:
-    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
-                             timeout_s=TIMEOUT_S) as sgd:
+def replaced(cluster, gate: Gate) -> dict:
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
+                             grad_shard_bytes=SHARD_BYTES, timeout_s=TIMEOUT_S) as sgd:
         start = set_start_weights(sgd)
         worker_nodes_before = [actor_node(w) for w in sgd.workers]
         ps_nodes_before = [actor_node(ps) for ps in ps_actors(sgd)]
         actors = engine_actors(sgd)
         lost = actors[0].node_id
         sgd.step()
-        sgd.step()  # step 1: worker 1 sleeps in get_feed_dict, worker 0 pushes and waits
+        assert steps_applied(sgd) == [1, 1]  # step 0 done: the gate holds step 1
+        gate.close()
+        sgd.step()  # step 1: worker 1 is held before its batch, worker 0 pushes and waits
+        gate.wait_arrived(TIMEOUT_S)
         wait_until(lambda: any(pushes_waiting(ps) for ps in ps_actors(sgd)), TIMEOUT_S)
+        waiting_for = sorted({w for ps in ps_actors(sgd) for ws in pushes_waiting(ps).values() for w in ws})
         crash_node(cluster, lost, actors)
         fault = time.monotonic()
+        gate.open()
         sgd.get_weights()  # waits for step 1: recovery re-runs it
         recover_s = time.monotonic() - fault
         sgd.step()
         replicas = replica_weights(sgd)
         return {
+            "waiting_for_at_loss": waiting_for,
             "lost_node": lost,
             "live_nodes": cpu_nodes(),
             "worker_nodes_before": worker_nodes_before,
@@ -149,7 +156,7 @@ def no_room(cluster, checkpoint_dir: str) -> dict:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, local_cluster(HEAD, NODE, NODE, NODE) as cluster:
-        result = {"replaced": replaced(cluster), "no_room": no_room(cluster, os.path.join(tmp, ""))}
+        result = {"replaced": replaced(cluster, Gate(os.path.join(tmp, "gate"))), "no_room": no_room(cluster, os.path.join(tmp, ""))}
     print(RESULT_PREFIX + json.dumps(result))
 
 

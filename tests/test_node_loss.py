@@ -28,6 +28,7 @@ def test_lost_node_is_replaced_on_the_live_node_and_training_goes_on_exactly(job
     # Before: a worker and a parameter server on each of two nodes, worker 0 on the node lost.
     assert sorted(run["worker_nodes_before"]) == sorted(run["ps_nodes_before"])
     assert run["worker_nodes_before"][0] == lost and run["worker_nodes_before"][1] in live
+    assert run["waiting_for_at_loss"] == [1]  # lost mid-step: worker 0's pushes waited for worker 1's
     # After: the new worker 0 and the new parameter server run on live nodes, in one recovery
     # (a replacement placed on the lost node, which Ray still listed as alive, would need a second).
     assert set(run["worker_nodes"] + run["ps_nodes"]) <= set(live)

@@ -10,10 +10,10 @@ import ray
 import tensorflow as tf
 
 import dsgd
-from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, KillCue, KillOnCue, NaNOnWorker1AtStep1,
-                              SlowWorkerNet, TanhNet, actor_pids, actors_started_since, assert_replicas_identical,
-                              assert_weights_close, kill, known_actors, numpy_momentum_run, pushes_waiting,
-                              set_start_weights, wait_until, ps_actors)
+from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue, KillOnCue,
+                              NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet, actor_pids, actors_started_since,
+                              assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
+                              ps_actors, pushes_waiting, set_start_weights, steps_applied, wait_until)
 
 
 @pytest.fixture
@@ -22,24 +22,29 @@ def warnings_seen(caplog):
     return caplog
 
 
-def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen):
-    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen, tmp_path):
+    gate = Gate(str(tmp_path / "gate"))
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
+                             grad_shard_bytes=40) as sgd:
         start = set_start_weights(sgd)
         sgd.step()
         sgd.get_weights()  # waits for step 0
         # Between steps: both workers have applied step 0 (asked directly: the driver's calls would
         # first wait for the steps in flight), and no push waits on any server.
-        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [1, 1]
+        assert steps_applied(sgd) == [1, 1]
         assert [pushes_waiting(server) for server in ps_actors(sgd)] == [{}, {}]
         kill(ps_actors(sgd)[0])
         sgd.step(fetch_stats=True)
         assert "parameter server 0 is dead" in warnings_seen.text
-        sgd.step()  # worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
+        gate.close()
+        sgd.step()  # worker 1 is held before its batch; worker 0 pushes its partitions and waits
+        gate.wait_arrived()
         server_1 = ps_actors(sgd)[1]
         wait_until(lambda: pushes_waiting(server_1))
-        # During a step: worker 0's push of step 2 waits on server 1 for worker 1's.
+        # During a step: worker 0's push of step 2 waits on server 1 for worker 1's, which is held.
         assert set(map(tuple, pushes_waiting(server_1).values())) == {(1,)}
         kill(server_1)
+        gate.open()
         got = sgd.get_weights()
         assert "parameter server 1 is dead" in warnings_seen.text
         assert sgd.failures == 2
@@ -106,16 +111,24 @@ def test_every_worker_killed_says_to_restore_from_a_checkpoint(ray_session):
 # ---- faults at once: each ends recovered, every replica identical -------------
 
 
-def test_worker_and_parameter_server_killed_in_the_same_step(ray_session, warnings_seen):
-    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+def test_worker_and_parameter_server_killed_in_the_same_step(ray_session, warnings_seen, tmp_path):
+    gate = Gate(str(tmp_path / "gate"))
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
+                             grad_shard_bytes=40) as sgd:
         start = set_start_weights(sgd)
         sgd.step()
         worker_1, server_0 = sgd.workers[1], ps_actors(sgd)[0]
         pids = actor_pids(worker_1, server_0)
-        sgd.step()  # step 1: worker 1 sleeps in get_feed_dict; worker 0 pushes its partitions and waits
+        assert steps_applied(sgd) == [1, 1]  # step 0 done: the gate holds step 1
+        gate.close()
+        sgd.step()  # step 1: worker 1 is held before its batch; worker 0 pushes its partitions and waits
+        gate.wait_arrived()
         wait_until(lambda: any(pushes_waiting(server) for server in ps_actors(sgd)))
+        # Mid-step: every push waiting on a server waits for worker 1 only.
+        assert {tuple(w) for server in ps_actors(sgd) for w in pushes_waiting(server).values()} == {(1,)}
         fault = time.monotonic()
         kill(worker_1, server_0, pids=pids)
+        gate.open()  # for the replacement worker 1, which re-runs step 1
         got = sgd.get_weights()  # waits for step 1, which recovery re-runs
         print(f"time to recover, a worker and a parameter server killed in one step: {time.monotonic() - fault:.1f}s")
         assert "worker 1 is dead" in warnings_seen.text
