@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import signal
 import subprocess
@@ -200,10 +201,13 @@ class Gate:
         self.arrived = path + ".arrived"
 
     def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.arrived)
         open(self.path, "w").close()
 
     def open(self) -> None:
-        os.remove(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
 
     def pass_through(self) -> None:
         if not os.path.exists(self.path):

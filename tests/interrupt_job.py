@@ -1,8 +1,9 @@
 """Ctrl-C during DistributedSGD.step in a script; prints what happened as JSON.
 
 Started by tests/test_interrupt.py in its own process and session, with its
-own Ray. While step() waits for a slow worker (worker 1 takes 1 s to make
-its batch, and says when it starts) a thread sends SIGINT to the whole
+own Ray. While step() waits for worker 1, which a gate holds before its
+batch (``Gate``: the worker says when it arrives, and waits until the job
+opens the gate after the interrupt), a thread sends SIGINT to the whole
 process group, as Ctrl-C in a terminal does (Ray's own processes block
 SIGINT). Twice:
 
@@ -22,6 +23,7 @@ weights and its step count.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -35,41 +37,31 @@ from typing import Iterator
 import ray
 
 import dsgd
-from dsgd_test_models import RESULT_PREFIX, SlowWorkerNet, known_actors, replica_weights, set_start_weights
+from dsgd_test_models import RESULT_PREFIX, Gate, GatedWorker1Net, known_actors, replica_weights, set_start_weights
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# Worker 1 creates this file as it starts its slow batch (the model class, with this
-# module's globals, is pickled by value: the job runs as __main__).
-IN_SLOW_BATCH = os.path.join(tempfile.gettempdir(), f"dsgd-interrupt-job-{os.getpid()}")
-WAIT_FOR_BATCH_S = 60.0
+# Worker 1 is held before its batch while this gate is closed (the creator, with the gate's
+# path, is pickled by value: the job runs as __main__).
+GATE = Gate(os.path.join(tempfile.gettempdir(), f"dsgd-interrupt-job-{os.getpid()}"))
+HELD_ON_WORKER_1 = functools.partial(GatedWorker1Net, gate=GATE)
 DSGD_ACTORS = {"SGDWorker", "ParameterServer"}
 DEAD_WITHIN_S = 30.0
 
 
-class BrieflySlowNet(SlowWorkerNet):
-    """Worker 1 takes 1 s to make its batch: long enough to be interrupted in, short enough to step on."""
-
-    DELAY_S = 1.0
-
-    def get_feed_dict(self):
-        if self.worker_index == 1:
-            open(IN_SLOW_BATCH, "w").close()
-        return super().get_feed_dict()
-
-
 @contextlib.contextmanager
-def ctrl_c_in_slow_batch() -> Iterator[None]:
-    """SIGINT to the whole process group, as Ctrl-C in a terminal, once worker 1 starts its slow batch in the body."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(IN_SLOW_BATCH)
+def ctrl_c_while_worker_1_is_held() -> Iterator[None]:
+    """SIGINT to the whole process group, as Ctrl-C in a terminal, once worker 1 is held before its batch
+    in the body; the gate opens once the body is left (by the KeyboardInterrupt), so the step can end."""
+    GATE.close()
     done = threading.Event()
 
     def interrupt():
-        deadline = time.monotonic() + WAIT_FOR_BATCH_S
-        while not os.path.exists(IN_SLOW_BATCH):
-            if done.wait(0.01) or time.monotonic() > deadline:
-                return
-        os.killpg(os.getpgrp(), signal.SIGINT)
+        try:
+            GATE.wait_arrived()
+        except AssertionError:  # never arrived: the body's step raises its own error
+            return
+        if not done.is_set():
+            os.killpg(os.getpgrp(), signal.SIGINT)
 
     thread = threading.Thread(target=interrupt, daemon=True)
     thread.start()
@@ -77,6 +69,7 @@ def ctrl_c_in_slow_batch() -> Iterator[None]:
         yield
     finally:
         done.set()
+        GATE.open()
         thread.join()
 
 
@@ -101,9 +94,9 @@ def shut_down_by_with_block() -> dict:
     before = known_actors()
     raised_through = ["no KeyboardInterrupt"]
     try:
-        with dsgd.DistributedSGD(BrieflySlowNet, num_workers=2, strategy="ps") as sgd:
+        with dsgd.DistributedSGD(HELD_ON_WORKER_1, num_workers=2, strategy="ps") as sgd:
             started = sorted(name for actor_id, (name, _) in known_actors().items() if actor_id not in before)
-            with ctrl_c_in_slow_batch():
+            with ctrl_c_while_worker_1_is_held():
                 sgd.step(fetch_stats=True)
     except KeyboardInterrupt as e:
         raised_through = where_raised(e)
@@ -112,12 +105,12 @@ def shut_down_by_with_block() -> dict:
 
 def steps_on_then_dropped() -> dict:
     before = known_actors()
-    sgd = dsgd.DistributedSGD(BrieflySlowNet, num_workers=2, strategy="simple")
+    sgd = dsgd.DistributedSGD(HELD_ON_WORKER_1, num_workers=2, strategy="simple")
     start = set_start_weights(sgd)
     sgd.step(fetch_stats=True)
     raised_through = ["no KeyboardInterrupt"]
     try:
-        with ctrl_c_in_slow_batch():
+        with ctrl_c_while_worker_1_is_held():
             sgd.step(fetch_stats=True)
     except KeyboardInterrupt as e:
         raised_through = where_raised(e)
