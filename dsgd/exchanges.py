@@ -61,7 +61,7 @@ class Alone(Exchange):
         runner = self.runner
         out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)},
                            runner.feed_dict(), "compute and apply")
-        return runner.result(out.get("stats", {}), out)
+        return runner.result(out.get("stats", {}), out, sent_bytes=0)
 
 
 class DriverAverage(Exchange):
@@ -82,10 +82,10 @@ class DriverAverage(Exchange):
         if means is None:
             out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
                              runner.feed_dict(), "compute")
-            self._stats = runner.stats(out["stats"])
+            self._stats = runner.stats(out["stats"], sent_bytes=sum(m.nbytes for m in out["means"]))
             return out["means"], self._stats
         applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, means)))
-        return {**self._stats, **runner.result({}, applied)}
+        return {**self._stats, **runner.result({}, applied, sent_bytes=0)}
 
 
 def without_servers(runner: StepRunner) -> Exchange | None:
