@@ -15,9 +15,9 @@ smaller pieces are packed together first, which keeps the number of arrays
 per push small.
 
 Under wire compression (``dsgd.wire``) a float32 shard travels in 16-bit
-form: its ``wire_dtype`` is 2 bytes, its pieces are aligned for that, its
-buffers on the wire (``wire_nbytes``) are half the size, and every segment
-is packed (the conversion is the copy), none a view.
+form: the same layout in elements (so exactly half the bytes), a 2-byte
+``wire_dtype``, buffers of ``wire_nbytes``, and every segment packed (the
+conversion is the copy), none a view.
 """
 
 from __future__ import annotations
@@ -150,9 +150,8 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int, compression: st
     whole into the current shard or the next, whichever then ends nearer its
     target), so the read side can hand it to TensorFlow as a view of the
     received shard; only variables larger than a shard are split.
-    ``compression`` (``dsgd.wire.COMPRESSIONS``) marks the float32 shards,
-    whose pieces are then aligned for their 16-bit wire form; the shard
-    count stays that of float32.
+    ``compression`` (``dsgd.wire.COMPRESSIONS``) marks the float32 shards;
+    the layout in elements is float32's, the bytes on the wire half.
     """
     if grad_shard_bytes < 0:
         raise ValueError(f"grad_shard_bytes must be >= 0, got {grad_shard_bytes}")
@@ -183,7 +182,6 @@ def _fill(members, dtype: np.dtype, count: int, first_index: int, compression: s
     used = 0  # payload elements in the current shard
     end = 0  # aligned end of the current shard's buffer
     target = math.ceil(remaining / count)
-    align_itemsize = wire.wire_dtype(dtype, compression).itemsize
 
     def close() -> None:
         nonlocal pieces, used, end, remaining, target
@@ -196,7 +194,7 @@ def _fill(members, dtype: np.dtype, count: int, first_index: int, compression: s
     def place(var_index: int, offset: int, size: int) -> None:
         """Add a piece to the current shard; close the shard once it reaches its target."""
         nonlocal used, end
-        start = _align(end, align_itemsize)
+        start = _align(end, dtype.itemsize)
         pieces.append(Piece(var_index, offset, start, size))
         used += size
         end = start + size
