@@ -1,7 +1,8 @@
 """Compressed runs beside a float32 run on the same data, and what they must satisfy.
 
-Used by tests/test_compression.py (one node) and tests/compression_job.py
-(a two-node cluster, where partitions cross object stores).
+Used by tests/test_compression.py (one node) and tests/multinode_job.py
+with tests/test_multinode.py (a two-node cluster, where partitions cross
+object stores).
 
 ``lockstep`` steps every engine from the float32 run's weights on the same
 batches, one step at a time, so each step's difference to float32 comes from

@@ -1,11 +1,10 @@
 """Wire compression (compression="bf16" / "fp16"): 16-bit partitions both ways, checked against float32.
 
-The two-node run (partitions through the object store between nodes) is
-tests/compression_job.py, in a subprocess as in tests/test_multinode.py.
+The two-node run (16-bit partitions through the object store between
+nodes) is in tests/test_multinode.py, beside its float32 run.
 """
 
 import logging
-import os
 
 import ml_dtypes
 import numpy as np
@@ -16,9 +15,8 @@ from compression_runs import FLOAT32, check_lockstep, lockstep
 from dsgd import arrays, wire
 from dsgd.shards import VarSpec, pack, plan_shards, segments, unpack
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, HugeTargetsAtStep1, TanhNet, assert_replicas_identical,
-                              kill, run_job, server_group, set_start_weights, weights_from_json)
+                              kill, server_group, set_start_weights)
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SHARD_BYTES = 40  # TanhNet's 112 bytes of float32 gradients -> 3 partitions, variables split
 
 
@@ -173,20 +171,3 @@ def test_recovery_and_checkpoints_with_compression(ray_session, tmp_path, caplog
         assert "worker 1 is dead" in caplog.text and sgd.failures == 1
         got = sgd.get_weights()
         assert all(np.array_equal(got[k], expected[k]) for k in expected)
-
-
-# ---- two nodes: the object store between them ---------------------------------------
-
-@pytest.fixture(scope="module")
-def two_nodes() -> dict:
-    return run_job(os.path.join(TESTS_DIR, "compression_job.py"), 300)
-
-
-def test_compressed_partitions_cross_object_stores_on_two_nodes(two_nodes):
-    assert len(two_nodes["nodes"]) == 2
-    for name, shared in two_nodes["shared"].items():
-        assert any(not s for worker in shared for s in worker), f"{name}: no partition went through the store"
-    record = [{"before": weights_from_json(e["before"]), "sent_bytes": e["sent_bytes"],
-               "replicas": {n: [weights_from_json(r) for r in rs] for n, rs in e["replicas"].items()}}
-              for e in two_nodes["record"]]
-    check_lockstep(record, two_nodes["compressed"], REPLICAS_2x1)
