@@ -16,11 +16,12 @@ from the worker's ``StepRunner`` (feeds, timed runs, the checked apply):
   ``ParameterServerClient``, from Python after the gradients are computed,
   or from inside the graph with the op library (``dsgd.ops``).
 
+Every exchange reports ``sent_bytes`` with its stats: what the worker
+pushed in the step (to the servers in its partitions' wire form, see
+``dsgd.wire``; to the driver; or nothing, alone).
+
 Where later features plug in:
 
-- **wire compression** (16-bit partitions): in the transport pair
-  (``dsgd.transport``), whose ends write and read a partition; the op
-  library's pack and unpack (``dsgd.ops``) convert where they copy anyway.
 - **backup workers** (a step that closes without the slowest workers): in
   the parameter server's closing rule (``ParameterServer._closes``); a
   worker whose push finds the step closed gets its mean like any other.

@@ -13,7 +13,10 @@ Each worker reaches the server through the transport ``attach`` picks for the
 pair (``dsgd.transport``): shared memory for a worker on the server's node
 (its input buffer, and one mean buffer for all local workers), the object
 store for any other (the push carries the worker's segments; the server puts
-the mean once per partition and step for all its remote workers).
+the mean once per partition and step for all its remote workers). Under
+wire compression (``dsgd.wire``) pushes and means are 16-bit: the server
+sums the pushes into a float32 array beside the mean and rounds the mean
+once.
 
 Backup workers (a step that closes without the slowest workers) plug in at
 one place, ``ParameterServer._closes``: the rule that says a partition's
