@@ -19,7 +19,9 @@ one step, in an order rotated by r, so machine noise hits all of them alike):
           preallocated buffer (numpy add, then multiply by 1/2): the
           in-process bound of a 2-way average
 
-Every engine runs at dsgd's defaults unless an engine flag says otherwise.
+Every engine runs at dsgd's defaults unless an engine flag says otherwise;
+`--compression bf16|fp16` makes "ps" send its partitions as 16-bit floats
+(the other systems send float32).
 A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
 step of each system over `--steps` rounds after `--warmup` warm-up rounds
 (and, with `--steady-warmup N`, again after N more rounds, labelled steady),
@@ -152,8 +154,9 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
                               "setup_s": {}, "interrupted": False}
     with contextlib.ExitStack() as engines_alive:
         engines = {}
+        ps_options = {"strategy": "ps", **({"compression": args.compression} if args.compression else {})}
         for name, workers, strategy in (("floor", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
-                                        ("ps", args.num_workers, {"strategy": "ps"})):
+                                        ("ps", args.num_workers, ps_options)):
             start = time.perf_counter()
             engines[name] = engines_alive.enter_context(
                 dsgd.DistributedSGD(creator, num_workers=workers, **strategy, **kwargs))
@@ -243,6 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
     common.add_engine_flags(p)
+    p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
+                   help='"ps" sends float32 partitions as 16-bit floats (default: float32, as the others)')
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="logical CPUs when starting Ray here (default: the 1 + 2 x workers the engines reserve)")
@@ -258,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     command = common.command_line("benchmarks.exchange", argv)
     kwargs = common.engine_kwargs(args)
-    print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
+    print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}"
+          + (f"; ps compression={args.compression}" if args.compression else ""), flush=True)
     if not ray.is_initialized():
         common.start_ray(args.address, num_cpus=args.num_cpus or 1 + 2 * args.num_workers,
                          object_store_memory=args.object_store_memory)
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
     table = summary_table(records, args)
     print(f"\n{command}\n\n{table}")
-    result = {"command": command, "engine_kwargs": kwargs, "num_workers": args.num_workers,
+    result = {"command": command, "engine_kwargs": kwargs, "ps_compression": args.compression,
+              "num_workers": args.num_workers,
               "settle_s": args.settle_s, "scale": args.scale, "shapes": records, "table": table,
               **common.machine()}
     common.write_json(result, args.out)

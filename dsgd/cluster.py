@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import ray
 
-from dsgd import data, shards
+from dsgd import data, shards, wire
 from dsgd.calls import Calls
 from dsgd.config import Options, WorkerConfig
 from dsgd.errors import ActorFailure, DSGDError, WorkerMismatchError
@@ -126,8 +126,9 @@ class Cluster:
         return nodes
 
     def check_object_store(self) -> None:
-        """Each step may hold every worker's partitions plus their means in the store."""
-        exchange = sum(s.size * s.dtype.itemsize for s in self.signature.exchange)
+        """Each step may hold every worker's partitions plus their means in the store (their bytes on the wire)."""
+        exchange = sum(s.size * wire.wire_dtype(s.dtype, self.options.compression).itemsize
+                       for s in self.signature.exchange)
         need = exchange * (self.options.num_workers + 1)
         have = ray.cluster_resources().get("object_store_memory", 0)
         if need > have:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from dsgd.wire import COMPRESSIONS
+
 STRATEGIES = ("ps", "simple")
 ALL_REDUCE_ALGS = ("simple", "nccl")
 NAN_POLICIES = ("raise", "skip", "ignore")
@@ -54,6 +56,7 @@ class Options:
     startup_timeout_s: float
     logdir: str | None
     batch_size: int | None
+    compression: str | None
 
     @classmethod
     def checked(cls, **given: Any) -> "Options":
@@ -67,6 +70,12 @@ class Options:
             raise ValueError("all_reduce_alg='nccl' needs gpu=True; use 'simple' on CPUs")
         if given["use_ops"] is not None and not isinstance(given["use_ops"], bool):
             raise ValueError(f"use_ops must be None, True or False, got {given['use_ops']!r}")
+        compression = given["compression"]
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if compression is not None and given["strategy"] != "ps":
+            raise ValueError(f"compression={compression!r} needs strategy='ps' (the parameter servers' wire); "
+                             f"strategy={given['strategy']!r} sends float32: leave compression=None")
         if given["logdir"] is not None and not isinstance(given["logdir"], str):
             raise ValueError(f"logdir must be a directory path (str) or None, got {given['logdir']!r}")
         return cls(
@@ -85,6 +94,7 @@ class Options:
             startup_timeout_s=_check_seconds("startup_timeout_s", given["startup_timeout_s"]),
             logdir=given["logdir"],
             batch_size=_check_optional_int("batch_size", given["batch_size"], 1),
+            compression=compression,
         )
 
     @property

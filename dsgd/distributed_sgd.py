@@ -110,6 +110,12 @@ class DistributedSGD:
             replica's ``ray.data.DataIterator``. A worker then asks its
             replicas' ``get_feed_dict`` concurrently, and after a recovery
             every replica starts a new epoch. Needs ``dsgd[data]``.
+        compression: for "ps", how float32 partitions travel: ``None``
+            (float32), "bf16" or "fp16" (16-bit both ways: half the bytes;
+            the servers sum in float32 and round the mean once, and every
+            replica applies the same decoded mean). fp16 keeps more mantissa
+            but overflows beyond 65504: such a gradient becomes inf, which
+            ``nan_policy`` then handles. Other dtypes travel as they are.
     """
 
     def __init__(
@@ -132,6 +138,7 @@ class DistributedSGD:
         logdir: str | None = None,
         batch_size: int | None = None,
         datasets: dict[str, Any] | None = None,
+        compression: str | None = None,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
@@ -140,12 +147,13 @@ class DistributedSGD:
             grad_shard_bytes=grad_shard_bytes, all_reduce_alg=all_reduce_alg,
             num_parameter_servers=num_parameter_servers, cpus_per_worker=cpus_per_worker, nan_policy=nan_policy,
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
-            logdir=logdir, batch_size=batch_size)
+            logdir=logdir, batch_size=batch_size, compression=compression)
         datasets = data.check_datasets(datasets)
         opts = self.options
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
-                           "the worker averages its replicas locally, as 'simple' does")
+                           "the worker averages its replicas locally, as 'simple' does"
+                           + (f"; compression={compression!r} has nothing to send" if compression else ""))
         self._scalars = _scalar_logger(opts.logdir)
         worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops),
                                            feed_concurrently=datasets is not None)

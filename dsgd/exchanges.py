@@ -16,11 +16,12 @@ from the worker's ``StepRunner`` (feeds, timed runs, the checked apply):
   ``ParameterServerClient``, from Python after the gradients are computed,
   or from inside the graph with the op library (``dsgd.ops``).
 
+Every exchange reports ``sent_bytes`` with its stats: what the worker
+pushed in the step (to the servers in its partitions' wire form, see
+``dsgd.wire``; to the driver; or nothing, alone).
+
 Where later features plug in:
 
-- **wire compression** (16-bit partitions): in the transport pair
-  (``dsgd.transport``), whose ends write and read a partition; the op
-  library's pack and unpack (``dsgd.ops``) convert where they copy anyway.
 - **backup workers** (a step that closes without the slowest workers): in
   the parameter server's closing rule (``ParameterServer._closes``); a
   worker whose push finds the step closed gets its mean like any other.
@@ -61,7 +62,7 @@ class Alone(Exchange):
         runner = self.runner
         out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)},
                            runner.feed_dict(), "compute and apply")
-        return runner.result(out.get("stats", {}), out)
+        return runner.result(out.get("stats", {}), out, sent_bytes=0)
 
 
 class DriverAverage(Exchange):
@@ -82,10 +83,10 @@ class DriverAverage(Exchange):
         if means is None:
             out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
                              runner.feed_dict(), "compute")
-            self._stats = runner.stats(out["stats"])
+            self._stats = runner.stats(out["stats"], sent_bytes=sum(m.nbytes for m in out["means"]))
             return out["means"], self._stats
         applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, means)))
-        return {**self._stats, **runner.result({}, applied)}
+        return {**self._stats, **runner.result({}, applied, sent_bytes=0)}
 
 
 def without_servers(runner: StepRunner) -> Exchange | None:

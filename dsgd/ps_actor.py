@@ -13,7 +13,10 @@ Each worker reaches the server through the transport ``attach`` picks for the
 pair (``dsgd.transport``): shared memory for a worker on the server's node
 (its input buffer, and one mean buffer for all local workers), the object
 store for any other (the push carries the worker's segments; the server puts
-the mean once per partition and step for all its remote workers).
+the mean once per partition and step for all its remote workers). Under
+wire compression (``dsgd.wire``) pushes and means are 16-bit: the server
+sums the pushes into a float32 array beside the mean and rounds the mean
+once.
 
 Backup workers (a step that closes without the slowest workers) plug in at
 one place, ``ParameterServer._closes``: the rule that says a partition's
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from dsgd import actor_identity, arrays, object_store, shared_memory, timeline
+from dsgd import actor_identity, arrays, object_store, shared_memory, timeline, wire
 from dsgd.errors import DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd
@@ -63,7 +66,8 @@ class _Partition:
     shard: Shard
     offset: int  # bytes into the mean buffer and every worker's input buffer
     segments: list[tuple[int, int]]  # (start, size) of each segment a remote push carries
-    mean: np.ndarray  # view of the mean buffer
+    mean: np.ndarray  # view of the mean buffer, in the wire dtype (what workers read)
+    total: np.ndarray  # where the mean is averaged: ``mean`` itself, or a float32 array rounded into it (compressed)
     step_id: int | None = None
     waiting: dict[int, list[np.ndarray]] = field(default_factory=dict)  # worker -> its segments
     done: dict[int, ray.ObjectRef | None] = field(default_factory=dict)  # step -> the mean's ref (remote readers)
@@ -85,7 +89,7 @@ class ParameterServer:
         offsets, end = [], 0
         for shard in partitions:
             offsets.append(end)
-            end = shared_memory.aligned(end + shard.nbytes)
+            end = shared_memory.aligned(end + shard.wire_nbytes)
         self.nbytes = end
         self.shared = shared_memory.available()
         if self.shared:
@@ -93,10 +97,7 @@ class ParameterServer:
             memory = self.mean_buffer.memory
         else:
             memory = bytearray(self.nbytes)
-        self.partitions = {
-            shard.index: _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)],
-                                    np.frombuffer(memory, shard.dtype, shard.size, offset))
-            for shard, offset in zip(partitions, offsets)}
+        self.partitions = {shard.index: self._place(shard, memory, offset) for shard, offset in zip(partitions, offsets)}
         # Each worker's end of its transport; the object store until it attaches on this node.
         self.ends: dict[int, SharedMemoryServerEnd | ObjectStoreServerEnd] = {
             w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
@@ -104,6 +105,13 @@ class ParameterServer:
         self.aborted = False
         self.resets = 0  # a push that waited across a reset fails as aborted
         self.traces: dict[int, timeline.Recorder] = {}  # the last two steps' events
+
+    @staticmethod
+    def _place(shard: Shard, memory, offset: int) -> _Partition:
+        """``shard``'s partition, its mean at ``offset`` of ``memory``; a float32 sum beside it if compressed."""
+        mean = np.frombuffer(memory, shard.wire_dtype, shard.size, offset)
+        total = mean if shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
+        return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], mean, total)
 
     # ---- connection --------------------------------------------------------
 
@@ -211,10 +219,15 @@ class ParameterServer:
 
     def _sum(self, p: _Partition, inputs: list[list[np.ndarray]],
              recorder: timeline.Recorder) -> ray.ObjectRef | None:
-        """Average every worker's segments into the mean buffer; the mean's ref if remote workers read it."""
+        """Average every worker's segments into the mean buffer; the mean's ref if remote workers read it.
+
+        A compressed partition is summed in float32 and its mean rounded once to 16 bits.
+        """
         with recorder.span(f"average partition {p.shard.index} of {self.num_workers} workers", "sum"):
             for k, (start, size) in enumerate(p.segments):
-                arrays.average_into(p.mean[start:start + size], [worker[k] for worker in inputs])
+                arrays.average_into(p.total[start:start + size], [worker[k] for worker in inputs])
+                if p.total is not p.mean:
+                    wire.convert_into(p.mean[start:start + size], p.total[start:start + size])
         if not any(end.remote for end in self.ends.values()):
             return None
         with recorder.span(f"put the mean of partition {p.shard.index} for remote workers", "sum"):

@@ -43,6 +43,7 @@ class ParameterServerClient:
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.segments = [segments(shard) for shard in self.layout]
+        self.sent_bytes = sum(seg.wire_nbytes for parts in self.segments for seg in parts)  # per step
         self.servers: list[Any] = []
         self.ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per partition: its server's transport
         self._pushes: dict[int, ray.ObjectRef] = {}  # partition -> this step's push call

@@ -51,7 +51,7 @@ class PythonParameterServers(Exchange):
             raise
         global_means = shards.unpack(shard_means, client.layout, built.signature.exchange)
         applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, global_means)))
-        return runner.result(out["stats"], applied)
+        return runner.result(out["stats"], applied, client.sent_bytes)
 
 
 class OpsParameterServers(Exchange):
@@ -123,7 +123,7 @@ class OpsParameterServers(Exchange):
             raise
         finally:
             ops.drain_released()
-        return runner.result(out.get("stats", {}), out)
+        return runner.result(out.get("stats", {}), out, self.client.sent_bytes)
 
 
 def with_servers(runner: StepRunner, client: ParameterServerClient) -> Exchange:

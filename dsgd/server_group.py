@@ -62,7 +62,7 @@ def assign_partitions(layout: Sequence[Shard], num_servers: int) -> list[int]:
     for shard in layout:
         j = min(range(num_servers), key=lambda k: (load[k], k))
         placement.append(j)
-        load[j] += shard.nbytes
+        load[j] += shard.wire_nbytes
     return placement
 
 
@@ -131,9 +131,10 @@ class ServerGroup:
         return [actor.trace.remote(step_id) for actor in self.actors]
 
     def describe(self) -> str:
-        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log."""
-        loads = ", ".join(f"{sum(s.nbytes for s in self.partitions_of(j)) / 2**20:.1f}" for j in range(len(self.nodes)))
-        largest = max(s.nbytes for s in self.layout) / 2**20
+        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log (bytes on the wire)."""
+        loads = ", ".join(f"{sum(s.wire_nbytes for s in self.partitions_of(j)) / 2**20:.1f}"
+                          for j in range(len(self.nodes)))
+        largest = max(s.wire_nbytes for s in self.layout) / 2**20
         return (f"{len(self.layout)} partition{'s' * (len(self.layout) != 1)} of up to {largest:.1f} MiB on "
                 f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)")
 
@@ -157,9 +158,10 @@ def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequ
     shard_bytes = options.grad_shard_bytes
     if shard_bytes is None:
         shard_bytes = shards.default_partition_bytes(exchange, len(nodes))
-    layout = shards.plan_shards(exchange, shard_bytes)
+    layout = shards.plan_shards(exchange, shard_bytes, options.compression)
     group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s)
     chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
-    logger.info("strategy 'ps': %s%s", group.describe(), "" if chosen else
+    logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
+                group.describe(), "" if chosen else
                 f" (grad_shard_bytes={options.grad_shard_bytes}, num_parameter_servers={options.num_parameter_servers})")
     return group

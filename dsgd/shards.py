@@ -13,6 +13,11 @@ On the way to its parameter server a shard travels as a list of segments
 gradient itself, so the object store's own copy is the only one; runs of
 smaller pieces are packed together first, which keeps the number of arrays
 per push small.
+
+Under wire compression (``dsgd.wire``) a float32 shard travels in 16-bit
+form: the same layout in elements (so exactly half the bytes), a 2-byte
+``wire_dtype``, buffers of ``wire_nbytes``, and every segment packed (the
+conversion is the copy), none a view.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from dsgd import wire
 
 ALIGN_BYTES = 64
 VIEW_BYTES = 1 << 16  # pieces this big are sent as views of the gradient, not packed
@@ -41,16 +48,31 @@ class Piece:
 
 @dataclass(frozen=True)
 class Shard:
-    """One flat buffer of a single dtype, summed by its own parameter server."""
+    """One flat buffer of a single dtype, summed by its own parameter server.
+
+    ``dtype`` is the gradients'; ``compression`` (``dsgd.wire``) says how it
+    travels, set only on float32 shards.
+    """
 
     index: int
     dtype: np.dtype
     size: int
     pieces: tuple[Piece, ...]
+    compression: str | None = None
 
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+    @property
+    def wire_dtype(self) -> np.dtype:
+        """The dtype of the shard's buffers on the wire (``dsgd.wire.wire_dtype``)."""
+        return wire.wire_dtype(self.dtype, self.compression)
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes of the shard on the wire: what a worker writes, and a server's buffers hold."""
+        return self.size * self.wire_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,11 @@ class Segment:
     dtype: np.dtype
     pieces: tuple[Piece, ...]
     view: bool
+    wire_dtype: np.dtype  # its shard's (``Shard.wire_dtype``)
+
+    @property
+    def wire_nbytes(self) -> int:
+        return self.size * self.wire_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -109,7 +136,7 @@ def default_partition_bytes(specs: Sequence[VarSpec], num_servers: int) -> int:
                math.ceil(largest / servers))
 
 
-def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
+def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int, compression: str | None = None) -> list[Shard]:
     """Split gradients into shards of about ``grad_shard_bytes`` each.
 
     Variables are packed in the order given (the engine passes them last
@@ -123,6 +150,8 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
     whole into the current shard or the next, whichever then ends nearer its
     target), so the read side can hand it to TensorFlow as a view of the
     received shard; only variables larger than a shard are split.
+    ``compression`` (``dsgd.wire.COMPRESSIONS``) marks the float32 shards;
+    the layout in elements is float32's, the bytes on the wire half.
     """
     if grad_shard_bytes < 0:
         raise ValueError(f"grad_shard_bytes must be >= 0, got {grad_shard_bytes}")
@@ -135,11 +164,12 @@ def plan_shards(specs: Sequence[VarSpec], grad_shard_bytes: int) -> list[Shard]:
             continue
         total_bytes = total * dtype.itemsize
         count = 1 if grad_shard_bytes == 0 else max(1, math.ceil(total_bytes / grad_shard_bytes))
-        shards.extend(_fill(members, dtype, count, first_index=len(shards)))
+        compressed = compression if wire.wire_dtype(dtype, compression) != dtype else None
+        shards.extend(_fill(members, dtype, count, len(shards), compressed))
     return shards
 
 
-def _fill(members, dtype: np.dtype, count: int, first_index: int) -> list[Shard]:
+def _fill(members, dtype: np.dtype, count: int, first_index: int, compression: str | None) -> list[Shard]:
     """Greedily fill ``count`` shards, splitting only variables larger than a shard's target.
 
     Each shard's target is the payload still to place over the shards still
@@ -155,7 +185,7 @@ def _fill(members, dtype: np.dtype, count: int, first_index: int) -> list[Shard]
 
     def close() -> None:
         nonlocal pieces, used, end, remaining, target
-        shards.append(Shard(first_index + len(shards), dtype, end, tuple(pieces)))
+        shards.append(Shard(first_index + len(shards), dtype, end, tuple(pieces), compression))
         remaining -= used
         pieces, used, end = [], 0, 0
         left = count - len(shards)
@@ -188,7 +218,10 @@ def _fill(members, dtype: np.dtype, count: int, first_index: int) -> list[Shard]
 
 
 def segments(shard: Shard, view_bytes: int = VIEW_BYTES) -> tuple[Segment, ...]:
-    """How ``shard`` travels: one segment per large piece, one per run of small ones."""
+    """How ``shard`` travels: one segment per large piece, one per run of small ones.
+
+    A compressed shard has no views: every piece is converted while it is packed.
+    """
     out: list[Segment] = []
     run: list[Piece] = []
 
@@ -197,14 +230,14 @@ def segments(shard: Shard, view_bytes: int = VIEW_BYTES) -> tuple[Segment, ...]:
             start = run[0].shard_offset
             end = run[-1].shard_offset + run[-1].size
             relative = tuple(Piece(p.var_index, p.var_offset, p.shard_offset - start, p.size) for p in run)
-            out.append(Segment(start, end - start, shard.dtype, relative, view=False))
+            out.append(Segment(start, end - start, shard.dtype, relative, False, shard.wire_dtype))
             run.clear()
 
     for p in shard.pieces:
-        if p.size * shard.dtype.itemsize >= view_bytes:
+        if p.size * shard.dtype.itemsize >= view_bytes and shard.compression is None:
             close_run()
             out.append(Segment(p.shard_offset, p.size, shard.dtype,
-                               (Piece(p.var_index, p.var_offset, 0, p.size),), view=True))
+                               (Piece(p.var_index, p.var_offset, 0, p.size),), True, shard.wire_dtype))
         else:
             run.append(p)
     close_run()
@@ -228,17 +261,20 @@ def segment_arrays(grads: Sequence[np.ndarray], parts: Sequence[Segment],
 
 
 def pack(grads: Sequence[np.ndarray], shard: Shard | Segment, out: np.ndarray) -> np.ndarray:
-    """Copy this shard's (or segment's) pieces of ``grads`` into the flat buffer ``out``."""
+    """Copy this shard's (or segment's) pieces of ``grads`` into the flat buffer ``out``.
+
+    ``out`` is in the wire dtype: a 16-bit one converts while it copies (``dsgd.wire``).
+    """
     for p in shard.pieces:
-        out[p.shard_offset:p.shard_offset + p.size] = piece_view(grads[p.var_index], p)
+        wire.convert_into(out[p.shard_offset:p.shard_offset + p.size], piece_view(grads[p.var_index], p))
     return out
 
 
 def unpack(shards: Sequence[np.ndarray], layout: Sequence[Shard], specs: Sequence[VarSpec]) -> list[np.ndarray]:
-    """Rebuild per-variable gradients from flat shard buffers (inverse of pack)."""
+    """Rebuild per-variable gradients from flat shard buffers (inverse of pack; 16-bit ones decoded)."""
     grads = [np.empty(s.shape, dtype=s.dtype) for s in specs]
     for buf, shard in zip(shards, layout):
         for p in shard.pieces:
-            grads[p.var_index].reshape(-1)[p.var_offset:p.var_offset + p.size] = (
-                buf[p.shard_offset:p.shard_offset + p.size])
+            wire.convert_into(grads[p.var_index].reshape(-1)[p.var_offset:p.var_offset + p.size],
+                              buf[p.shard_offset:p.shard_offset + p.size])
     return grads

@@ -119,13 +119,16 @@ class StepRunner:
         return {"loss": [r.loss for r in replicas],
                 "metrics": {k: [r.metrics[k] for r in replicas] for k in replicas[0].metrics}}
 
-    def stats(self, fetched: dict) -> dict[str, float]:
-        """Loss and metrics (means over replicas) with the step's phase times; {} if none were fetched."""
+    def stats(self, fetched: dict, sent_bytes: int) -> dict[str, float]:
+        """Loss and metrics (means over replicas) with the step's phase times; {} if none were fetched.
+
+        ``sent_bytes``: what this worker pushed to the servers (or the driver) in the step.
+        """
         if not fetched:
             return {}
         stats = {"loss": float(np.mean(fetched["loss"]))}
         stats.update({k: float(np.mean(v)) for k, v in fetched["metrics"].items()})
-        return {**stats, **self._phase_s}
+        return {**stats, **self._phase_s, "sent_bytes": float(sent_bytes)}
 
     def apply(self, fetches: dict, feed_dict: dict, phase: str = "apply") -> dict:
         """Run an apply; a non-finite mean raises or skips the step on every replica.
@@ -149,9 +152,9 @@ class StepRunner:
         self.applied_steps += 1
         return out
 
-    def result(self, fetched_stats: dict, applied: dict) -> dict:
-        """A step's result: its stats, and "skipped" if the apply skipped it."""
-        result = self.stats(fetched_stats)
+    def result(self, fetched_stats: dict, applied: dict, sent_bytes: int) -> dict:
+        """A step's result: its stats (``stats``), and "skipped" if the apply skipped it."""
+        result = self.stats(fetched_stats, sent_bytes)
         if "skipped" in applied:
             result["skipped"] = applied["skipped"]
         return result

@@ -15,9 +15,11 @@ A worker and a server pick one transport per pair when the worker attaches
 The worker's end (``SharedMemoryWorkerEnd``, ``ObjectStoreWorkerEnd``)
 writes a partition and reads its mean; the server's end
 (``SharedMemoryServerEnd``, ``ObjectStoreServerEnd``) reads a push's
-segments and answers it. Wire compression (16-bit partitions) plugs in
-here: a compressing pair of ends writes and reads the 16-bit form, and the
-server sums it into its float32 mean (``dsgd.arrays.average_into``).
+segments and answers it. Both ends move a partition in its wire dtype
+(``Shard.wire_dtype``): under compression a float32 partition is written
+and read in 16-bit form (``dsgd.wire``), converted while it is packed, and
+the server sums it into its float32 sum (``dsgd.arrays.average_into``) and
+rounds the mean once into its 16-bit mean.
 
 No TensorFlow here: the parameter servers import this module.
 """
@@ -40,21 +42,21 @@ class SharedMemoryWorkerEnd:
 
     def __init__(self, input_memory, mean_memory, offsets: dict[int, int], shards: Sequence[Shard]):
         """``offsets[j]``: byte offset of partition j in both buffers (``ParameterServer.attach``)."""
-        self.inputs = {s.index: shared_memory.array(input_memory, s.dtype, offsets[s.index], s.size) for s in shards}
-        self.means = {s.index: shared_memory.array(mean_memory, s.dtype, offsets[s.index], s.size) for s in shards}
+        self.inputs = {s.index: shared_memory.array(input_memory, s.wire_dtype, offsets[s.index], s.size) for s in shards}
+        self.means = {s.index: shared_memory.array(mean_memory, s.wire_dtype, offsets[s.index], s.size) for s in shards}
 
     def write(self, shard: Shard, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> None:
-        """Copy ``arrays`` (one per segment) into the input buffer; the push carries nothing."""
+        """Copy ``arrays`` (one per segment, in the wire dtype) into the input buffer; the push carries nothing."""
         target = self.inputs[shard.index]
         for seg, a in zip(parts, arrays):
             np.copyto(target[seg.start:seg.start + seg.size], a.reshape(-1))
 
     def write_gradients(self, shard: Shard, parts: Sequence[Segment], grads: Sequence[np.ndarray]) -> None:
-        """Pack ``shard``'s pieces of ``grads`` straight into the input buffer, one copy."""
+        """Pack ``shard``'s pieces of ``grads`` straight into the input buffer, one copy (converting, if compressed)."""
         pack(grads, shard, self.inputs[shard.index])
 
     def read_mean(self, shard: Shard, reply: list, wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
-        """The mean, in the server's mean buffer (read-only; valid until the next step's push)."""
+        """The mean in the wire dtype, in the server's mean buffer (read-only; valid until the next step's push)."""
         return self.means[shard.index]
 
 
@@ -65,19 +67,19 @@ class ObjectStoreWorkerEnd:
         self._pack_buffers: dict[int, list[np.ndarray | None]] = {}  # partition -> buffers its small runs pack into
 
     def write(self, shard: Shard, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> ray.ObjectRef:
-        """``arrays`` (one per segment) as one new object; the push carries its reference."""
+        """``arrays`` (one per segment, in the wire dtype) as one new object; the push carries its reference."""
         return object_store.put(arrays)
 
     def write_gradients(self, shard: Shard, parts: Sequence[Segment], grads: Sequence[np.ndarray]) -> ray.ObjectRef:
         """``shard``'s segments of ``grads`` (small pieces packed, large ones as views) as one object."""
         buffers = self._pack_buffers.get(shard.index)
         if buffers is None:
-            buffers = self._pack_buffers[shard.index] = [None if seg.view else np.zeros(seg.size, seg.dtype)
+            buffers = self._pack_buffers[shard.index] = [None if seg.view else np.zeros(seg.size, seg.wire_dtype)
                                                          for seg in parts]
         return object_store.put(segment_arrays(grads, parts, buffers))
 
     def read_mean(self, shard: Shard, reply: list, wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
-        """The mean, from the object whose reference the push returned (``wait``: the bounded ``ray.get``)."""
+        """The mean in the wire dtype, from the object the push's reply names (``wait``: the bounded ``ray.get``)."""
         [mean] = object_store.join(wait(reply[0], f"the mean of partition {shard.index}"), [shard.size])
         return mean
 
@@ -98,7 +100,7 @@ class SharedMemoryServerEnd:
         if stored is not None:
             raise ValueError(f"worker {self.worker_index} pushed partition {shard.index} with data, but it "
                              f"writes into its shared input buffer on parameter server {self.server_index}")
-        flat = np.frombuffer(self.buffer.memory, shard.dtype, shard.size, offset)
+        flat = np.frombuffer(self.buffer.memory, shard.wire_dtype, shard.size, offset)
         return [flat[start:start + size] for start, size in parts]
 
     def reply(self, mean: ray.ObjectRef | None) -> list:
@@ -126,11 +128,11 @@ class ObjectStoreServerEnd:
         try:
             arrays = object_store.join(stored, sizes)
         except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{where} expects {shard.dtype} segments of sizes {sizes} of {name} "
+            raise ValueError(f"{where} expects {shard.wire_dtype} segments of sizes {sizes} of {name} "
                              f"from worker {self.worker_index}: {e}") from None
-        wrong = [a.dtype for a in arrays if a.dtype != shard.dtype]
+        wrong = [a.dtype for a in arrays if a.dtype != shard.wire_dtype]
         if wrong:
-            raise ValueError(f"{where} expects {shard.dtype} segments of {name}, "
+            raise ValueError(f"{where} expects {shard.wire_dtype} segments of {name}, "
                              f"worker {self.worker_index} sent {wrong[0]}")
         return arrays
 

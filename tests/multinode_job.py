@@ -4,45 +4,66 @@ Started by tests/test_multinode.py in its own process (``run_job``). Each node
 of ``ray.cluster_utils.Cluster`` has its own raylet and object store, so
 gradient shards really move between object stores, as on separate machines.
 
+A float32 engine steps 3 times; beside it, in lockstep on the same data
+(``compression_runs.lockstep``: each step from the float32 run's weights),
+a bf16 engine (op path) and an fp16 engine (Python path), whose 16-bit
+partitions and means cross the object stores too.
+
 Prints one stdout line, ``RESULT`` and a JSON object: the cluster's node
 ids, the node of every worker (by its ``identity()`` and by the GCS actor
-table) and of every parameter server (GCS actor table), the start weights
-and every replica's final weights as nested lists.
+table) and of every parameter server (GCS actor table) of the float32
+engine, per engine which partitions each worker reads through shared
+memory, the start weights, every replica's final weights and the lockstep
+record, weights as nested lists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import ray
 
 import dsgd
 from cluster_jobs import actor_node, local_cluster
-from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, set_start_weights, ps_actors, server_group
+from compression_runs import FLOAT32, STEPS, lockstep
+from dsgd_test_models import RESULT_PREFIX, TanhNet, ps_actors, server_group
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
-STEPS = 3
 SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
+ENGINES = {FLOAT32: {}, "bf16": dict(compression="bf16", use_ops=True),
+           "fp16-python": dict(compression="fp16", use_ops=False)}
+
+
+def _listed(weights: dict) -> dict:
+    return {k: v.tolist() for k, v in weights.items()}
 
 
 def run() -> dict:
-    with dsgd.DistributedSGD(TanhNet, num_workers=2, devices_per_worker=1, strategy="ps",
-                             grad_shard_bytes=SHARD_BYTES) as sgd:
-        start = set_start_weights(sgd)
-        for step in range(STEPS):
-            sgd.step(fetch_stats=(step == STEPS - 1))
-        replicas = replica_weights(sgd)
+    with contextlib.ExitStack() as stack:
+        engines = {name: stack.enter_context(dsgd.DistributedSGD(TanhNet, num_workers=2, devices_per_worker=1,
+                                                                 strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                                                                 **kwargs))
+                   for name, kwargs in ENGINES.items()}
+        record = lockstep(engines, STEPS)
+        sgd = engines[FLOAT32]
         return {
             "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
             "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
             "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
             "ps_nodes": [actor_node(ps) for ps in ps_actors(sgd)],
-            # per worker, per partition: read through shared memory (its server's node) or the object store
-            "shared": sgd.foreach_worker(lambda w: [type(e).__name__ == "SharedMemoryWorkerEnd" for e in w.client.ends]),
+            # per engine, worker and partition: read through shared memory (its server's node) or the object store
+            "shared": {name: e.foreach_worker(lambda w: [type(end).__name__ == "SharedMemoryWorkerEnd"
+                                                         for end in w.client.ends])
+                       for name, e in engines.items()},
             "placement": server_group(sgd).placement,
-            "start": {k: v.tolist() for k, v in start.items()},
-            "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
+            "start": _listed(record[0]["before"]),
+            "replicas": [_listed(r) for r in record[-1]["replicas"][FLOAT32]],
             "steps": STEPS,
+            "compressed": {name: kwargs["compression"] for name, kwargs in ENGINES.items() if kwargs},
+            "record": [{"before": _listed(e["before"]), "sent_bytes": e["sent_bytes"],
+                        "replicas": {n: [_listed(r) for r in rs] for n, rs in e["replicas"].items()}}
+                       for e in record],
         }
 
 

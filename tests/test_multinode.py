@@ -4,7 +4,9 @@ tests/multinode_job.py starts the cluster (two raylets, two object stores on
 this machine) in a subprocess, since this test session already holds a Ray
 instance, runs 2 workers x 1 device with 3 partitions on dsgd's default
 parameter servers (one per node) for 3 steps and reports where every actor
-ran and the final weights.
+ran and the final weights; beside it, compressed engines (bf16 through the
+op library, fp16 through Python) step in lockstep, their 16-bit partitions
+crossing the object stores (tests/test_compression.py has the one-node runs).
 """
 
 import os
@@ -12,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from compression_runs import check_lockstep
 from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_step, run_job, weights_from_json
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +43,7 @@ def test_workers_run_on_both_nodes(job):
 def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_rest_from_the_store(job):
     ps_nodes, placement = job["ps_nodes"], job["placement"]
     assert len(placement) == 3 and set(placement) == {0, 1}
-    for worker_node, shared in zip(job["worker_nodes"], job["shared"]):
+    for worker_node, shared in zip(job["worker_nodes"], job["shared"]["float32"]):
         assert shared == [ps_nodes[server] == worker_node for server in placement]
         assert any(shared) and not all(shared)  # both transports are exercised
 
@@ -54,3 +57,12 @@ def test_replicas_are_identical_and_equal_the_numpy_reference(job):
     for step in range(job["steps"]):
         expected = numpy_step(expected, REPLICAS_2x1, step)
     assert_weights_close(replicas[0], expected)
+
+
+def test_compressed_partitions_cross_object_stores_within_16_bit_rounding_of_float32(job):
+    for name, shared in job["shared"].items():
+        assert any(not s for worker in shared for s in worker), f"{name}: no partition went through the store"
+    record = [{"before": weights_from_json(e["before"]), "sent_bytes": e["sent_bytes"],
+               "replicas": {n: [weights_from_json(r) for r in rs] for n, rs in e["replicas"].items()}}
+              for e in job["record"]]
+    check_lockstep(record, job["compressed"], REPLICAS_2x1)

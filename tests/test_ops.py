@@ -9,7 +9,7 @@ import ray
 import tensorflow as tf
 
 import dsgd.ops as ops
-from dsgd.shards import VarSpec, pack as np_pack, plan_shards, segments
+from dsgd.shards import VarSpec, pack as np_pack, plan_shards, segments, unpack as np_unpack
 
 if not ops.is_available():
     pytest.skip("dsgd op library cannot be built here", allow_module_level=True)
@@ -176,3 +176,52 @@ def test_bad_fetch_and_unknown_handle(ray_session):
         with pytest.raises(tf.errors.NotFoundError, match="no object-store buffer"):
             _run(bogus)
     assert ops.discard_unclaimed() == 0 and ops.live_buffers() == 0
+
+
+def _wide_range_grads(specs, seed=0):
+    """float32 gradients over most of float32's range, with bf16 ties, fp16's limit, infinities and NaN."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore"):
+        grads = [(rng.standard_normal(s.shape) * np.exp2(rng.uniform(-140, 128, s.shape))).astype(np.float32)
+                 for s in specs]
+    grads[2][:7] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, 65504, 65520, np.inf, -np.inf, np.nan]
+    return grads
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_pack_send_receive_unpack_convert_as_numpy_does_bit_for_bit(compression):
+    """The op path's 16-bit bytes equal the Python path's (dsgd.shards.pack / unpack), both ways."""
+    specs = [VarSpec(f"v{i}", shape, np.dtype(np.float32)) for i, shape in enumerate(SHAPES)]
+    specs.append(VarSpec("other", (5,), np.dtype(np.float64)))  # travels as it is
+    grads = _wide_range_grads(specs[:-1]) + [np.arange(5, dtype=np.float64) / 3]
+    layout = plan_shards(specs, 1024, compression)
+    expected = [np_pack(grads, s, np.zeros(s.size, s.wire_dtype)) for s in layout]
+    sent = {}
+    with tf.Graph().as_default():
+        gt = [tf.constant(g) for g in grads]
+        tokens = [ops.build_send(gt, s, lambda s, arrays: sent.setdefault(s.index, [a.copy() for a in arrays]))
+                  for s in layout]
+        received = [ops.receive_shard(lambda e=e: e, s) for s, e in zip(layout, expected)]
+        unpacked = ops.unpack(received, layout, specs)
+        _, got = _run((tokens, unpacked))
+    for s, want in zip(layout, expected):
+        parts = segments(s)
+        assert not any(seg.view for seg in parts) or s.compression is None
+        shard = np.zeros(s.size, s.wire_dtype)
+        for seg, a in zip(parts, sent[s.index]):
+            assert a.dtype == s.wire_dtype
+            shard[seg.start:seg.start + seg.size] = a
+        np.testing.assert_array_equal(shard.view(np.uint8), want.view(np.uint8))
+    for want, g in zip(np_unpack(expected, layout, specs), got):
+        assert g.dtype == want.dtype
+        np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))
+    ops.drain_released()
+    assert ops.live_buffers() == 0  # compressed means are converted, so no gradient holds on to them
+
+
+def test_pack_refuses_a_conversion_other_than_float32_to_16_bits():
+    with tf.Graph().as_default():
+        packed = ops.load().dsgd_pack([tf.zeros([4], tf.float64)], W=tf.float16, shard_size=4, piece_input=[0],
+                                      piece_var_offset=[0], piece_shard_offset=[0], piece_size=[4])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="cannot convert double to half"):
+            _run(packed)

@@ -60,6 +60,6 @@ def test_engine_logdir_writes_each_fetched_steps_stats(ray_session, tmp_path):
     assert last["samples_per_s"] == pytest.approx(2 * BATCH / last["step_time_s"])
     scalars = read_scalars(tmp_path)
     assert sorted(scalars) == ["abs_error", "compute_and_apply_s", "get_feed_dict_s", "loss",
-                               "samples_per_s", "step_time_s"]
+                               "samples_per_s", "sent_bytes", "step_time_s"]
     assert [step for step, _, _ in scalars["loss"]] == [0, 2]
     assert scalars["loss"][-1][1] == pytest.approx(last["loss"])

@@ -5,7 +5,9 @@ graph, so each shard leaves as soon as its gradients exist. The shard travels
 as segments (``dsgd.shards.segments``): large pieces as zero-copy views of the
 gradient tensors, runs of small pieces packed by ``pack`` (one C++ pass); the
 callback (``dsgd.ps_exchanges``, through ``dsgd.transport``) copies them
-once, into a shared buffer or the object store.
+once, into a shared buffer or the object store. A compressed shard
+(``dsgd.wire``) has no views: ``pack`` converts float32 to its 16-bit wire
+form while it copies, and ``unpack`` converts the 16-bit mean back.
 
 Read side: ``receive_shard`` turns the numpy array a fetch function returns
 (a view of a shared-memory mean buffer, or the zero-copy view ``ray.get``
@@ -78,6 +80,13 @@ def _tf_dtype(dtype: np.dtype) -> tf.DType:
     return tf.as_dtype(np.dtype(dtype))
 
 
+def _tf_wire_dtype(part: Shard | Segment) -> tf.DType:
+    """The TensorFlow dtype of a shard's wire form: bf16, which numpy holds as uint16, is tf.bfloat16."""
+    if part.wire_dtype == part.dtype:
+        return _tf_dtype(part.dtype)
+    return tf.bfloat16 if part.wire_dtype == np.dtype(np.uint16) else _tf_dtype(part.wire_dtype)
+
+
 def _piece_attrs(items) -> dict[str, list[int]]:
     """Op attrs for ``items``: (input index, Piece) pairs."""
     return {
@@ -99,14 +108,16 @@ def pack(grads: Sequence[tf.Tensor], part: Shard | Segment) -> tf.Tensor:
 
     ``grads`` are indexed by ``Piece.var_index`` (all variables' gradients, in
     the order of the specs the layout was planned from); only the ones this
-    part uses become inputs. Alignment gaps are zero.
+    part uses become inputs. Alignment gaps are zero. The tensor is in the
+    part's wire form (tf.bfloat16 or tf.float16 for a compressed one),
+    converted while copying.
     """
     used = list(dict.fromkeys(p.var_index for p in part.pieces))
     position = {v: i for i, v in enumerate(used)}
     inputs = [tf.convert_to_tensor(grads[v]) for v in used]
     for v, t in zip(used, inputs):
         _check_dtype(t, v, part)
-    return load().dsgd_pack(inputs, shard_size=part.size,
+    return load().dsgd_pack(inputs, W=_tf_wire_dtype(part), shard_size=part.size,
                             **_piece_attrs([(position[p.var_index], p) for p in part.pieces]))
 
 
@@ -117,8 +128,9 @@ def build_send(grads: Sequence[tf.Tensor], shard: Shard,
 
     When the graph runs, as soon as the shard's gradients exist,
     ``on_ready(shard, arrays, *input_values)`` is called with one flat array
-    per segment (zero-copy views of large pieces, packed runs of small ones;
-    valid only during the call), which typically copies them to the shard's
+    per segment in the wire dtype (zero-copy views of large pieces, packed runs
+    of small ones, converted if compressed; valid only during the call),
+    which typically copies them to the shard's
     parameter server. ``inputs`` are extra tensors whose numpy values are
     passed along (e.g. a step number); control dependencies on the returned
     token order sends.
@@ -136,7 +148,7 @@ def build_send(grads: Sequence[tf.Tensor], shard: Shard,
             tensors.append(pack(grads, seg))
 
     def send(*values: np.ndarray) -> np.int64:
-        arrays = [piece_view(a, seg.pieces[0]) if seg.view else a for a, seg in zip(values, parts)]
+        arrays = [piece_view(a, seg.pieces[0]) if seg.view else a.view(seg.wire_dtype) for a, seg in zip(values, parts)]
         on_ready(shard, arrays, *values[len(parts):])
         return np.int64(shard.index)
 
@@ -161,11 +173,12 @@ def receive_shard(fetch: Callable[..., np.ndarray], shard: Shard,
 
     ``fetch(*input_values)`` runs inside the graph (it may block, e.g. on
     ``ray.get``) and must return a C-contiguous array of ``shard.size``
-    elements of ``shard.dtype``. The array is kept alive until TensorFlow
+    elements of ``shard.wire_dtype``; the tensor is in the matching
+    TensorFlow dtype. The array is kept alive until TensorFlow
     drops every tensor using its memory (see ``drain_released``).
     """
     load()
-    dtype = np.dtype(shard.dtype)
+    dtype = shard.wire_dtype
 
     def fetch_and_register(*values: np.ndarray) -> np.int64:
         array = fetch(*values)
@@ -179,17 +192,18 @@ def receive_shard(fetch: Callable[..., np.ndarray], shard: Shard,
     handle = tf.numpy_function(fetch_and_register, list(inputs), tf.int64, stateful=True,
                                name=f"dsgd_fetch_{shard.index}")
     handle.set_shape([])
-    return _ops.dsgd_alias_tensor(handle, T=_tf_dtype(dtype), size=shard.size)
+    return _ops.dsgd_alias_tensor(handle, T=_tf_wire_dtype(shard), size=shard.size)
 
 
 def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
            specs: Sequence[VarSpec]) -> list[tf.Tensor]:
     """Per-variable gradients (shapes of ``specs``) from the layout's shards.
 
-    ``shard_tensors[i]`` holds ``layout[i]``. A variable held in one piece
-    aliases its shard; one split over several shards is copied together (one
-    op per group of variables spanning the same shards, so a group only waits
-    for its own shards). Zero-size variables get zero-size constants.
+    ``shard_tensors[i]`` holds ``layout[i]``, in its wire form. A variable
+    held in one piece aliases its shard; one split over several shards, or
+    in a compressed shard (converted to float32 here), is copied together
+    (one op per group of variables spanning the same shards, so a group only
+    waits for its own shards). Zero-size variables get zero-size constants.
     """
     load()
     pieces = defaultdict(list)  # var_index -> [(layout position, piece)]
@@ -206,6 +220,7 @@ def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
         flat = [(pos, p) for v in var_indices for pos, p in pieces[v]]
         outputs = _ops.dsgd_unpack(
             [shard_tensors[pos] for pos in positions],
+            T=_tf_dtype(specs[var_indices[0]].dtype),
             num_outputs=len(var_indices),
             shapes=[specs[v].shape for v in var_indices],
             piece_output=[output_of[p.var_index] for _, p in flat],

@@ -1,10 +1,13 @@
 // TensorFlow ops that move gradient shards between tensors and memory that
 // Python hands them (a shared-memory buffer or a Ray object-store object):
-//   DsgdPack          gradient pieces -> one flat shard tensor (one pass)
+//   DsgdPack          gradient pieces -> one flat shard tensor (one pass; float32
+//                     -> bfloat16 / half while copying, for wire compression)
 //   DsgdAliasTensor   registered buffer -> tensor aliasing it
 //   DsgdUnpack        flat shard tensors -> per-variable gradients (aliasing
-//                     the shard whenever a variable lies in one aligned piece)
+//                     the shard whenever a variable lies in one aligned piece
+//                     of the same dtype; bfloat16 / half -> float32 while copying)
 //   DsgdDataAddress   a tensor's data address (for tests and debugging)
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -20,7 +23,74 @@ namespace {
 
 constexpr char kTypes[] =
     "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64}";
+// The dtype a shard travels in: T itself, or a 16-bit form of a float32 T.
+constexpr char kWireTypes[] =
+    "W: {half, bfloat16, float, double, int8, uint8, int16, int32, int64}";
 constexpr uintptr_t kAlignBytes = 64;
+
+// float32 -> bfloat16 bits, rounded to nearest, ties to even; a NaN stays a
+// quiet NaN. dsgd/wire.py does the same in numpy, bit for bit.
+uint16_t FloatToBfloat16Bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  }
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float Bfloat16BitsToFloat(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+// Whether a shard of `from` elements can be copied into `to` elements:
+// the same dtype, or float32 and one of its 16-bit wire forms either way.
+bool Convertible(DataType from, DataType to) {
+  if (from == to) return true;
+  const bool narrow = to == DT_BFLOAT16 || to == DT_HALF;
+  const bool widen = from == DT_BFLOAT16 || from == DT_HALF;
+  return (from == DT_FLOAT && narrow) || (to == DT_FLOAT && widen);
+}
+
+// Copies `n` elements from `src` (dtype `from`) to `dst` (dtype `to`),
+// converting on the way; the pair must be Convertible. half uses Eigen's
+// conversion (nearest, ties to even; beyond 65504 is inf), as numpy does.
+void CopyElements(DataType from, DataType to, const char* src, char* dst, int64_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, n * DataTypeSize(from));
+    return;
+  }
+  if (from == DT_FLOAT) {
+    const float* in = reinterpret_cast<const float*>(src);
+    if (to == DT_BFLOAT16) {
+      uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = FloatToBfloat16Bits(in[i]);
+    } else {
+      Eigen::half* out = reinterpret_cast<Eigen::half*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = Eigen::half(in[i]);
+    }
+    return;
+  }
+  float* out = reinterpret_cast<float*>(dst);
+  if (from == DT_BFLOAT16) {
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) out[i] = Bfloat16BitsToFloat(in[i]);
+  } else {
+    const Eigen::half* in = reinterpret_cast<const Eigen::half*>(src);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+  }
+}
+
+absl::Status CheckConvertible(DataType from, DataType to) {
+  if (Convertible(from, to)) return absl::OkStatus();
+  return errors::InvalidArgument("cannot convert ", DataTypeString(from), " to ",
+                                 DataTypeString(to),
+                                 ": a shard travels as its gradients' dtype, or "
+                                 "float32 as bfloat16 or half");
+}
 
 bool IsAligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kAlignBytes == 0;
@@ -118,8 +188,9 @@ absl::Status CheckRange(const char* what, int64_t index, int64_t offset,
 
 REGISTER_OP("DsgdPack")
     .Input("grads: N * T")
-    .Output("shard: T")
+    .Output("shard: W")
     .Attr(kTypes)
+    .Attr(kWireTypes)
     .Attr("N: int >= 1")
     .Attr("shard_size: int >= 0")
     .Attr("piece_input: list(int)")
@@ -137,6 +208,8 @@ Copies pieces of the flattened `grads` into one flat shard in a single pass.
 Piece i copies `piece_size[i]` elements of `grads[piece_input[i]]` starting at
 `piece_var_offset[i]` to `shard[piece_shard_offset[i]:]`. Pieces must be in
 increasing, non-overlapping shard order; the gaps between them are zeroed.
+`W` is `T`, or bfloat16 or half for a float32 `T`: then each element is
+rounded (to nearest, ties to even) while it is copied.
 )doc");
 
 class PackOp : public OpKernel {
@@ -145,6 +218,9 @@ class PackOp : public OpKernel {
     int num_inputs;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_inputs));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_size", &shard_size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &grad_dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("W", &wire_dtype_));
+    OP_REQUIRES_OK(ctx, CheckConvertible(grad_dtype_, wire_dtype_));
     OP_REQUIRES_OK(ctx, ReadPieces(ctx, false, &pieces_));
     int64_t end = 0;
     for (size_t i = 0; i < pieces_.size(); ++i) {
@@ -168,13 +244,15 @@ class PackOp : public OpKernel {
     }
     Tensor* shard = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shard_size_}), &shard));
-    const size_t item = DataTypeSize(shard->dtype());
+    const size_t item = DataTypeSize(wire_dtype_);
+    const size_t grad_item = DataTypeSize(grad_dtype_);
     char* out = MutableData(shard);
     int64_t filled = 0;
     for (const Piece& p : pieces_) {
       std::memset(out + filled * item, 0, (p.shard_offset - filled) * item);
       const char* in = Data(grads[p.input]);
-      std::memcpy(out + p.shard_offset * item, in + p.var_offset * item, p.size * item);
+      CopyElements(grad_dtype_, wire_dtype_, in + p.var_offset * grad_item,
+                   out + p.shard_offset * item, p.size);
       filled = p.shard_offset + p.size;
     }
     std::memset(out + filled * item, 0, (shard_size_ - filled) * item);
@@ -182,6 +260,8 @@ class PackOp : public OpKernel {
 
  private:
   int64_t shard_size_;
+  DataType grad_dtype_;
+  DataType wire_dtype_;
   std::vector<Piece> pieces_;
 };
 
@@ -247,9 +327,10 @@ class AliasTensorOp : public OpKernel {
 };
 
 REGISTER_OP("DsgdUnpack")
-    .Input("shards: N * T")
+    .Input("shards: N * W")
     .Output("grads: num_outputs * T")
     .Attr(kTypes)
+    .Attr(kWireTypes)
     .Attr("N: int >= 1")
     .Attr("num_outputs: int >= 1")
     .Attr("shapes: list(shape)")
@@ -270,8 +351,9 @@ REGISTER_OP("DsgdUnpack")
     })
     .Doc(R"doc(
 Rebuilds gradients of the given `shapes` from flat shards (inverse of
-DsgdPack). An output held by one 64-byte-aligned piece aliases its shard;
-an output split over several pieces is copied together.
+DsgdPack). An output held by one 64-byte-aligned piece of a shard of its
+own dtype aliases its shard; any other output is copied together, and
+bfloat16 or half shards (`W`) are widened to a float32 `T` on the way.
 )doc");
 
 class UnpackOp : public OpKernel {
@@ -282,6 +364,9 @@ class UnpackOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_inputs));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_outputs", &num_outputs));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &partial));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &grad_dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("W", &wire_dtype_));
+    OP_REQUIRES_OK(ctx, CheckConvertible(wire_dtype_, grad_dtype_));
     OP_REQUIRES(ctx, partial.size() == static_cast<size_t>(num_outputs),
                 errors::InvalidArgument("shapes has ", partial.size(),
                                         " entries, expected num_outputs=", num_outputs));
@@ -329,14 +414,14 @@ class UnpackOp : public OpKernel {
  private:
   absl::Status Output(OpKernelContext* ctx, const OpInputList& shards, int k) {
     const std::vector<Piece>& pieces = pieces_[k];
-    const DataType dtype = shards[0].dtype();
-    const size_t item = DataTypeSize(dtype);
-    if (pieces.size() == 1) {
+    const size_t item = DataTypeSize(wire_dtype_);
+    const size_t grad_item = DataTypeSize(grad_dtype_);
+    if (pieces.size() == 1 && wire_dtype_ == grad_dtype_) {
       const Tensor& shard = shards[pieces[0].input];
       char* data = const_cast<char*>(Data(shard)) + pieces[0].shard_offset * item;
       if (IsAligned(data)) {
         core::RefCountPtr<TensorBuffer> alias(new AliasBuffer(shard, data, pieces[0].size * item));
-        ctx->set_output(k, Tensor(dtype, shapes_[k], std::move(alias)));
+        ctx->set_output(k, Tensor(grad_dtype_, shapes_[k], std::move(alias)));
         return absl::OkStatus();
       }
     }
@@ -345,11 +430,14 @@ class UnpackOp : public OpKernel {
     char* dst = MutableData(out);
     for (const Piece& p : pieces) {
       const char* src = Data(shards[p.input]);
-      std::memcpy(dst + p.var_offset * item, src + p.shard_offset * item, p.size * item);
+      CopyElements(wire_dtype_, grad_dtype_, src + p.shard_offset * item,
+                   dst + p.var_offset * grad_item, p.size);
     }
     return absl::OkStatus();
   }
 
+  DataType grad_dtype_;
+  DataType wire_dtype_;
   std::vector<TensorShape> shapes_;
   std::vector<std::vector<Piece>> pieces_;  // per output
 };

@@ -1,0 +1,63 @@
+"""Wire compression: the 16-bit forms float32 partitions travel in, and the conversions.
+
+With ``compression="bf16"`` or ``"fp16"`` a float32 partition travels as
+16-bit floats, both to its parameter server and back. numpy has no
+bfloat16, so bf16 travels as ``uint16`` holding its bits; fp16 is numpy's
+``float16``. Other dtypes travel as they are. Which conversion a copy does
+follows from the two dtypes (``convert_into``): float32 -> uint16 rounds to
+bf16, float32 -> float16 to fp16, and back is exact.
+
+Both roundings are to nearest, ties to even; a value beyond the 16-bit
+range becomes inf (fp16's largest finite value is 65504). The op library
+(dsgd/ops/cc) does the same bit for bit, so the Python path and the op path
+send the same bytes.
+
+No TensorFlow here: the parameter servers import this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COMPRESSIONS = (None, "bf16", "fp16")
+_WIRE = {"bf16": np.dtype(np.uint16), "fp16": np.dtype(np.float16)}
+_F32 = np.dtype(np.float32)
+
+
+def wire_dtype(dtype: np.dtype, compression: str | None) -> np.dtype:
+    """The dtype a partition of ``dtype`` travels in: 16-bit for float32 under compression, else ``dtype``."""
+    dtype = np.dtype(dtype)
+    return _WIRE[compression] if compression is not None and dtype == _F32 else dtype
+
+
+def to_float32(wire: np.ndarray) -> np.ndarray:
+    """A 16-bit wire array as float32 (exact); a float32 array as it is."""
+    if wire.dtype == _WIRE["bf16"]:
+        return (wire.astype(np.uint32) << 16).view(np.float32)
+    return wire if wire.dtype == _F32 else wire.astype(np.float32)
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 rounded to bf16 (nearest, ties to even), as uint16 bits; a NaN stays a (quiet) NaN."""
+    bits = values.view(np.uint32)
+    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    if nan.any():
+        rounded[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040
+    return rounded
+
+
+def convert_into(out: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``out[:] = values`` converted to ``out``'s wire form (or from it); same flat size."""
+    out = out.reshape(-1)
+    values = values.reshape(-1)
+    if out.dtype == values.dtype:
+        out[:] = values
+    elif out.dtype == _WIRE["bf16"] and values.dtype == _F32:
+        out[:] = _bf16_bits(values)
+    elif values.dtype == _WIRE["bf16"] and out.dtype == _F32:
+        out[:] = to_float32(values)
+    else:
+        with np.errstate(over="ignore"):  # fp16: beyond its range is inf, as documented
+            out[:] = values
+    return out

@@ -1,0 +1,173 @@
+"""Wire compression (compression="bf16" / "fp16"): 16-bit partitions both ways, checked against float32.
+
+The two-node run (16-bit partitions through the object store between
+nodes) is in tests/test_multinode.py, beside its float32 run.
+"""
+
+import logging
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsgd
+from compression_runs import FLOAT32, check_lockstep, lockstep
+from dsgd import arrays, wire
+from dsgd.shards import VarSpec, pack, plan_shards, segments, unpack
+from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, HugeTargetsAtStep1, TanhNet, assert_replicas_identical,
+                              kill, server_group, set_start_weights)
+
+SHARD_BYTES = 40  # TanhNet's 112 bytes of float32 gradients -> 3 partitions, variables split
+
+
+# ---- the conversions (no Ray) ------------------------------------------------
+
+def _awkward_float32(n: int = 200_000) -> np.ndarray:
+    """Values over float32's whole range, with ties, subnormals, the 16-bit limits, infinities and NaN."""
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore"):  # beyond float32: inf, wanted too
+        x = (rng.standard_normal(n) * np.exp2(rng.uniform(-140, 128, n))).astype(np.float32)
+    ties = np.float32(1) + np.float32(2.0 ** -8) * np.arange(1, 9, dtype=np.float32)  # bf16 halfway cases
+    special = [0.0, -0.0, 65504, 65520, -65520, 1e-8, 6e-8, 3e38, 3.4e38, np.inf, -np.inf, np.nan, 2.0 ** -149]
+    return np.concatenate([x, ties, -ties, np.array(special, np.float32)])
+
+
+def test_bf16_rounds_to_nearest_even_as_ml_dtypes_does():
+    x = _awkward_float32()
+    bits = wire.convert_into(np.empty(x.size, np.uint16), x)
+    np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    back = wire.convert_into(np.empty(x.size, np.float32), bits)
+    np.testing.assert_array_equal(back, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 2 ** -8]))[0] == 0x3F80  # tie: down to even
+    assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 3 * 2 ** -8]))[0] == 0x3F82  # tie: up to even
+
+
+def test_fp16_beyond_its_range_is_inf_without_a_warning(recwarn):
+    out = wire.convert_into(np.empty(4, np.float16), np.float32([65504, 65520, -1e6, 1e-9]))
+    assert out.tolist() == [65504, np.inf, -np.inf, 0]
+    assert not recwarn.list
+
+
+def test_compressed_layout_is_float32_layout_at_half_the_bytes_and_other_dtypes_travel_as_they_are():
+    specs = [VarSpec("a", (40_000,), np.dtype(np.float32)), VarSpec("b", (7, 3), np.dtype(np.float32)),
+             VarSpec("c", (9,), np.dtype(np.float64))]
+    plain = plan_shards(specs, 50_000)
+    for compression, wire_dtype in [("bf16", np.uint16), ("fp16", np.float16)]:
+        layout = plan_shards(specs, 50_000, compression)
+        assert [(s.size, s.pieces) for s in layout] == [(s.size, s.pieces) for s in plain]
+        for shard in layout:
+            if shard.dtype == np.float32:
+                assert shard.wire_dtype == wire_dtype and shard.wire_nbytes * 2 == shard.nbytes
+                # the large piece travels packed (converted), never as a view of the gradient
+                assert not any(seg.view for seg in segments(shard))
+            else:
+                assert shard.compression is None and shard.wire_nbytes == shard.nbytes
+                assert segments(shard) == segments(plain[shard.index])
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_server_sums_16_bit_pushes_in_float32_and_rounds_the_mean_once(compression):
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    [shard] = plan_shards([VarSpec("g", (1000,), np.dtype(np.float32))], 0, compression)
+    pushed = [pack([g], shard, np.empty(shard.size, shard.wire_dtype)) for g in grads]
+    total = arrays.average_into(np.empty(shard.size, np.float32), pushed)
+    widened = [wire.to_float32(p).astype(np.float64) for p in pushed]
+    np.testing.assert_allclose(total, np.mean(widened, axis=0), rtol=2 ** -22)  # float32 sum, not 16-bit
+    mean = wire.convert_into(np.empty(shard.size, shard.wire_dtype), total)
+    [decoded] = unpack([mean], [shard], [VarSpec("g", (1000,), np.dtype(np.float32))])
+    np.testing.assert_array_equal(decoded, wire.to_float32(wire.convert_into(np.empty(1000, shard.wire_dtype), total)))
+
+
+# ---- the engine on one node ---------------------------------------------------
+
+COMPRESSED = {"bf16": dict(compression="bf16", use_ops=True), "bf16-python": dict(compression="bf16", use_ops=False),
+              "fp16": dict(compression="fp16", use_ops=True), "fp16-python": dict(compression="fp16", use_ops=False)}
+
+
+@pytest.fixture(scope="module")
+def float32_engine(ray_session):
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES) as sgd:
+        yield sgd
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_steps_against_float32_through_shared_memory_op_and_python_paths(float32_engine, compression):
+    names = [n for n, kwargs in COMPRESSED.items() if kwargs["compression"] == compression]
+    engines = {FLOAT32: float32_engine}
+    try:
+        for name in names:
+            engines[name] = dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                                                **COMPRESSED[name])
+        for name in names:  # one node: every partition through shared memory, in 16-bit form
+            ends = engines[name].foreach_worker(lambda w: [(type(e).__name__, str(next(iter(e.means.values())).dtype))
+                                                           for e in w.client.ends])
+            assert {end for worker in ends for end in worker} == {
+                ("SharedMemoryWorkerEnd", "uint16" if compression == "bf16" else "float16")}
+        check_lockstep(lockstep(engines), {name: compression for name in names}, REPLICAS_2x1)
+    finally:
+        for name in names:
+            if name in engines:
+                engines[name].shutdown()
+
+
+def test_sent_bytes_for_every_strategy(ray_session, float32_engine, caplog):
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    layout = server_group(float32_engine).layout
+    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == sum(s.nbytes for s in layout)
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
+        assert sgd.step(fetch_stats=True)["sent_bytes"] == 4 * (5 * 4 + 4 + 4)  # the float32 gradients, to the driver
+    with dsgd.DistributedSGD(TanhNet, num_workers=1, strategy="ps", compression="bf16") as sgd:
+        assert "compression='bf16' has nothing to send" in caplog.text
+        assert sgd.step(fetch_stats=True)["sent_bytes"] == 0
+
+
+def test_fp16_overflow_is_a_non_finite_mean_for_nan_policy(ray_session, caplog):
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    with dsgd.DistributedSGD(HugeTargetsAtStep1, num_workers=2, strategy="ps", compression="fp16",
+                             nan_policy="skip") as sgd:
+        sgd.step()
+        before = sgd.get_weights()
+        sgd.step(fetch_stats=True)  # gradients of about 1e5: finite in float32, inf in fp16
+        assert "skipped a step (nan_policy='skip'): non-finite gradient of variable" in caplog.text
+        after = sgd.get_weights()
+        assert all(np.array_equal(before[k], after[k]) for k in before)
+        assert_replicas_identical(sgd, 2)
+        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
+
+
+# ---- bad values ------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["bfloat16", "fp8", 16, True, "BF16"])
+def test_unknown_compression_is_refused_listing_the_choices(value):
+    with pytest.raises(ValueError, match=r"compression must be one of \(None, 'bf16', 'fp16'\), got "):
+        dsgd.DistributedSGD(TanhNet, num_workers=2, compression=value)
+
+
+def test_compression_with_simple_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match=r"compression='fp16' needs strategy='ps'"):
+        dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple", compression="fp16")
+
+
+# ---- recovery and checkpoints ------------------------------------------------------
+
+def test_recovery_and_checkpoints_with_compression(ray_session, tmp_path, caplog):
+    """From a checkpoint, a run whose worker is killed equals the uninterrupted one bit for bit."""
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                             compression="bf16") as sgd:
+        set_start_weights(sgd)
+        sgd.step()
+        sgd.step()
+        sgd.save(str(tmp_path / "ckpt.npz"))  # weights and momentum after step 2
+        sgd.step()
+        sgd.step()
+        expected = sgd.get_weights()
+        sgd.restore(str(tmp_path / "ckpt.npz"))
+        sgd.step()
+        kill(sgd.workers[1])
+        sgd.step()
+        assert_replicas_identical(sgd, 2)
+        assert "worker 1 is dead" in caplog.text and sgd.failures == 1
+        got = sgd.get_weights()
+        assert all(np.array_equal(got[k], expected[k]) for k in expected)
