@@ -105,10 +105,11 @@ def start_ray(address: str | None = None, node_ip_address: str | None = None, **
     Ray cannot tell it (a head node on a bridge of its own).
 
     Either way the job's workers find the `benchmarks` package (the repository
-    root is put on their PYTHONPATH) and TensorFlow's C++ logging is quiet.
+    root is put on their PYTHONPATH) and get this process's TF_CPP_MIN_LOG_LEVEL
+    (benchmarks/__init__.py sets it).
     """
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env_vars = {"PYTHONPATH": pythonpath, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env_vars = {"PYTHONPATH": pythonpath, "TF_CPP_MIN_LOG_LEVEL": os.environ["TF_CPP_MIN_LOG_LEVEL"]}
     if address:
         # Code in the workers that looks the cluster up (Ray Train does) finds this one.
         env_vars["RAY_ADDRESS"] = address

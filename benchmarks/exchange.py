@@ -19,9 +19,9 @@ one step, in an order rotated by r, so machine noise hits all of them alike):
           preallocated buffer (numpy add, then multiply by 1/2): the
           in-process bound of a 2-way average
 
-Every engine runs at dsgd's defaults unless an engine flag says otherwise;
-`--compression bf16|fp16` makes "ps" send its partitions as 16-bit floats
-(the other systems send float32).
+Every engine runs at dsgd's defaults unless an engine flag says otherwise.
+`--compression bf16 [fp16]` adds a system per value, "ps-bf16" ("ps" whose
+partitions travel as 16-bit floats), interleaved with the others.
 A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
 step of each system over `--steps` rounds after `--warmup` warm-up rounds
 (and, with `--steady-warmup N`, again after N more rounds, labelled steady),
@@ -154,9 +154,10 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
                               "setup_s": {}, "interrupted": False}
     with contextlib.ExitStack() as engines_alive:
         engines = {}
-        ps_options = {"strategy": "ps", **({"compression": args.compression} if args.compression else {})}
-        for name, workers, strategy in (("floor", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
-                                        ("ps", args.num_workers, ps_options)):
+        builds = [("floor", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
+                  ("ps", args.num_workers, {"strategy": "ps"})]
+        builds += [(f"ps-{c}", args.num_workers, {"strategy": "ps", "compression": c}) for c in args.compression]
+        for name, workers, strategy in builds:
             start = time.perf_counter()
             engines[name] = engines_alive.enter_context(
                 dsgd.DistributedSGD(creator, num_workers=workers, **strategy, **kwargs))
@@ -168,9 +169,10 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
               f"{record['num_partitions']} partitions", flush=True)
         bound = Bound(num_elements, args.num_workers)
-        systems = {name: common.timed(functools.partial(engines[name].step, fetch_stats=True))
-                   for name in ("floor", "simple", "ps")}
+        systems = {name: common.timed(functools.partial(engine.step, fetch_stats=True))
+                   for name, engine in engines.items()}
         systems["bound"] = bound.step
+        record["systems"] = list(systems)
 
         times, record["order"], interrupted = common.run_rounds(
             systems, args.warmup + args.steps, args.warmup, settle_s=args.settle_s)
@@ -211,7 +213,7 @@ def print_shape(record: dict[str, Any], args: argparse.Namespace) -> None:
           f"ps: {record.get('num_parameter_servers', '?')} parameter servers, "
           f"{record.get('num_partitions', '?')} partitions")
     print(f"{'median step, ms':<22}" + "".join(f"{label:>40}" for label, _ in labelled))
-    for name in SYSTEMS:
+    for name in record["systems"]:
         print(f"{name:<22}" + "".join(f"{_ms(phase['median_ms'][name]):>40}" for _, phase in labelled))
     for name in TARGETS:
         print(f"{name:<22}" + "".join(f"{_ratio(name, phase['ratios'][name]):>40}" for _, phase in labelled))
@@ -219,14 +221,15 @@ def print_shape(record: dict[str, Any], args: argparse.Namespace) -> None:
 
 def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """A markdown table of every shape and phase: medians, ratios, servers and partitions."""
-    lines = [("| shape | steps | floor ms | simple ms | ps ms | bound ms | ps/simple | (ps − floor)/bound "
-              "| servers / partitions |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    systems = records[0]["systems"] if records else list(SYSTEMS)
+    lines = ["| shape | steps | " + " | ".join(f"{n} ms" for n in systems)
+             + " | ps/simple | (ps − floor)/bound | servers / partitions |",
+             "|---" * (len(systems) + 5) + "|"]
     for r in records:
         for label, phase in phases(r, args):
             ms, ratios = phase["median_ms"], phase["ratios"]
             ratio_cells = " | ".join("–" if ratios[n] is None else f"{ratios[n]:.2f}" for n in TARGETS)
-            lines.append(f"| {r['shape']} | {label} | " + " | ".join(_ms(ms[n]) for n in SYSTEMS)
+            lines.append(f"| {r['shape']} | {label} | " + " | ".join(_ms(ms[n]) for n in systems)
                          + f" | {ratio_cells} | {r.get('num_parameter_servers', '?')} / "
                            f"{r.get('num_partitions', '?')} |")
     return "\n".join(lines)
@@ -246,8 +249,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
     common.add_engine_flags(p)
-    p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
-                   help='"ps" sends float32 partitions as 16-bit floats (default: float32, as the others)')
+    p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
+                   help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="logical CPUs when starting Ray here (default: the 1 + 2 x workers the engines reserve)")
@@ -263,8 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     command = common.command_line("benchmarks.exchange", argv)
     kwargs = common.engine_kwargs(args)
-    print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}"
-          + (f"; ps compression={args.compression}" if args.compression else ""), flush=True)
+    print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
     if not ray.is_initialized():
         common.start_ray(args.address, num_cpus=args.num_cpus or 1 + 2 * args.num_workers,
                          object_store_memory=args.object_store_memory)
@@ -275,8 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
     table = summary_table(records, args)
     print(f"\n{command}\n\n{table}")
-    result = {"command": command, "engine_kwargs": kwargs, "ps_compression": args.compression,
-              "num_workers": args.num_workers,
+    result = {"command": command, "engine_kwargs": kwargs, "num_workers": args.num_workers,
               "settle_s": args.settle_s, "scale": args.scale, "shapes": records, "table": table,
               **common.machine()}
     common.write_json(result, args.out)

@@ -8,7 +8,8 @@ turn. At each rate, in this order:
   probe     a `--probe-mb` MB object moved node -> head and back, per node:
             the rate the links really give through Ray's object store;
   exchange  `benchmarks.exchange` on the cluster (its systems interleaved,
-            `--shapes`), with M/B beside each shape: M one worker's
+            `--shapes`, "ps-bf16" among them unless `--compression` says
+            otherwise), with M/B beside each shape: M one worker's float32
             gradient bytes, B the link rate; (ps - floor) / (M/B) is the
             exchange time in units of one link-time of the gradients;
   peers     with `--peers`, `benchmarks.peers` (ResNet-101 end to end,
@@ -42,9 +43,12 @@ def gradient_bytes(shape_record: dict[str, Any]) -> int:
 
 def link_table(rows: list[dict[str, Any]]) -> str:
     """A markdown table: per link rate and shape, the medians and the exchange time against M/B."""
-    lines = ["| link Gbit/s | probe Gbit/s (min) | shape | M MB | M/B ms | floor ms | simple ms | ps ms "
-             "| (ps − floor)/(M/B) | (simple − floor)/(M/B) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    systems = [s for s in rows[0]["median_ms"] if s != "bound"] if rows else []
+    exchanged = [s for s in systems if s != "floor"]
+    lines = ["| link Gbit/s | probe Gbit/s (min) | shape | M MB | M/B ms | "
+             + " | ".join(f"{s} ms" for s in systems) + " | "
+             + " | ".join(f"({s} − floor)/(M/B)" for s in exchanged) + " |",
+             "|---" * (5 + len(systems) + len(exchanged)) + "|"]
     for row in rows:
         ms = row["median_ms"]
 
@@ -54,9 +58,9 @@ def link_table(rows: list[dict[str, Any]]) -> str:
             return f"{(ms[system] - ms['floor']) / row['m_over_b_ms']:.2f}"
 
         lines.append(f"| {row['link_gbit']:g} | {row['probe_gbit']:.2f} | {row['shape']} | {row['m_bytes'] / 1e6:.0f} "
-                     f"| {row['m_over_b_ms']:.0f} | " + " | ".join(
-                         "–" if ms.get(s) is None else f"{ms[s]:.0f}" for s in ("floor", "simple", "ps"))
-                     + f" | {over_link('ps')} | {over_link('simple')} |")
+                     f"| {row['m_over_b_ms']:.0f} | "
+                     + " | ".join("–" if ms.get(s) is None else f"{ms[s]:.0f}" for s in systems) + " | "
+                     + " | ".join(over_link(s) for s in exchanged) + " |")
     return "\n".join(lines)
 
 
@@ -68,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="exchange warm-up rounds")
     p.add_argument("--steps", type=int, default=5, help="exchange measured rounds")
     p.add_argument("--scale", type=float, default=1.0, help="exchange shapes' size fraction (smoke runs)")
+    p.add_argument("--compression", nargs="*", choices=["bf16", "fp16"], default=["bf16"],
+                   help='"ps" with 16-bit partitions beside float32 (none: float32 only)')
     p.add_argument("--probe-mb", type=float, default=64.0)
     p.add_argument("--peers", action="store_true", help="also ResNet-101 end to end against Ray Train")
     p.add_argument("--peers-iters", type=int, default=5)
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = exchange.main(["--shapes", *args.shapes, "--num-workers", str(args.nodes),
                                     "--warmup", str(args.warmup), "--steps", str(args.steps),
                                     "--scale", str(args.scale),
+                                    *(["--compression", *args.compression] if args.compression else []),
                                     "--out", str(common.RESULTS_DIR / f"links-exchange-{gbit:g}.json")])
             for record in result["shapes"]:
                 m_bytes = gradient_bytes(record)
@@ -107,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 peer_records[f"{gbit:g}"] = peers.main([
                     "--model", "resnet101", "--image-size", "64", "--batch-size", "8",
                     "--num-workers", str(args.nodes), "--num-iters", str(args.peers_iters), "--warmup", "2",
-                    "--systems", "raytrain", "simple", "ps", "--spread", "--no-plot",
+                    "--systems", "raytrain", "simple", "ps", *(["ps-bf16"] if "bf16" in args.compression else []),
+                    "--spread", "--no-plot",
                     "--results-dir", str(common.RESULTS_DIR / f"links-peers-{gbit:g}")])
     table = link_table(rows)
     print(f"\n{command}\n\n{table}")

@@ -7,7 +7,9 @@ graph built by `benchmarks.resnet.resnet_v1`:
   raytrain Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy, one
            replica of `devices_per_worker * batch_size` images per worker;
   simple   dsgd, strategy="simple", otherwise at dsgd's defaults;
-  ps       dsgd, strategy="ps", otherwise at dsgd's defaults.
+  ps       dsgd, strategy="ps", otherwise at dsgd's defaults;
+  ps-bf16  the same with compression="bf16": 16-bit partitions on the wire
+           (not run unless asked for: `--systems ... ps-bf16`).
 
 Every system is built first and kept alive; then they run in alternating
 rounds: in round r each system takes one step, in an order rotated by r, so
@@ -55,9 +57,10 @@ import tensorflow as tf
 from benchmarks import common, resnet
 from benchmarks.resnet101 import DsgdRun
 
-SYSTEMS = ("single", "raytrain", "simple", "ps")
+SYSTEMS = ("single", "raytrain", "simple", "ps", "ps-bf16")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
 SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms",
-                "simple": "dsgd-simple", "ps": "dsgd-ps"}
+                "simple": "dsgd-simple", "ps": "dsgd-ps", "ps-bf16": "dsgd-ps-bf16"}
 RAY_TRAIN_STOP_S = 120.0
 # TensorFlow's CPU allocator, one setting for every system: dsgd's workers default to the BFC pool
 # (dsgd/cluster.py), so the single process and Ray Train's workers get the same unless told otherwise.
@@ -316,6 +319,8 @@ def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any
         return SingleProcessRun(cfg)
     if system == "raytrain":
         return RayTrainRun(cfg, spread=spread)
+    if system == "ps-bf16":
+        return DsgdRun(cfg, strategy="ps", compression="bf16", **engine_kwargs)
     return DsgdRun(cfg, strategy=system, **engine_kwargs)
 
 
@@ -432,7 +437,7 @@ def plot_throughput(records: list[dict[str, Any]], cfg: common.BenchConfig, out_
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_run_flags(parser)
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     common.add_engine_flags(parser)
     parser.add_argument("--two-node", action="store_true",
                         help="start a simulated two-node cluster here (one worker of each system per node)")

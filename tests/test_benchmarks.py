@@ -110,25 +110,26 @@ def test_exchange_gradients_are_computed_by_tensorflow():
         assert np.all(g == g.flat[0]) and 0.5 <= g.flat[0] < 1.5
 
 
-def test_exchange_benchmark_interleaves_floor_simple_ps_and_bound(ray_session, tmp_path):
+def test_exchange_benchmark_interleaves_floor_simple_ps_ps_bf16_and_bound(ray_session, tmp_path):
     out = tmp_path / "exchange.json"
     result = exchange.main(["--shapes", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "2",
-                            "--steady-warmup", "1", "--settle-s", "0", "--out", str(out)])
+                            "--steady-warmup", "1", "--settle-s", "0", "--compression", "bf16", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["engine_kwargs"] == {}  # the engine's defaults
     assert result["command"].startswith("python -m benchmarks.exchange --shapes huge")
     (shape,) = result["shapes"]
     assert shape["shape"] == "huge" and shape["tensors"] == 2 and not shape["interrupted"]
     assert shape["num_parameter_servers"] >= 1 and shape["num_partitions"] >= 1
-    first_rounds = shape["order"][:12]  # 3 rounds of the 4 systems, each round starting one later
-    assert first_rounds == [*exchange.SYSTEMS, *exchange.SYSTEMS[1:], *exchange.SYSTEMS[:1],
-                            *exchange.SYSTEMS[2:], *exchange.SYSTEMS[:2]]
+    systems = ["floor", "simple", "ps", "ps-bf16", "bound"]
+    assert shape["systems"] == systems
+    first_rounds = shape["order"][:15]  # 3 rounds of the 5 systems, each round starting one later
+    assert first_rounds == [*systems, *systems[1:], *systems[:1], *systems[2:], *systems[:2]]
     for phase in ("first", "steady"):
         summary = shape[phase]
         assert summary["measured_steps"] == 2
-        assert set(summary["median_ms"]) == set(exchange.SYSTEMS)
+        assert set(summary["median_ms"]) == set(systems)
         assert all(summary["ratios"][name] is not None for name in exchange.TARGETS)
-    assert "| huge |" in result["table"]
+    assert "| huge |" in result["table"] and "| ps-bf16 ms |" in result["table"]
 
 
 def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_session, tmp_path):
