@@ -16,6 +16,8 @@ import time
 
 import ray
 
+from typing import Any, Callable
+
 from dsgd.actor_identity import ActorIdentity
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, StepAborted
 
@@ -62,17 +64,39 @@ class Calls:
                           "raise startup_timeout_s if building is legitimately this slow, or check with "
                           "`ray status` that nothing else holds the CPUs the actors need")
 
+    def call_until(self, refs: list, enough: Callable[[list], bool], what: str, spare_failures: int = 0,
+                   on_failure: Callable[[int], None] | None = None) -> tuple[dict[int, Any], list]:
+        """``call``, but only until ``enough(the results so far)``; the results by position, and the calls not
+        waited for (still running, or among the ``spare_failures`` failed ones, which ``on_failure(position)``
+        is told of; one more actor failure raises as ``call`` does)."""
+        values, rest = self._collect(refs, what, self.step_timeout_s, "raise timeout_s if steps are legitimately "
+                                     "this slow", enough, spare_failures, on_failure)
+        return {k: values[r] for k, r in enumerate(refs) if r in values}, rest
+
     def _wait(self, refs, what: str, timeout: float, hint: str):
-        pending = list(refs) if isinstance(refs, list) else [refs]
+        values, _ = self._collect(refs if isinstance(refs, list) else [refs], what, timeout, hint)
+        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+
+    def _collect(self, refs: list, what: str, timeout: float, hint: str, enough: Callable[[list], bool] | None = None,
+                 spare_failures: int = 0, on_failure: Callable[[int], None] | None = None) -> tuple[dict, list]:
+        """Wait for ``refs`` one at a time, until all (or ``enough``) are done; their values, and the refs left."""
+        pending, failed = list(refs), []
         start = time.monotonic()
         deadline, next_report = start + timeout, start + PROGRESS_AFTER_S
         values = {}
         try:
-            while pending:
+            while pending and not (enough and enough(list(values.values()))):
                 ready, pending = ray.wait(pending, num_returns=1,
                                           timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
                 if ready:
-                    values[ready[0]] = ray.get(ready[0])
+                    try:
+                        values[ready[0]] = ray.get(ready[0])
+                    except ray.exceptions.RayError as e:
+                        if _fault_of(e) is None or len(failed) >= spare_failures:
+                            raise
+                        failed.append(ready[0])
+                        if on_failure is not None:
+                            on_failure(refs.index(ready[0]))
                 elif time.monotonic() >= deadline:
                     raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
                 else:
@@ -85,7 +109,7 @@ class Calls:
             if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
                 raise e.cause.with_traceback(None) from None
             raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
-        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+        return values, pending + failed
 
     def _log_progress(self, what: str, done: int, pending: list, waited_s: float) -> None:
         """'waiting 15s for the workers to build their models: 1 of 3 done; not yet: worker 1, worker 2'."""

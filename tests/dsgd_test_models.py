@@ -184,6 +184,17 @@ class SlowWorkerNet(FixedDataMomentumNet):
         return super().get_feed_dict()
 
 
+class StragglerNet(TanhNet):
+    """Worker 2 sleeps ``DELAY_S`` in every get_feed_dict, far longer than a step of the others takes."""
+
+    SLOW_WORKER, DELAY_S = 2, 0.5
+
+    def get_feed_dict(self):
+        if self.worker_index == self.SLOW_WORKER:
+            time.sleep(self.DELAY_S)
+        return super().get_feed_dict()
+
+
 def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
     """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
     if worker_index == 1:
