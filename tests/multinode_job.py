@@ -7,7 +7,8 @@ gradient shards really move between object stores, as on separate machines.
 Prints one stdout line, ``RESULT`` and a JSON object: the cluster's node
 ids, the node of every worker (by its ``identity()`` and by the GCS actor
 table) and of every parameter server (GCS actor table), the start weights
-and every replica's final weights as nested lists.
+and every replica's final weights as nested lists; under "backup", the same
+for a run with a straggler and one backup worker (``run_with_backup``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import ray
 
 import dsgd
 from cluster_jobs import actor_node, local_cluster
-from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, set_start_weights, ps_actors, server_group
+from dsgd_test_models import (RESULT_PREFIX, StragglerNet, TanhNet, replica_weights, set_start_weights, ps_actors,
+                              server_group)
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STEPS = 3
@@ -46,9 +48,25 @@ def run() -> dict:
         }
 
 
+class SlowWorker1(StragglerNet):
+    SLOW_WORKER = 1
+
+
+def run_with_backup() -> dict:
+    """Worker 1 a straggler and one backup worker: every step is worker 0's alone, the replicas alike."""
+    with dsgd.DistributedSGD(SlowWorker1, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                             backup_workers=1) as sgd:
+        start = set_start_weights(sgd)
+        dropped = [sgd.step(fetch_stats=True)["dropped_gradients"] for _ in range(STEPS)]
+        replicas = replica_weights(sgd)
+        return {"start": {k: v.tolist() for k, v in start.items()}, "dropped": dropped,
+                "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas]}
+
+
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
+        result["backup"] = run_with_backup()
     print(RESULT_PREFIX + json.dumps(result))
 
 

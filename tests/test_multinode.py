@@ -4,7 +4,8 @@ tests/multinode_job.py starts the cluster (two raylets, two object stores on
 this machine) in a subprocess, since this test session already holds a Ray
 instance, runs 2 workers x 1 device with 3 partitions on dsgd's default
 parameter servers (one per node) for 3 steps and reports where every actor
-ran and the final weights.
+ran and the final weights; then the same cluster runs 2 workers with one
+backup worker and a straggler.
 """
 
 import os
@@ -53,4 +54,18 @@ def test_replicas_are_identical_and_equal_the_numpy_reference(job):
     expected = {k: np.array(v, np.float64) for k, v in job["start"].items()}
     for step in range(job["steps"]):
         expected = numpy_step(expected, REPLICAS_2x1, step)
+    assert_weights_close(replicas[0], expected)
+
+
+def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
+    """Worker 1 sleeps in every get_feed_dict; with backup_workers=1 each step is worker 0's gradient alone,
+    over both transports, and worker 1 catches up to bit-identical weights."""
+    run = job["backup"]
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    for name in replicas[0]:
+        assert np.array_equal(replicas[1][name], replicas[0][name]), name
+    assert run["dropped"] == [1.0] * job["steps"]
+    expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
+    for step in range(job["steps"]):
+        expected = numpy_step(expected, [(0, 0)], step)
     assert_weights_close(replicas[0], expected)
