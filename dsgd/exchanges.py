@@ -21,9 +21,11 @@ Where later features plug in:
 - **wire compression** (16-bit partitions): in the transport pair
   (``dsgd.transport``), whose ends write and read a partition; the op
   library's pack and unpack (``dsgd.ops``) convert where they copy anyway.
-- **backup workers** (a step that closes without the slowest workers): in
-  the parameter server's closing rule (``ParameterServer._closes``); a
-  worker whose push finds the step closed gets its mean like any other.
+- **backup workers** (a step that closes without the slowest workers):
+  built in the parameter server's closing rule (``ParameterServer._closes``)
+  and the "ps" exchanges' ``begin`` (``dsgd.ps_exchanges``): a worker that
+  finds its step closed applies the mean without computing; one whose push
+  finds it closed gets the mean like any other.
 """
 
 from __future__ import annotations

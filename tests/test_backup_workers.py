@@ -8,7 +8,7 @@ import pytest
 import ray
 
 import dsgd
-from dsgd import object_store, ps_actor
+from dsgd import checkpoint, object_store, ps_actor
 from dsgd.shards import VarSpec, plan_shards, segments
 from dsgd_test_models import (LR, StragglerNet, TanhNet, assert_replicas_identical, assert_weights_close, batch,
                               kill, numpy_gradients, numpy_step, ps_actors, set_start_weights)
@@ -68,7 +68,7 @@ def _slow_worker_1_too(model) -> None:
     model.slow_workers = (1, StragglerNet.SLOW_WORKER)
 
 
-def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session):
+def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session, tmp_path):
     """Through the op library (test_a_worker_killed... takes the Python path)."""
     steps = 6
     with dsgd.DistributedSGD(StragglerNet, num_workers=3, strategy="ps", use_ops=True, backup_workers=1,
@@ -82,6 +82,10 @@ def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session):
             assert all(min(_begun(server).values()) >= step - 1 for server in servers)
             assert stats["step_time_s"] < StragglerNet.DELAY_S * 3
             expected = numpy_step(expected, FAST, step)
+        sgd.save(tmp_path / "ckpt.npz")  # the straggler is behind: save waits for it
+        with np.load(tmp_path / "ckpt.npz") as saved:
+            assert json.loads(str(saved[checkpoint.META_KEY]))["applied_steps"] == steps
+            assert_weights_close({k: saved[f"weights/{k}"] for k in expected}, expected)
         assert_weights_close(sgd.get_weights(), expected)  # the means of workers 0 and 1 only
         assert_replicas_identical(sgd, 3)  # the drain waited for the straggler to catch up
         batches_asked = sgd.foreach_model(lambda m: m.step)
