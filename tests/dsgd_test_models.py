@@ -188,7 +188,7 @@ class StragglerNet(TanhNet):
     """Worker ``SLOW_WORKER`` (or each of ``slow_workers``) sleeps ``DELAY_S`` in every get_feed_dict, far
     longer than a step of the others takes."""
 
-    SLOW_WORKER, DELAY_S = 2, 0.5
+    SLOW_WORKER, DELAY_S = 2, 1.0
 
     def __init__(self, worker_index: int, device_index: int):
         super().__init__(worker_index, device_index)
