@@ -69,7 +69,7 @@ def _slow_worker_1_too(model) -> None:
 
 
 def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session, tmp_path):
-    """Through the op library (test_a_worker_killed... takes the Python path)."""
+    """Through the op library (test_a_worker_killed_... takes the Python path)."""
     steps = 6
     with dsgd.DistributedSGD(StragglerNet, num_workers=3, strategy="ps", use_ops=True, backup_workers=1,
                              grad_shard_bytes=40) as sgd:
@@ -128,7 +128,7 @@ def test_without_a_straggler_each_step_averages_the_workers_it_kept(ray_session,
         assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
 
 
-def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced(ray_session):
+def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced_more_than_b_are_recovered(ray_session):
     with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=40,
                              use_ops=False) as sgd:
         set_start_weights(sgd)
@@ -143,6 +143,11 @@ def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced(ray_session):
         assert sgd.failures == 1 and sgd.workers[2] is not dead  # replaced, before the next step
         assert_replicas_identical(sgd, 3)
         assert sgd.num_steps == 4
+        kill(sgd.workers[1], sgd.workers[2])  # more dead workers than backups: the step cannot close
+        stats = sgd.step(fetch_stats=True)  # recovered as without backup workers: replaced, the step run again
+        assert sgd.failures == 2 and np.isfinite(stats["loss"])
+        assert_replicas_identical(sgd, 3)
+        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [5] * 3
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
