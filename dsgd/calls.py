@@ -1,22 +1,23 @@
 """The one place the driver waits on Ray: every wait bounded, Ray's errors turned into dsgd's.
 
 ``Calls.call`` waits for actor calls up to the step timeout (``timeout_s``),
-``call_startup`` up to the startup timeout (``startup_timeout_s``). A dead
-actor (or a lost object, or a step the parameter servers aborted) comes out
-as ``ActorFailure``, which the step ledger recovers from, naming the actor
-by what its ``identity()`` call answered (``identify``); a dsgd error raised
-inside an actor comes out as itself; any other failure as ``DSGDError``; a
-wait that runs out as ``DSGDTimeoutError`` saying what was awaited.
+``call_startup`` up to the startup timeout (``startup_timeout_s``);
+``call_until`` waits for only some of the calls (a step closed by backup
+workers). A dead actor (or a lost object, or a step the parameter servers
+aborted) comes out as ``ActorFailure``, which the step ledger recovers
+from, naming the actor by what its ``identity()`` call answered
+(``identify``); a dsgd error raised inside an actor comes out as itself;
+any other failure as ``DSGDError``; a wait that runs out as
+``DSGDTimeoutError`` saying what was awaited.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 import ray
-
-from typing import Any, Callable
 
 from dsgd.actor_identity import ActorIdentity
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, StepAborted
@@ -24,6 +25,7 @@ from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, StepAborted
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
+STEP_HINT = "raise timeout_s if steps are legitimately this slow"
 # A wait on the actors that passes PROGRESS_AFTER_S is logged (logger "dsgd", INFO): what is
 # awaited, how many calls are done and which actors are not; again every PROGRESS_EVERY_S.
 PROGRESS_AFTER_S = 5.0
@@ -56,7 +58,7 @@ class Calls:
         Results are taken as they complete, so the first failure is raised at
         once rather than after the slowest of the other calls.
         """
-        return self._wait(refs, what, self.step_timeout_s, "raise timeout_s if steps are legitimately this slow")
+        return self._wait(refs, what, self.step_timeout_s, STEP_HINT)
 
     def call_startup(self, refs, what: str):
         """``call`` for set-up work (starting actors, building models), bounded by the startup timeout."""
@@ -69,8 +71,7 @@ class Calls:
         """``call``, but only until ``enough(the results so far)``; the results by position, and the calls not
         waited for (still running, or among the ``spare_failures`` failed ones, which ``on_failure(position)``
         is told of; one more actor failure raises as ``call`` does)."""
-        values, rest = self._collect(refs, what, self.step_timeout_s, "raise timeout_s if steps are legitimately "
-                                     "this slow", enough, spare_failures, on_failure)
+        values, rest = self._collect(refs, what, self.step_timeout_s, STEP_HINT, enough, spare_failures, on_failure)
         return {k: values[r] for k, r in enumerate(refs) if r in values}, rest
 
     def _wait(self, refs, what: str, timeout: float, hint: str):
@@ -136,6 +137,11 @@ class Calls:
         """'worker 1 (pid 4242 on node 3fa2c1e0) failed', for the actor behind an error."""
         identity = self._identities.get(getattr(error, "actor_id", None))
         return f"{identity} failed ({identity.where})" if identity else "an actor failed"
+
+    @staticmethod
+    def returned(refs: list) -> tuple[list, list]:
+        """The calls of ``refs`` that have returned (or failed) and the others, without waiting."""
+        return ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
 
     @staticmethod
     def answers(refs: list, timeout: float) -> list:

@@ -182,7 +182,7 @@ class StepLedger:
 
     def _collect_behind(self) -> None:
         """The results of the workers behind that have returned; raise if one failed."""
-        ready, self._behind = ray.wait(self._behind, num_returns=len(self._behind), timeout=0)
+        ready, self._behind = self.cluster.calls.returned(self._behind)
         warn_if_skipped(self.cluster.calls.call(ready, "the workers behind"))
 
     def _guarded(self, run: Callable[[], list | None]) -> list | None:
