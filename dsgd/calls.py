@@ -1,18 +1,21 @@
 """The one place the driver waits on Ray: every wait bounded, Ray's errors turned into dsgd's.
 
 ``Calls.call`` waits for actor calls up to the step timeout (``timeout_s``),
-``call_startup`` up to the startup timeout (``startup_timeout_s``). A dead
-actor (or a lost object, or a step the parameter servers aborted) comes out
-as ``ActorFailure``, which the step ledger recovers from, naming the actor
-by what its ``identity()`` call answered (``identify``); a dsgd error raised
-inside an actor comes out as itself; any other failure as ``DSGDError``; a
-wait that runs out as ``DSGDTimeoutError`` saying what was awaited.
+``call_startup`` up to the startup timeout (``startup_timeout_s``);
+``call_until`` waits for only some of the calls (a step closed by backup
+workers). A dead actor (or a lost object, or a step the parameter servers
+aborted) comes out as ``ActorFailure``, which the step ledger recovers
+from, naming the actor by what its ``identity()`` call answered
+(``identify``); a dsgd error raised inside an actor comes out as itself;
+any other failure as ``DSGDError``; a wait that runs out as
+``DSGDTimeoutError`` saying what was awaited.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 import ray
 
@@ -22,6 +25,7 @@ from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError, StepAborted
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
+STEP_HINT = "raise timeout_s if steps are legitimately this slow"
 # A wait on the actors that passes PROGRESS_AFTER_S is logged (logger "dsgd", INFO): what is
 # awaited, how many calls are done and which actors are not; again every PROGRESS_EVERY_S.
 PROGRESS_AFTER_S = 5.0
@@ -54,7 +58,7 @@ class Calls:
         Results are taken as they complete, so the first failure is raised at
         once rather than after the slowest of the other calls.
         """
-        return self._wait(refs, what, self.step_timeout_s, "raise timeout_s if steps are legitimately this slow")
+        return self._wait(refs, what, self.step_timeout_s, STEP_HINT)
 
     def call_startup(self, refs, what: str):
         """``call`` for set-up work (starting actors, building models), bounded by the startup timeout."""
@@ -62,17 +66,38 @@ class Calls:
                           "raise startup_timeout_s if building is legitimately this slow, or check with "
                           "`ray status` that nothing else holds the CPUs the actors need")
 
+    def call_until(self, refs: list, enough: Callable[[list], bool], what: str, spare_failures: int = 0,
+                   on_failure: Callable[[int], None] | None = None) -> tuple[dict[int, Any], list]:
+        """``call``, but only until ``enough(the results so far)``; the results by position, and the calls not
+        waited for (still running, or among the ``spare_failures`` failed ones, which ``on_failure(position)``
+        is told of; one more actor failure raises as ``call`` does)."""
+        values, rest = self._collect(refs, what, self.step_timeout_s, STEP_HINT, enough, spare_failures, on_failure)
+        return {k: values[r] for k, r in enumerate(refs) if r in values}, rest
+
     def _wait(self, refs, what: str, timeout: float, hint: str):
-        pending = list(refs) if isinstance(refs, list) else [refs]
+        values, _ = self._collect(refs if isinstance(refs, list) else [refs], what, timeout, hint)
+        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+
+    def _collect(self, refs: list, what: str, timeout: float, hint: str, enough: Callable[[list], bool] | None = None,
+                 spare_failures: int = 0, on_failure: Callable[[int], None] | None = None) -> tuple[dict, list]:
+        """Wait for ``refs`` one at a time, until all (or ``enough``) are done; their values, and the refs left."""
+        pending, failed = list(refs), []
         start = time.monotonic()
         deadline, next_report = start + timeout, start + PROGRESS_AFTER_S
         values = {}
         try:
-            while pending:
+            while pending and not (enough and enough(list(values.values()))):
                 ready, pending = ray.wait(pending, num_returns=1,
                                           timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
                 if ready:
-                    values[ready[0]] = ray.get(ready[0])
+                    try:
+                        values[ready[0]] = ray.get(ready[0])
+                    except ray.exceptions.RayError as e:
+                        if _fault_of(e) is None or len(failed) >= spare_failures:
+                            raise
+                        failed.append(ready[0])
+                        if on_failure is not None:
+                            on_failure(refs.index(ready[0]))
                 elif time.monotonic() >= deadline:
                     raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
                 else:
@@ -85,7 +110,7 @@ class Calls:
             if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
                 raise e.cause.with_traceback(None) from None
             raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
-        return [values[r] for r in refs] if isinstance(refs, list) else values[refs]
+        return values, pending + failed
 
     def _log_progress(self, what: str, done: int, pending: list, waited_s: float) -> None:
         """'waiting 15s for the workers to build their models: 1 of 3 done; not yet: worker 1, worker 2'."""
@@ -112,6 +137,11 @@ class Calls:
         """'worker 1 (pid 4242 on node 3fa2c1e0) failed', for the actor behind an error."""
         identity = self._identities.get(getattr(error, "actor_id", None))
         return f"{identity} failed ({identity.where})" if identity else "an actor failed"
+
+    @staticmethod
+    def returned(refs: list) -> tuple[list, list]:
+        """The calls of ``refs`` that have returned (or failed) and the others, without waiting."""
+        return ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
 
     @staticmethod
     def answers(refs: list, timeout: float) -> list:

@@ -35,6 +35,7 @@ class WorkerConfig:
     nan_policy: str = "raise"
     use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
     feed_concurrently: bool = False  # ask the replicas' get_feed_dict in threads of their own (Ray Data input)
+    backup_workers: int = 0  # "ps": a step averages the first num_workers - backup_workers workers
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Options:
     logdir: str | None
     batch_size: int | None
     compression: str | None
+    backup_workers: int = 0
 
     @classmethod
     def checked(cls, **given: Any) -> "Options":
@@ -95,6 +97,8 @@ class Options:
             logdir=given["logdir"],
             batch_size=_check_optional_int("batch_size", given["batch_size"], 1),
             compression=compression,
+            backup_workers=_check_backup_workers(given.get("backup_workers", 0), given["strategy"],
+                                                 given["num_workers"]),
         )
 
     @property
@@ -120,7 +124,8 @@ class Options:
         """What every worker is built with; ``use_ops`` as resolved by the driver."""
         return WorkerConfig(self.exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
                             self.cpus_per_worker, self.timeout_s, self.startup_timeout_s, self.nan_policy,
-                            use_ops=use_ops, feed_concurrently=feed_concurrently)
+                            use_ops=use_ops, feed_concurrently=feed_concurrently,
+                            backup_workers=self.backup_workers)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -137,6 +142,27 @@ def check_int(name: str, value: Any, minimum: int, where: str = "") -> int:
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> int | None:
     return None if value is None else check_int(name, value, minimum)
+
+
+def _check_backup_workers(value: Any, strategy: str, num_workers: int) -> int:
+    """``backup_workers``: an int, 0 or at most ``num_workers - 1`` with "ps" (num_workers already checked)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"backup_workers must be an integer (0 <= backup_workers < num_workers), "
+                        f"got {value!r} of type {type(value).__name__}")
+    if value == 0:
+        return 0
+    if value < 0:
+        raise ValueError(f"backup_workers must be >= 0 (and < num_workers), got {value}")
+    if strategy != "ps":
+        raise ValueError(f"backup_workers needs strategy='ps' (the parameter servers close a step without the "
+                         f"slowest workers), got backup_workers={value} with strategy={strategy!r}")
+    if num_workers == 1:
+        raise ValueError(f"backup_workers needs several workers (a step keeps num_workers - backup_workers >= 1 "
+                         f"of them), got backup_workers={value} with num_workers=1")
+    if value >= num_workers:
+        raise ValueError(f"backup_workers must be < num_workers (a step averages num_workers - backup_workers >= 1 "
+                         f"workers), got backup_workers={value} with num_workers={num_workers}")
+    return int(value)
 
 
 def _check_seconds(name: str, value: Any) -> float:

@@ -116,6 +116,13 @@ class DistributedSGD:
             replica applies the same decoded mean). fp16 keeps more mantissa
             but overflows beyond 65504: such a gradient becomes inf, which
             ``nan_policy`` then handles. Other dtypes travel as they are.
+        backup_workers: for "ps", ``0 <= b < num_workers``: each partition of
+            a step averages the first ``num_workers - b`` workers' gradients to
+            reach its server and drops the later ones; a worker that finds
+            its next step closed applies its mean without computing it, so
+            the slowest workers do not set the pace (README, "Stragglers:
+            backup workers"). The stats then report ``num_replicas`` and
+            ``dropped_gradients``.
     """
 
     def __init__(
@@ -139,6 +146,7 @@ class DistributedSGD:
         batch_size: int | None = None,
         datasets: dict[str, Any] | None = None,
         compression: str | None = None,
+        backup_workers: int = 0,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
@@ -147,7 +155,7 @@ class DistributedSGD:
             grad_shard_bytes=grad_shard_bytes, all_reduce_alg=all_reduce_alg,
             num_parameter_servers=num_parameter_servers, cpus_per_worker=cpus_per_worker, nan_policy=nan_policy,
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
-            logdir=logdir, batch_size=batch_size, compression=compression)
+            logdir=logdir, batch_size=batch_size, compression=compression, backup_workers=backup_workers)
         datasets = data.check_datasets(datasets)
         opts = self.options
         if strategy == "ps" and opts.num_workers == 1:
@@ -243,7 +251,9 @@ class DistributedSGD:
         if not per_worker:
             logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
             per_worker = [{"loss": float("nan")}]
+        per_worker, backup = self._backup_stats(per_worker)
         stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
+        stats.update(backup)
         stats["step_time_s"] = time.perf_counter() - start
         if self.options.samples_per_step:
             stats["samples_per_s"] = self.options.samples_per_step / stats["step_time_s"]
@@ -251,6 +261,19 @@ class DistributedSGD:
             self._scalars.log(step_id, stats)
         stats["step"] = step_id
         return stats
+
+    def _backup_stats(self, per_worker: list[dict]) -> tuple[list[dict], dict[str, float]]:
+        """With backup workers: the results of the workers that computed the step (a worker behind applies the
+        step's mean without computing it), and ``num_replicas`` and ``dropped_gradients``."""
+        if not all("backup" in s for s in per_worker):
+            return per_worker, {}
+        infos = [s.pop("backup") for s in per_worker]
+        computed = [s for s, info in zip(per_worker, infos) if info["computed"]]
+        kept = infos[0]["kept"]  # every worker done with the step knows which workers every partition averaged
+        opts = self.options
+        return computed or per_worker, {
+            "num_replicas": float((opts.num_workers - opts.backup_workers) * opts.devices_per_worker),
+            "dropped_gradients": float(opts.num_workers - len(kept))}
 
     # ---- weights, state and callbacks ------------------------------------
 

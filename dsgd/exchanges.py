@@ -20,11 +20,11 @@ Every exchange reports ``sent_bytes`` with its stats: what the worker
 pushed in the step (to the servers in its partitions' wire form, see
 ``dsgd.wire``; to the driver; or nothing, alone).
 
-Where later features plug in:
-
-- **backup workers** (a step that closes without the slowest workers): in
-  the parameter server's closing rule (``ParameterServer._closes``); a
-  worker whose push finds the step closed gets its mean like any other.
+Backup workers (a step that closes without the slowest workers) are built
+in the parameter server's closing rule (``ParameterServer._closes``) and the
+"ps" exchanges' ``begin`` (``dsgd.ps_exchanges``): a worker that finds its
+step closed applies the mean without computing; one whose push finds it
+closed gets the mean like any other.
 """
 
 from __future__ import annotations

@@ -17,6 +17,15 @@ waited for, and settles the replicas whenever a call fails:
   interrupted step (``settle_interrupted``);
 - another dsgd error: the replicas are brought to one state and it is raised.
 
+With backup workers (``backup_workers=b``), ``step`` waits for a step only
+until ``num_workers - b`` workers have computed it (``_wait_quorum``); the
+calls of the workers behind are kept, and every other call (a drain:
+``get_weights``, ``save``, ``foreach_*``...) waits for them too, so the
+replicas are identical whenever user code can look. A worker that dies
+meanwhile does not stop the step if the others can close it (the servers
+are told not to wait for it, ``ServerGroup.excuse``); its failure is
+recovered from before the next step, as any other.
+
 Elastic resizing hooks in here: it settles the steps in flight, changes the
 cluster, and goes on from ``num_steps``.
 """
@@ -53,6 +62,10 @@ class StepLedger:
         self.num_steps = 0  # steps submitted; step ids count from 0
         self.closed = False
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
+        options = cluster.options
+        self.backup_workers = options.backup_workers if options.uses_ps else 0
+        self.quorum = options.num_workers - self.backup_workers  # workers that compute a step
+        self._behind: list[ray.ObjectRef] = []  # calls of steps already closed, of workers behind (backup workers)
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
@@ -103,12 +116,15 @@ class StepLedger:
         """Refuse every later call; forget the steps in flight (their actors are being killed)."""
         self.closed = True
         self._in_flight = []
+        self._behind = []
 
     # ---- steps --------------------------------------------------------------
 
     def step(self, fetch_stats: bool) -> tuple[int, list | None]:
         """Submit one step; its id, and with ``fetch_stats`` its per-worker results once done ([] if recovery
         completed it on some workers only), else None while it is still in flight."""
+        if self._behind:
+            self._guarded(self._collect_behind)  # a worker behind that failed is replaced before the next step
         step_id = self.num_steps
         self.num_steps += 1
 
@@ -119,23 +135,55 @@ class StepLedger:
         per_worker = self._guarded(submit)  # None, unless recovery completed the step
         if per_worker is None:
             with self.span("wait for the workers"):
-                per_worker = self.drain(keep_last=not fetch_stats)
+                per_worker = self.drain(keep_last=not fetch_stats, everyone=False)
         return step_id, ((per_worker or []) if fetch_stats else None)
 
-    def drain(self, keep_last: bool = False) -> list | None:
+    def drain(self, keep_last: bool = False, everyone: bool = True) -> list | None:
         """Wait for submitted steps (all, or all but the newest); recover from faults.
 
-        Returns the per-worker results of the newest step waited for.
+        With backup workers and ``everyone=False``, a step is waited for until
+        enough workers computed it (``_wait_quorum``), else until every worker
+        is done with every step. Returns the per-worker results of the newest
+        step waited for (with backup workers: of those that returned).
         """
         results = None
+        calls = self.cluster.calls
         while len(self._in_flight) > (1 if keep_last else 0):
             step_id, refs = self._in_flight[0]
-            results = self._guarded(lambda: self.cluster.calls.call(refs, f"step {step_id} on all workers"))
+            if self.backup_workers and not everyone:
+                results = self._guarded(lambda: self._wait_quorum(step_id, refs))
+            else:
+                results = self._guarded(lambda: calls.call(refs, f"step {step_id} on all workers"))
             if not self._in_flight:  # recovery aborted every step in flight and re-ran them
                 return results
             self._in_flight.pop(0)
             warn_if_skipped(results)
+        if everyone and self._behind:
+            behind = list(self._behind)
+            warn_if_skipped(self._guarded(lambda: calls.call(behind, "the workers behind to catch up")) or [])
+            self._behind = []
         return results
+
+    def _wait_quorum(self, step_id: int, refs: list) -> list:
+        """Wait until ``quorum`` workers computed step ``step_id`` (it is then closed on every partition); their
+        results and those of the others that returned, worker order. The other calls go on in ``_behind``.
+
+        Up to ``backup_workers`` dead workers are waited without: the servers are told to close steps without
+        them, and their failure is recovered from before the next step (``_collect_behind``).
+        """
+        def enough(results: list) -> bool:
+            return sum(r["backup"]["computed"] for r in results) >= self.quorum
+
+        done, rest = self.cluster.calls.call_until(
+            refs, enough, f"step {step_id} on {self.quorum} of the workers", spare_failures=self.backup_workers,
+            on_failure=self.cluster.servers.excuse)
+        self._behind += rest
+        return [done[k] for k in sorted(done)]
+
+    def _collect_behind(self) -> None:
+        """The results of the workers behind that have returned; raise if one failed."""
+        ready, self._behind = self.cluster.calls.returned(self._behind)
+        warn_if_skipped(self.cluster.calls.call(ready, "the workers behind"))
 
     def _guarded(self, run: Callable[[], list | None]) -> list | None:
         """``run()``; recover from a dead actor (the re-run steps' results), or settle the workers after another error."""
@@ -145,14 +193,16 @@ class StepLedger:
             return self.recover(e, self._take_in_flight())
         except DSGDTimeoutError:
             self._in_flight.clear()
+            self._behind = []
             raise
         except DSGDError:
             self.num_steps = self.settle(self._take_in_flight())
             raise
 
     def _take_in_flight(self) -> list:
-        refs = [r for _, step_refs in self._in_flight for r in step_refs]
+        refs = [r for _, step_refs in self._in_flight for r in step_refs] + self._behind
         self._in_flight.clear()
+        self._behind = []
         return refs
 
     # ---- calls on the workers between steps -----------------------------------

@@ -1,4 +1,4 @@
-"""Parameter-server actor: averages many gradient partitions over all workers.
+"""Parameter-server actor: averages many gradient partitions over the workers.
 
 A server process serves every partition the driver assigns to it (BytePS's
 design: few summing processes, many partitions). Each worker makes one call
@@ -18,19 +18,28 @@ wire compression (``dsgd.wire``) pushes and means are 16-bit: the server
 sums the pushes into a float32 array beside the mean and rounds the mean
 once.
 
-Backup workers (a step that closes without the slowest workers) plug in at
-one place, ``ParameterServer._closes``: the rule that says a partition's
-step has enough pushes to be averaged.
+Backup workers (``backup_workers=b``): a partition's step closes at the
+first ``num_workers - b`` pushes (``ParameterServer._closes``); a later push
+of a closed step is dropped and answered with the step's mean at once. A
+worker calls ``begin`` at the start of each step: it learns which of its
+partitions are closed already (a worker that finds all closed applies their
+means without computing), and the server learns that the worker is done
+with every earlier step. A step t closes only once every worker has begun
+step t - 1, so a worker is never more than one step behind; the server
+keeps the means of the last two steps (two slots of its mean buffer, by
+step parity) for the workers that are.
 
 Buffers are reused safely without locks because steps are lock-step: a
 worker writes step s+1 of a partition only after it has read step s's mean
-of it, and the server writes step s+1's mean only after every worker has
-pushed step s+1.
+of it, and the server writes step s's mean into a slot only after every
+worker is done with the step that used the slot before (without backup
+workers: after every worker has pushed step s).
 
 The actor is threaded (``start``): a push blocks its thread while it waits
 for the other workers, so there is a thread for every worker's push of every
-partition, and ``CONTROL_THREADS`` more for ``abort``, ``reset``, ``trace``,
-``attach`` and ``identity``.
+partition (a worker's ``begin`` comes before its pushes and uses one of
+them), and ``CONTROL_THREADS`` more for ``abort``, ``reset``, ``excuse``,
+``trace``, ``attach`` and ``identity``.
 
 This module must not import TensorFlow: a parameter server is a light process.
 """
@@ -52,11 +61,11 @@ CONTROL_THREADS = 3
 
 
 def start(server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
-          **options) -> ray.actor.ActorHandle:
+          backup_workers: int = 0, **options) -> ray.actor.ActorHandle:
     """A ``ParameterServer`` actor with the threads it needs; ``options`` go to ``.options``."""
     return ray.remote(ParameterServer).options(
         num_cpus=0, max_concurrency=num_workers * len(partitions) + CONTROL_THREADS, **options).remote(
-        server_index, num_workers, partitions, step_timeout_s)
+        server_index, num_workers, partitions, step_timeout_s, backup_workers)
 
 
 @dataclass
@@ -66,24 +75,32 @@ class _Partition:
     shard: Shard
     offset: int  # bytes into the mean buffer and every worker's input buffer
     segments: list[tuple[int, int]]  # (start, size) of each segment a remote push carries
-    mean: np.ndarray  # view of the mean buffer, in the wire dtype (what workers read)
-    total: np.ndarray  # where the mean is averaged: ``mean`` itself, or a float32 array rounded into it (compressed)
-    step_id: int | None = None
-    waiting: dict[int, list[np.ndarray]] = field(default_factory=dict)  # worker -> its segments
-    done: dict[int, ray.ObjectRef | None] = field(default_factory=dict)  # step -> the mean's ref (remote readers)
+    means: list[np.ndarray]  # views of the mean buffer in the wire dtype, one per slot (step parity, backup workers)
+    total: np.ndarray | None  # compressed: the float32 array the pushes are averaged in, then rounded into a mean
+    step_id: int | None = None  # the step it sums next
+    waiting: dict[int, list[np.ndarray]] = field(default_factory=dict)  # worker -> its segments, in push order
+    # step -> (the mean's ref for remote readers, the workers averaged), for the steps whose means are kept
+    done: dict[int, tuple[ray.ObjectRef | None, tuple[int, ...]]] = field(default_factory=dict)
     failures: dict[int, ValueError] = field(default_factory=dict)
+
+    def mean(self, step_id: int) -> np.ndarray:
+        return self.means[step_id % len(self.means)]
 
 
 class ParameterServer:
     """Runs as a threaded Ray actor (see ``start``); holds no state that outlives a step."""
 
-    def __init__(self, server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float):
+    def __init__(self, server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
+                 backup_workers: int = 0):
         """``partitions``: the shards of the layout this server sums.
 
-        ``step_timeout_s`` bounds how long a push waits for the other workers' pushes.
+        ``step_timeout_s`` bounds how long a push waits for the other workers'
+        pushes; a step averages the first ``num_workers - backup_workers``.
         """
         self.server_index = server_index
         self.num_workers = num_workers
+        self.quorum = num_workers - backup_workers
+        self.slots = 2 if backup_workers else 1  # the steps whose means are kept
         self.step_timeout_s = step_timeout_s
         self.node_id = ray.get_runtime_context().get_node_id()
         offsets, end = [], 0
@@ -93,10 +110,10 @@ class ParameterServer:
         self.nbytes = end
         self.shared = shared_memory.available()
         if self.shared:
-            self.mean_buffer = shared_memory.SharedBuffer(self.nbytes, f"dsgd-ps{server_index}-mean")
+            self.mean_buffer = shared_memory.SharedBuffer(self.nbytes * self.slots, f"dsgd-ps{server_index}-mean")
             memory = self.mean_buffer.memory
         else:
-            memory = bytearray(self.nbytes)
+            memory = bytearray(self.nbytes * self.slots)
         self.partitions = {shard.index: self._place(shard, memory, offset) for shard, offset in zip(partitions, offsets)}
         # Each worker's end of its transport; the object store until it attaches on this node.
         self.ends: dict[int, SharedMemoryServerEnd | ObjectStoreServerEnd] = {
@@ -104,14 +121,15 @@ class ParameterServer:
         self.changed = threading.Condition()  # guards everything that changes below
         self.aborted = False
         self.resets = 0  # a push that waited across a reset fails as aborted
+        self.begun = {w: -1 for w in range(num_workers)}  # worker -> the last step it began (backup workers)
         self.traces: dict[int, timeline.Recorder] = {}  # the last two steps' events
 
-    @staticmethod
-    def _place(shard: Shard, memory, offset: int) -> _Partition:
-        """``shard``'s partition, its mean at ``offset`` of ``memory``; a float32 sum beside it if compressed."""
-        mean = np.frombuffer(memory, shard.wire_dtype, shard.size, offset)
-        total = mean if shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
-        return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], mean, total)
+    def _place(self, shard: Shard, memory, offset: int) -> _Partition:
+        """``shard``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if compressed."""
+        means = [np.frombuffer(memory, shard.wire_dtype, shard.size, offset + k * self.nbytes)
+                 for k in range(self.slots)]
+        total = None if shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
+        return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], means, total)
 
     # ---- connection --------------------------------------------------------
 
@@ -120,7 +138,8 @@ class ParameterServer:
 
         A worker on this server's node (``node_id`` equal to ours) gets shared
         buffers: ``{"input": address, "mean": address, "offsets": {partition:
-        byte offset}}`` (addresses for ``shared_memory.attach``). Any other
+        byte offset}, "slots": [byte offset of each slot of the mean buffer]}``
+        (addresses for ``shared_memory.attach``). Any other
         worker, or ``node_id=None`` (a worker that could not map them), pushes
         through the object store: ``None``.
         """
@@ -131,70 +150,119 @@ class ParameterServer:
                 return None
             end = self.ends[worker_index] = SharedMemoryServerEnd(self.server_index, worker_index, self.nbytes)
             return {"input": end.buffer.address(), "mean": self.mean_buffer.address(),
-                    "offsets": {j: p.offset for j, p in self.partitions.items()}}
+                    "offsets": {j: p.offset for j, p in self.partitions.items()},
+                    "slots": [k * self.nbytes for k in range(self.slots)]}
 
     # ---- pushes ------------------------------------------------------------
 
-    def push(self, step_id: int, worker_index: int, partition: int, stored: list[np.ndarray] | None = None) -> list:
+    def push(self, step_id: int, worker_index: int, partition: int,
+             stored: list[np.ndarray] | None = None) -> tuple[list, tuple[int, ...]]:
         """One worker's copy of ``partition`` for ``step_id`` is ready; wait for the step's mean.
 
         ``stored`` is what ``object_store.put`` stored (a remote worker), or
-        None (a local worker: its copy is in its input buffer). Returns
-        ``[ObjectRef]`` of the mean for a remote worker, ``[]`` for a local
-        one (the mean is in the shared mean buffer). A bad push fails the
-        step: it raises, and so do the step's other pushes of the partition,
-        at once, instead of waiting for a sum that cannot come.
+        None (a local worker: its copy is in its input buffer). Returns the
+        transport's reply, ``[ObjectRef]`` of the mean for a remote worker,
+        ``[]`` for a local one (the mean is in the shared mean buffer), and
+        the workers the mean averages. A push of a step already closed
+        (backup workers) is dropped and answered at once. A bad push fails
+        the step: it raises, and so do the step's other pushes of the
+        partition, at once, instead of waiting for a sum that cannot come.
         """
         start = timeline.now_us()
+        inputs = None
         with self.changed:
             p = self._partition(partition, worker_index)
             self._check_not_aborted(p, step_id)
             resets = self.resets
-            inputs = self._take(p, step_id, worker_index, stored)
-            recorder = self._recorder(step_id) if inputs else None
-        if inputs:  # sum outside the lock, so other partitions' pushes go on meanwhile
-            ref = self._sum(p, inputs, recorder)
+            late = self.quorum < self.num_workers and p.step_id is not None and step_id < p.step_id  # closed
+            if not late:
+                self._take(p, step_id, worker_index, stored)
+                self._note_begun(worker_index, step_id)
+                inputs, averaged = self._wait_closable(p, step_id, resets)
+                recorder = self._recorder(step_id)
+        if inputs is not None:  # this push closes the step: sum outside the lock, so other partitions go on
+            ref = self._sum(p, step_id, inputs, averaged, recorder)
             with self.changed:
                 if self.resets == resets:
-                    p.done = {step_id: ref}
+                    p.done = {s: d for s, d in p.done.items() if s > step_id - self.slots}
+                    p.done[step_id] = (ref, averaged)
                     p.failures.clear()
                 self.changed.notify_all()
         with self.changed:
             self._wait_settled(p, step_id, resets)
-            self._recorder(step_id).add(f"worker {worker_index}'s push of partition {partition} (waits for the sum)",
+            what = "late push" if late else "push"
+            self._recorder(step_id).add(f"worker {worker_index}'s {what} of partition {partition} (waits for the sum)",
                                         start, timeline.now_us(), "pushes")
-            return self.ends[worker_index].reply(p.done[step_id])
+            ref, averaged = p.done[step_id]
+            return self.ends[worker_index].reply(ref), averaged
 
-    def _take(self, p: _Partition, step_id: int, worker_index: int, stored: list | None) -> list | None:
-        """Accept a push (under the lock); every worker's segments, worker order, if it closes the step."""
+    def _take(self, p: _Partition, step_id: int, worker_index: int, stored: list | None) -> None:
+        """Accept a push (under the lock) into ``p.waiting``; a bad one fails the step."""
         try:
             p.waiting[worker_index] = self._accept(p, step_id, worker_index, stored)
         except ValueError as e:
             p.failures[step_id] = e
             self.changed.notify_all()
             raise
-        if not self._closes(p):
-            return None
-        p.step_id = step_id + 1
-        return [p.waiting.pop(w) for w in range(self.num_workers)]
 
-    def _closes(self, p: _Partition) -> bool:
-        """Whether ``p``'s step has the pushes it is averaged over: every worker's."""
-        return len(p.waiting) == self.num_workers
+    def _wait_closable(self, p: _Partition, step_id: int, resets: int) -> tuple[list | None, tuple[int, ...]]:
+        """Wait (under the lock, bounded) until ``p``'s step settles or closes; if this push closes it, the
+        segments to average (the averaged workers' in worker order) and those workers, else ``(None, ())``."""
+        self._wait(p, step_id, lambda: self._settled(p, step_id) or self.resets != resets or self._closes(p, step_id))
+        if self._settled(p, step_id) or self.resets != resets:
+            return None, ()
+        averaged = tuple(sorted(list(p.waiting)[:self.quorum]))  # the first pushes to arrive
+        inputs = [p.waiting[w] for w in averaged]
+        p.waiting.clear()  # pushes beyond the first are dropped
+        p.step_id = step_id + 1
+        return inputs, averaged
+
+    def _closes(self, p: _Partition, step_id: int) -> bool:
+        """Whether ``p``'s step has the pushes it is averaged over: the first ``num_workers - backup_workers``,
+        once every worker is done with the step whose mean slot it writes (has begun ``step_id - 1``)."""
+        return (p.step_id == step_id and len(p.waiting) >= self.quorum
+                and all(begun >= step_id - 1 for begun in self.begun.values()))
+
+    def _note_begun(self, worker_index: int, step_id: int) -> None:
+        if step_id > self.begun[worker_index]:
+            self.begun[worker_index] = step_id
+            self.changed.notify_all()
+
+    def begin(self, step_id: int, worker_index: int) -> dict[int, tuple[list, tuple[int, ...]]]:
+        """Worker ``worker_index`` starts ``step_id`` (done with every earlier step); the partitions of it already
+        closed, each with its answer as ``push`` gives it (backup workers)."""
+        with self.changed:
+            if self.aborted:
+                raise StepAborted(f"parameter server {self.server_index}: step {step_id} was aborted")
+            self._note_begun(worker_index, step_id)
+            return {j: (self.ends[worker_index].reply(p.done[step_id][0]), p.done[step_id][1])
+                    for j, p in self.partitions.items() if step_id in p.done}
+
+    def excuse(self, worker_index: int) -> None:
+        """Close steps without waiting for ``worker_index`` to begin them (it died) until ``reset``."""
+        with self.changed:
+            self.begun[worker_index] = float("inf")
+            self.changed.notify_all()
 
     def _wait_settled(self, p: _Partition, step_id: int, resets: int) -> None:
         """Wait (under the lock, bounded) until ``p``'s step has a mean; raise if it failed or was aborted."""
-        if not self.changed.wait_for(lambda: self._settled(p, step_id) or self.resets != resets,
-                                     self.step_timeout_s):
-            missing = sorted(set(range(self.num_workers)) - set(p.waiting))
-            raise DSGDTimeoutError(
-                f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
-                f"workers {missing} to push partition {p.shard.index} of step {step_id}")
+        self._wait(p, step_id, lambda: self._settled(p, step_id) or self.resets != resets)
         if self.resets != resets:
             raise StepAborted(f"parameter server {self.server_index}: step {step_id} was reset")
         self._check_not_aborted(p, step_id)
         if step_id in p.failures:
             raise p.failures[step_id]
+
+    def _wait(self, p: _Partition, step_id: int, condition) -> None:
+        """``changed.wait_for(condition)`` bounded by the step timeout; the timeout names who is missing."""
+        if not self.changed.wait_for(condition, self.step_timeout_s):
+            missing = sorted(set(range(self.num_workers)) - set(p.waiting))
+            behind = sorted(w for w, begun in self.begun.items() if begun < step_id - 1)
+            raise DSGDTimeoutError(
+                f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
+                + (f"workers {behind} to begin step {step_id - 1} (it closes step {step_id} of partition "
+                   f"{p.shard.index} only then)" if len(p.waiting) >= self.quorum else
+                   f"workers {missing} to push partition {p.shard.index} of step {step_id}"))
 
     def _partition(self, index: int, worker_index: int) -> _Partition:
         if index not in self.partitions:
@@ -217,21 +285,21 @@ class ParameterServer:
             raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
         return self.ends[worker_index].read(p.shard, p.offset, p.segments, stored)
 
-    def _sum(self, p: _Partition, inputs: list[list[np.ndarray]],
+    def _sum(self, p: _Partition, step_id: int, inputs: list[list[np.ndarray]], averaged: tuple[int, ...],
              recorder: timeline.Recorder) -> ray.ObjectRef | None:
-        """Average every worker's segments into the mean buffer; the mean's ref if remote workers read it.
-
-        A compressed partition is summed in float32 and its mean rounded once to 16 bits.
-        """
-        with recorder.span(f"average partition {p.shard.index} of {self.num_workers} workers", "sum"):
+        """Average the ``averaged`` workers' segments into the step's mean slot; the mean's ref if remote workers
+        read it. A compressed partition is averaged in float32 and its mean rounded once to 16 bits."""
+        mean = p.mean(step_id)
+        total = mean if p.total is None else p.total
+        with recorder.span(f"average partition {p.shard.index} of workers {list(averaged)}", "sum"):
             for k, (start, size) in enumerate(p.segments):
-                arrays.average_into(p.total[start:start + size], [worker[k] for worker in inputs])
-                if p.total is not p.mean:
-                    wire.convert_into(p.mean[start:start + size], p.total[start:start + size])
+                arrays.average_into(total[start:start + size], [worker[k] for worker in inputs])
+                if p.total is not None:
+                    wire.convert_into(mean[start:start + size], total[start:start + size])
         if not any(end.remote for end in self.ends.values()):
             return None
         with recorder.span(f"put the mean of partition {p.shard.index} for remote workers", "sum"):
-            return object_store.put([p.mean])
+            return object_store.put([mean])
 
     # ---- control -----------------------------------------------------------
 
@@ -254,6 +322,7 @@ class ParameterServer:
                 p.done.clear()
                 p.failures.clear()
                 p.step_id = step_id
+            self.begun = {w: step_id - 1 for w in range(self.num_workers)}
             self.aborted = False
             self.changed.notify_all()
 

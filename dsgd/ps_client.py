@@ -8,7 +8,8 @@ elsewhere.
 
 Per partition and step the worker makes one call (``push``) and one bounded
 wait for its reply, whatever the transport; with shared memory nothing else
-touches Ray.
+touches Ray. With backup workers, a step starts with ``begin``: one call per
+server, which says which partitions of the step are closed already.
 
 No TensorFlow here: the worker's exchanges (``dsgd.ps_exchanges``) call
 ``send`` / ``send_gradients`` and ``receive``.
@@ -38,6 +39,7 @@ class ParameterServerClient:
         each wait for a server to attach.
         """
         self.worker_index = worker_index
+        self.averaged: dict[int, tuple[int, ...]] = {}  # partition -> the workers its last mean averaged
         self.layout = list(layout)
         self.placement = list(placement)
         self.step_timeout_s = step_timeout_s
@@ -65,7 +67,7 @@ class ParameterServerClient:
             try:
                 return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                              shared_memory.attach(info["mean"], writable=False), info["offsets"],
-                                             [s for s, k in zip(self.layout, self.placement) if k == j])
+                                             info["slots"], [s for s, k in zip(self.layout, self.placement) if k == j])
             except OSError:  # same node, but another PID namespace: use the object store
                 self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
                            self.startup_timeout_s)
@@ -90,8 +92,24 @@ class ParameterServerClient:
         """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push)."""
         push = self._pushes.pop(shard.index)
         what = f"parameter server {self.placement[shard.index]}'s sum of partition {shard.index}, step {step_id}"
-        reply = self._wait(push, what)
-        return self.ends[shard.index].read_mean(shard, reply, lambda ref, mean: self._wait(ref, f"{mean}, step {step_id}"))
+        return self.read(shard, step_id, self._wait(push, what))
+
+    def read(self, shard: Shard, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:
+        """The mean of ``shard`` for ``step_id`` from its server's ``answer`` (to a push, or from ``begin``)."""
+        reply, self.averaged[shard.index] = answer
+        return self.ends[shard.index].read_mean(shard, step_id, reply,
+                                                lambda ref, mean: self._wait(ref, f"{mean}, step {step_id}"))
+
+    def begin(self, step_id: int) -> dict[int, tuple[list, tuple[int, ...]]]:
+        """Tell every server this worker starts ``step_id`` (backup workers); the partitions already closed, each
+        with its server's answer for ``read``."""
+        answers = self._wait([s.begin.remote(step_id, self.worker_index) for s in self.servers],
+                             f"the parameter servers to say which partitions of step {step_id} are closed")
+        return {j: answer for per_server in answers for j, answer in per_server.items()}
+
+    def kept(self) -> list[int]:
+        """The workers whose gradients every partition of the last step read averaged, in order."""
+        return sorted(set.intersection(*(set(a) for a in self.averaged.values())))
 
     def forget_pushes(self) -> None:
         """Drop the calls of a failed step (the driver aborts and resets the servers)."""

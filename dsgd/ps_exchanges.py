@@ -11,6 +11,12 @@ the worker's ``ParameterServerClient`` and apply the means it receives (see
   Each partition is sent from inside the graph as soon as its gradients
   exist, while back-propagation of earlier layers goes on, and received as
   soon as it is sent; means reach TensorFlow without a copy.
+
+With backup workers (``WorkerConfig.backup_workers``), a step starts by
+asking the servers which of its partitions are closed already
+(``ParameterServerClient.begin``): if all are, the worker does not compute
+the step, it applies their means (``_ServerExchange.step``). Its result then
+says whether it computed and which workers every partition averaged.
 """
 
 from __future__ import annotations
@@ -28,14 +34,43 @@ from dsgd.ps_client import ParameterServerClient
 from dsgd.step_runner import StepRunner
 
 
-class PythonParameterServers(Exchange):
-    """Compute, push the partitions from Python, receive their means, apply."""
+class _ServerExchange(Exchange):
+    """A "ps" exchange: the step's body is ``_compute``; with backup workers a step closed without this worker
+    is caught up instead."""
 
     def __init__(self, runner: StepRunner, client: ParameterServerClient):
         super().__init__(runner)
         self.client = client
+        self.backup = runner.config.backup_workers > 0
 
     def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+        if not self.backup:
+            return self._compute(step_id, fetch_stats)
+        closed = self.client.begin(step_id)
+        computed = len(closed) < len(self.client.layout)
+        if computed:
+            result = self._compute(step_id, fetch_stats)
+        else:
+            with self.runner.phase("catch up"):
+                shard_means = [self.client.read(shard, step_id, closed[shard.index]) for shard in self.client.layout]
+            result = self.runner.result({}, self._apply(shard_means), sent_bytes=0)
+        result["backup"] = {"computed": computed, "kept": self.client.kept()}
+        return result
+
+    def _compute(self, step_id: int, fetch_stats: bool) -> dict:
+        raise NotImplementedError
+
+    def _apply(self, shard_means: Sequence[np.ndarray]) -> dict:
+        """Apply the step's means, one per partition, through the fed apply."""
+        built = self.runner.built
+        global_means = shards.unpack(shard_means, self.client.layout, built.signature.exchange)
+        return self.runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, global_means)))
+
+
+class PythonParameterServers(_ServerExchange):
+    """Compute, push the partitions from Python, receive their means, apply."""
+
+    def _compute(self, step_id: int, fetch_stats: bool) -> dict:
         runner, client = self.runner, self.client
         built = runner.built
         out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
@@ -49,17 +84,14 @@ class PythonParameterServers(Exchange):
         except BaseException:
             client.forget_pushes()
             raise
-        global_means = shards.unpack(shard_means, client.layout, built.signature.exchange)
-        applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, global_means)))
-        return runner.result(out["stats"], applied, client.sent_bytes)
+        return runner.result(out["stats"], self._apply(shard_means), client.sent_bytes)
 
 
-class OpsParameterServers(Exchange):
+class OpsParameterServers(_ServerExchange):
     """One session run: compute, send, receive and apply all happen in the graph."""
 
     def __init__(self, runner: StepRunner, client: ParameterServerClient):
-        super().__init__(runner)
-        self.client = client
+        super().__init__(runner, client)
         self._callback_error: BaseException | None = None  # TensorFlow wraps a callback's error; kept here
         with runner.default_session():
             self.step_input, self.apply = self._build()
@@ -105,7 +137,7 @@ class OpsParameterServers(Exchange):
         with self._callback(f"receive partition {shard.index}"):
             return self.client.receive(shard, int(step))
 
-    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+    def _compute(self, step_id: int, fetch_stats: bool) -> dict:
         from dsgd import ops
 
         runner = self.runner

@@ -82,12 +82,15 @@ def home_for(server_nodes: Sequence[str], server: int, worker_nodes: Sequence[st
 class ServerGroup:
     """Starts, replaces, aborts, resets and traces the parameter servers of one engine."""
 
-    def __init__(self, layout: Sequence[Shard], nodes: Sequence[str], num_workers: int, step_timeout_s: float):
-        """``nodes[j]``: where server j runs; ``step_timeout_s`` bounds a push's wait for the others."""
+    def __init__(self, layout: Sequence[Shard], nodes: Sequence[str], num_workers: int, step_timeout_s: float,
+                 backup_workers: int = 0):
+        """``nodes[j]``: where server j runs; ``step_timeout_s`` bounds a push's wait for the others; a step
+        averages the first ``num_workers - backup_workers`` workers' pushes."""
         self.layout = list(layout)
         self.nodes = list(nodes)
         self.num_workers = num_workers
         self.step_timeout_s = step_timeout_s
+        self.backup_workers = backup_workers
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
 
@@ -105,7 +108,7 @@ class ServerGroup:
         indices = range(len(self.nodes)) if indices is None else indices
         for j in indices:
             self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.step_timeout_s,
-                                            scheduling_strategy=actor_placement(self.nodes[j]))
+                                            self.backup_workers, scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
     def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:
@@ -122,6 +125,11 @@ class ServerGroup:
         """Fail every waiting and future push until ``reset`` (fire and forget)."""
         for actor in self.actors:
             actor.abort.remote()
+
+    def excuse(self, worker_index: int) -> None:
+        """Close steps without waiting for the dead worker ``worker_index`` until ``reset`` (fire and forget)."""
+        for actor in self.actors:
+            actor.excuse.remote(worker_index)
 
     def reset(self, step_id: int) -> list:
         """Refs of every server's reset to expect ``step_id`` next."""
@@ -159,7 +167,7 @@ def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequ
     if shard_bytes is None:
         shard_bytes = shards.default_partition_bytes(exchange, len(nodes))
     layout = shards.plan_shards(exchange, shard_bytes, options.compression)
-    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s)
+    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s, options.backup_workers)
     chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
     logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
                 group.describe(), "" if chosen else

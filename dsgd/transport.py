@@ -40,10 +40,14 @@ from dsgd.shards import Segment, Shard, pack, segment_arrays
 class SharedMemoryWorkerEnd:
     """A worker's partitions go into its input buffer on the server; means are read in place."""
 
-    def __init__(self, input_memory, mean_memory, offsets: dict[int, int], shards: Sequence[Shard]):
-        """``offsets[j]``: byte offset of partition j in both buffers (``ParameterServer.attach``)."""
-        self.inputs = {s.index: shared_memory.array(input_memory, s.wire_dtype, offsets[s.index], s.size) for s in shards}
-        self.means = {s.index: shared_memory.array(mean_memory, s.wire_dtype, offsets[s.index], s.size) for s in shards}
+    def __init__(self, input_memory, mean_memory, offsets: dict[int, int], slots: Sequence[int],
+                 shards: Sequence[Shard]):
+        """``offsets[j]``: byte offset of partition j in both buffers, ``slots``: byte offset of each slot of the
+        mean buffer (a step's mean is in slot ``step % len(slots)``; ``ParameterServer.attach``)."""
+        self.inputs = {s.index: shared_memory.array(input_memory, s.wire_dtype, offsets[s.index], s.size)
+                       for s in shards}
+        self.means = [{s.index: shared_memory.array(mean_memory, s.wire_dtype, slot + offsets[s.index], s.size)
+                       for s in shards} for slot in slots]
 
     def write(self, shard: Shard, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> None:
         """Copy ``arrays`` (one per segment, in the wire dtype) into the input buffer; the push carries nothing."""
@@ -55,9 +59,10 @@ class SharedMemoryWorkerEnd:
         """Pack ``shard``'s pieces of ``grads`` straight into the input buffer, one copy (converting, if compressed)."""
         pack(grads, shard, self.inputs[shard.index])
 
-    def read_mean(self, shard: Shard, reply: list, wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
+    def read_mean(self, shard: Shard, step_id: int, reply: list,
+                  wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
         """The mean in the wire dtype, in the server's mean buffer (read-only; valid until the next step's push)."""
-        return self.means[shard.index]
+        return self.means[step_id % len(self.means)][shard.index]
 
 
 class ObjectStoreWorkerEnd:
@@ -78,7 +83,8 @@ class ObjectStoreWorkerEnd:
                                                          for seg in parts]
         return object_store.put(segment_arrays(grads, parts, buffers))
 
-    def read_mean(self, shard: Shard, reply: list, wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
+    def read_mean(self, shard: Shard, step_id: int, reply: list,
+                  wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
         """The mean in the wire dtype, from the object the push's reply names (``wait``: the bounded ``ray.get``)."""
         [mean] = object_store.join(wait(reply[0], f"the mean of partition {shard.index}"), [shard.size])
         return mean

@@ -241,6 +241,19 @@ class GatedWorker1Net(FixedDataMomentumNet):
     def get_feed_dict(self):
         if self.worker_index == 1:
             self.gate.pass_through()
+class StragglerNet(TanhNet):
+    """Worker ``SLOW_WORKER`` (or each of ``slow_workers``) sleeps ``DELAY_S`` in every get_feed_dict, far
+    longer than a step of the others takes."""
+
+    SLOW_WORKER, DELAY_S = 2, 1.0
+
+    def __init__(self, worker_index: int, device_index: int):
+        super().__init__(worker_index, device_index)
+        self.slow_workers = (self.SLOW_WORKER,)
+
+    def get_feed_dict(self):
+        if self.worker_index in self.slow_workers:
+            time.sleep(self.DELAY_S)
         return super().get_feed_dict()
 
 

@@ -14,7 +14,8 @@ ids, the node of every worker (by its ``identity()`` and by the GCS actor
 table) and of every parameter server (GCS actor table) of the float32
 engine, per engine which partitions each worker reads through shared
 memory, the start weights, every replica's final weights and the lockstep
-record, weights as nested lists.
+record, weights as nested lists; under "backup", the same for a run with a
+straggler and one backup worker (``run_with_backup``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import ray
 import dsgd
 from cluster_jobs import actor_node, local_cluster
 from compression_runs import FLOAT32, STEPS, lockstep
-from dsgd_test_models import RESULT_PREFIX, TanhNet, ps_actors, server_group
+from dsgd_test_models import (RESULT_PREFIX, StragglerNet, TanhNet, replica_weights, set_start_weights, ps_actors,
+                              server_group)
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
@@ -67,9 +69,25 @@ def run() -> dict:
         }
 
 
+class SlowWorker1(StragglerNet):
+    SLOW_WORKER = 1
+
+
+def run_with_backup() -> dict:
+    """Worker 1 a straggler and one backup worker: every step is worker 0's alone, the replicas alike."""
+    with dsgd.DistributedSGD(SlowWorker1, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                             backup_workers=1) as sgd:
+        start = set_start_weights(sgd)
+        dropped = [sgd.step(fetch_stats=True)["dropped_gradients"] for _ in range(STEPS)]
+        replicas = replica_weights(sgd)
+        return {"start": {k: v.tolist() for k, v in start.items()}, "dropped": dropped,
+                "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas]}
+
+
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
+        result["backup"] = run_with_backup()
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -100,7 +100,7 @@ def test_compressed_steps_against_float32_through_shared_memory_op_and_python_pa
             engines[name] = dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
                                                 **COMPRESSED[name])
         for name in names:  # one node: every partition through shared memory, in 16-bit form
-            ends = engines[name].foreach_worker(lambda w: [(type(e).__name__, str(next(iter(e.means.values())).dtype))
+            ends = engines[name].foreach_worker(lambda w: [(type(e).__name__, str(next(iter(e.means[0].values())).dtype))
                                                            for e in w.client.ends])
             assert {end for worker in ends for end in worker} == {
                 ("SharedMemoryWorkerEnd", "uint16" if compression == "bf16" else "float16")}

@@ -6,7 +6,8 @@ instance, runs 2 workers x 1 device with 3 partitions on dsgd's default
 parameter servers (one per node) for 3 steps and reports where every actor
 ran and the final weights; beside it, compressed engines (bf16 through the
 op library, fp16 through Python) step in lockstep, their 16-bit partitions
-crossing the object stores (tests/test_compression.py has the one-node runs).
+crossing the object stores (tests/test_compression.py has the one-node runs);
+then the same cluster runs 2 workers with one backup worker and a straggler.
 """
 
 import os
@@ -66,3 +67,17 @@ def test_compressed_partitions_cross_object_stores_within_16_bit_rounding_of_flo
                "replicas": {n: [weights_from_json(r) for r in rs] for n, rs in e["replicas"].items()}}
               for e in job["record"]]
     check_lockstep(record, job["compressed"], REPLICAS_2x1)
+
+
+def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
+    """Worker 1 sleeps in every get_feed_dict; with backup_workers=1 each step is worker 0's gradient alone,
+    over both transports, and worker 1 catches up to bit-identical weights."""
+    run = job["backup"]
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    for name in replicas[0]:
+        assert np.array_equal(replicas[1][name], replicas[0][name]), name
+    assert run["dropped"] == [1.0] * job["steps"]
+    expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
+    for step in range(job["steps"]):
+        expected = numpy_step(expected, [(0, 0)], step)
+    assert_weights_close(replicas[0], expected)

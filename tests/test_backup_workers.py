@@ -1,0 +1,164 @@
+"""Backup workers: a step averages the first num_workers - b workers, a straggler catches up without
+computing, the replicas stay identical, and a dead worker does not stop the steps."""
+
+import json
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+from dsgd import checkpoint, object_store, ps_actor
+from dsgd.shards import VarSpec, plan_shards, segments
+from dsgd_test_models import (LR, StragglerNet, TanhNet, assert_replicas_identical, assert_weights_close, batch,
+                              kill, numpy_gradients, numpy_step, ps_actors, set_start_weights)
+
+FAST = [(0, 0), (1, 0)]  # (worker, device) of the workers that keep up with each other
+
+
+def _begun(server) -> dict[int, int]:
+    """Worker -> the last step it began, on one parameter server."""
+    return ray.get(server.__ray_call__.remote(lambda ps: dict(ps.begun)), timeout=30)
+
+
+# ---- the server's rule ------------------------------------------------------
+
+LAYOUT = plan_shards([VarSpec("a", (6,), np.dtype(np.float32))], 0)
+
+
+def _push(server, step, worker, value):
+    [shard] = LAYOUT
+    flat = np.full(shard.size, value, np.float32)
+    return server.push.remote(step, worker, 0, object_store.put([flat[s.start:s.start + s.size]
+                                                                 for s in segments(shard)]))
+
+
+def _mean(answer):
+    [ref], averaged = answer
+    return object_store.join(ray.get(ref, timeout=30), [LAYOUT[0].size])[0][0], averaged
+
+
+def test_a_server_averages_the_first_pushes_and_answers_a_late_one_with_their_mean(ray_session):
+    server = ps_actor.start(0, 3, LAYOUT, 30.0, backup_workers=1)
+    try:
+        first = [_push(server, 0, 2, 4.0), _push(server, 0, 0, 2.0)]
+        assert _mean(ray.get(first[0], timeout=30)) == (3.0, (0, 2))
+        assert _mean(ray.get(first[1], timeout=30)) == (3.0, (0, 2))
+        assert _mean(ray.get(_push(server, 0, 1, 100.0), timeout=30)) == (3.0, (0, 2))  # late: dropped
+        # Worker 1 begins step 1 and finds it open; workers 0 and 2 close it without worker 1.
+        assert ray.get(server.begin.remote(1, 1), timeout=30) == {}
+        step_1 = [_push(server, 1, 0, 1.0), _push(server, 1, 2, 3.0)]
+        assert _mean(ray.get(step_1[0], timeout=30)) == (2.0, (0, 2))
+        # Step 2 closes only once every worker has begun step 1: worker 1 has, so it closes.
+        step_2 = [_push(server, 2, 0, 5.0), _push(server, 2, 1, 7.0)]
+        assert _mean(ray.get(step_2[0], timeout=30)) == (6.0, (0, 1))
+        # Worker 2 has not begun step 2, so step 3 waits for it: nobody is ever two steps behind.
+        step_3 = [_push(server, 3, 0, 1.0), _push(server, 3, 1, 1.0)]
+        assert not ray.wait(step_3, timeout=1.0)[0]
+        closed = ray.get(server.begin.remote(2, 2), timeout=30)  # worker 2 finds step 2 closed: it catches up
+        assert list(closed) == [0] and _mean(closed[0]) == (6.0, (0, 1))
+        assert _mean(ray.get(step_3[0], timeout=30)) == (1.0, (0, 1))
+    finally:
+        ray.kill(server)
+
+
+# ---- the engine ---------------------------------------------------------------
+
+def _slow_worker_1_too(model) -> None:
+    model.slow_workers = (1, StragglerNet.SLOW_WORKER)
+
+
+def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session, tmp_path):
+    """Through the op library (test_a_worker_killed_... takes the Python path)."""
+    steps = 6
+    with dsgd.DistributedSGD(StragglerNet, num_workers=3, strategy="ps", use_ops=True, backup_workers=1,
+                             grad_shard_bytes=40) as sgd:
+        expected = set_start_weights(sgd)
+        servers = ps_actors(sgd)
+        for step in range(steps):
+            stats = sgd.step(fetch_stats=True)
+            assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
+            # Step `step` closed: every worker has begun step - 1 (so applied every step before it).
+            assert all(min(_begun(server).values()) >= step - 1 for server in servers)
+            expected = numpy_step(expected, FAST, step)
+        sgd.save(tmp_path / "ckpt.npz")  # the straggler is behind: save waits for it
+        with np.load(tmp_path / "ckpt.npz") as saved:
+            assert json.loads(str(saved[checkpoint.META_KEY]))["applied_steps"] == steps
+            assert_weights_close({k: saved[f"weights/{k}"] for k in expected}, expected)
+        assert_weights_close(sgd.get_weights(), expected)  # the means of workers 0 and 1 only
+        assert_replicas_identical(sgd, 3)  # the drain waited for the straggler to catch up
+        batches_asked = sgd.foreach_model(lambda m: m.step)
+        assert batches_asked[:2] == [steps, steps]
+        assert 1 <= batches_asked[2] < steps  # the straggler computed some steps and skipped the others
+        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [steps] * 3
+        # More slow workers than backups: each step waits for one of them (bounded by timeout_s).
+        sgd.foreach_model(_slow_worker_1_too)
+        for _ in range(2):
+            stats = sgd.step(fetch_stats=True)
+            assert stats["step_time_s"] >= StragglerNet.DELAY_S * 0.9 and stats["num_replicas"] == 2
+            # Per partition, either slow worker may be the one averaged: 1 or 2 workers left out somewhere.
+            assert stats["dropped_gradients"] in (1, 2)
+        assert_replicas_identical(sgd, 3)
+
+
+def _trace_of_step(sgd, path) -> tuple[tuple[int, ...], set[int]]:
+    """Run one step with a timeline; the workers its partition averaged, and those that pushed it."""
+    sgd.step(write_timeline=str(path))
+    with open(path) as f:
+        names = [e["name"] for e in json.load(f)["traceEvents"]]
+    [averaged] = [n for n in names if n.startswith("average partition 0 of workers")]
+    pushed = {int(n.split()[1][:-2]) for n in names if n.startswith("worker ") and "push of partition" in n}
+    return tuple(json.loads(averaged.split("workers ")[1])), pushed
+
+
+def test_without_a_straggler_each_step_averages_the_workers_it_kept(ray_session, tmp_path):
+    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0) as sgd:
+        weights = set_start_weights(sgd)
+        batches = [0, 0, 0]  # per worker: the batches it has asked (a worker that catches up asks none)
+        for step in range(3):
+            averaged, pushed = _trace_of_step(sgd, tmp_path / f"step{step}.json")
+            assert len(averaged) == 2 and set(averaged) <= pushed
+            grads = [numpy_gradients(weights, *batch(w, 0, batches[w])) for w in averaged]
+            weights = {k: weights[k] - LR * np.mean([g[k] for g in grads], axis=0) for k in weights}
+            for w in pushed:
+                batches[w] += 1
+        assert_weights_close(sgd.get_weights(), weights)
+        assert_replicas_identical(sgd, 3)
+        stats = sgd.step(fetch_stats=True)
+        assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
+
+
+def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced_more_than_b_are_recovered(ray_session):
+    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=40,
+                             use_ops=False) as sgd:
+        set_start_weights(sgd)
+        sgd.step(fetch_stats=True)
+        dead = sgd.workers[2]
+        kill(dead)
+        stats = sgd.step(fetch_stats=True)  # closes with workers 0 and 1
+        assert np.isfinite(stats["loss"]) and stats["dropped_gradients"] == 1
+        assert sgd.failures == 0  # no step was aborted or re-run for it
+        for _ in range(2):
+            sgd.step(fetch_stats=True)
+        assert sgd.failures == 1 and sgd.workers[2] is not dead  # replaced, before the next step
+        assert_replicas_identical(sgd, 3)
+        assert sgd.num_steps == 4
+        kill(sgd.workers[1], sgd.workers[2])  # more dead workers than backups: the step cannot close
+        stats = sgd.step(fetch_stats=True)  # recovered as without backup workers: replaced, the step run again
+        assert sgd.failures == 2 and np.isfinite(stats["loss"])
+        assert_replicas_identical(sgd, 3)
+        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [5] * 3
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_workers": 3, "backup_workers": 3}, ValueError, r"backup_workers must be < num_workers.*got backup_workers=3"),
+    ({"num_workers": 3, "backup_workers": -1}, ValueError, r"backup_workers must be >= 0"),
+    ({"num_workers": 3, "backup_workers": 1.0}, TypeError, r"backup_workers must be an integer"),
+    ({"num_workers": 3, "backup_workers": True}, TypeError, r"backup_workers must be an integer"),
+    ({"num_workers": 3, "backup_workers": 1, "strategy": "simple"}, ValueError,
+     r"backup_workers needs strategy='ps'"),
+    ({"num_workers": 1, "backup_workers": 1}, ValueError, r"backup_workers needs several workers"),
+])
+def test_bad_backup_workers_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        dsgd.DistributedSGD(TanhNet, **kwargs)
