@@ -9,10 +9,17 @@ Every wait goes through its ``calls`` (``dsgd.calls``: bounded, Ray's errors
 turned into dsgd's). Replacements for dead actors go on live nodes: a new
 worker on a node with room for it beside the surviving workers (else an
 error names what is missing), a new parameter server beside the workers.
+
+``resize`` starts or stops workers between steps (``DistributedSGD.resize``):
+new workers are built before anything else changes, so a size the cluster
+cannot hold, or a new worker that fails to build, leaves the engine as it
+was; ``connect_exchange`` then gives every worker the exchange of the new
+count and re-plans the parameter servers as at start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Callable
@@ -102,7 +109,7 @@ class Cluster:
         opts = self.options
         return {"CPU": opts.cpus_per_worker, **({"GPU": opts.devices_per_worker} if opts.gpu else {})}
 
-    def _nodes_for(self, new: list[int]) -> list[str]:
+    def _nodes_for(self, new: list[int], what: str = "replace dead worker") -> list[str]:
         """A live node for each of the new workers ``new``, with room beside the engine's other workers.
 
         Nodes where other workers run come first (they answered just now),
@@ -114,36 +121,39 @@ class Cluster:
         needs = self._worker_needs()
         free = {node: {r: have.get(r, 0) for r in needs} for node, have in live_node_resources().items()}
         others = [node for i, node in enumerate(self._worker_nodes) if i not in new]
+        own = [self._worker_nodes[i] for i in new if i < len(self._worker_nodes)]
         for node in others:
             if node in free:
                 for r, amount in needs.items():
                     free[node][r] -= amount
-        nodes = place_new_workers(len(new), needs, free, first=others, last=[self._worker_nodes[i] for i in new])
+        nodes = place_new_workers(len(new), needs, free, first=others, last=own)
         if len(nodes) < len(new):
             room = "; ".join(f"node {n[:8]} has {_amounts(have)} free" for n, have in free.items())
-            raise DSGDError(f"cannot replace dead worker {new[len(nodes)]}: it needs {_amounts(needs)} on one node, "
+            raise DSGDError(f"cannot {what} {new[len(nodes)]}: it needs {_amounts(needs)} on one node, "
                             f"and no live node has that free beside the other workers ({room or 'no node is alive'})")
         return nodes
 
-    def check_object_store(self) -> None:
-        """Each step may hold every worker's partitions plus their means in the store."""
+    def check_object_store(self, num_workers: int | None = None) -> None:
+        """Each step may hold every worker's partitions (of ``num_workers``, default the engine's) plus their means."""
+        num_workers = self.options.num_workers if num_workers is None else num_workers
         exchange = sum(s.size * s.dtype.itemsize for s in self.signature.exchange)
-        need = exchange * (self.options.num_workers + 1)
+        need = exchange * (num_workers + 1)
         have = ray.cluster_resources().get("object_store_memory", 0)
         if need > have:
             raise ValueError(
                 f"the exchange needs {need / 2**20:.0f} MiB of Ray object-store memory per step "
-                f"({self.options.num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
+                f"({num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
                 f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
 
-    def _new_worker(self, index: int, node_id: str | None = None):
-        """Start worker ``index`` (on ``node_id``, or where Ray spreads it)."""
-        opts = self.options
+    def _new_worker(self, index: int, node_id: str | None = None, options: Options | None = None):
+        """Start worker ``index`` (on ``node_id``, or where Ray spreads it), with the exchange of ``options``."""
+        opts = options or self.options
+        config = dataclasses.replace(self.worker_config, exchange=opts.exchange)
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
             runtime_env={"env_vars": worker_env()},
-            scheduling_strategy=actor_placement(node_id)).remote(index, self.worker_config)
+            scheduling_strategy=actor_placement(node_id)).remote(index, config)
 
     def _build_models(self, indices) -> None:
         """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
@@ -157,6 +167,14 @@ class Cluster:
                     f"worker {i} built a model that differs from worker 0's: "
                     f"{shards.spec_difference(sig.weights + sig.exchange, expected.weights + expected.exchange) or sig.metrics}")
         self.signature = expected
+
+    def _split_datasets(self, worker_nodes: list[str]) -> bool:
+        """New splits of every dataset over the replicas of workers on ``worker_nodes``; False without datasets."""
+        if not self.splits.datasets:
+            return False
+        self.stop_datasets()
+        self.splits.split(worker_nodes, self.calls.call_startup)
+        return True
 
     def stop_datasets(self) -> None:
         """Stop the dataset splits: every read waiting on one fails now (no-op without datasets)."""
@@ -200,9 +218,7 @@ class Cluster:
         if dead_workers:
             self._replace_workers(dead_workers)
         rebuilt = dead_workers
-        if self.splits.datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
-            self.stop_datasets()
-            self.splits.split(self._worker_nodes, self.calls.call_startup)
+        if self._split_datasets(self._worker_nodes):  # new splits for every replica: survivors rebuild theirs too
             rebuilt = range(self.options.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
@@ -238,6 +254,67 @@ class Cluster:
                 logger.warning("a node chosen for a new worker is lost too; placing the new workers again")
         for i, identity in zip(dead, identities):
             self._worker_nodes[i] = identity.node_id
+
+    # ---- resizing --------------------------------------------------------
+
+    def resize(self, n: int) -> set[int]:
+        """Start or stop workers so that ``n`` run; the indices of the new workers (their state not loaded yet).
+
+        Growing, the new workers start on nodes with room (a DSGDError names
+        what is missing, before any starts) and build their models first; if
+        that fails (or is interrupted), they are killed and the engine is as
+        it was (with datasets, the survivors get splits for the old count
+        again). Shrinking stops the highest-indexed workers. Then the engine
+        has ``n`` workers: call ``connect_exchange`` before the next step.
+        """
+        old = self.options.num_workers
+        resized = dataclasses.replace(self.options, num_workers=n)
+        if n > old:
+            new = list(range(old, n))
+            nodes = self._nodes_for(new, f"grow to {n} workers: no room for new worker")
+            if resized.uses_ps:
+                self.check_object_store(n)
+            self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
+            try:
+                identities = self.calls.identify(self.workers[old:], f"new workers {new} to start")
+                self._worker_nodes += [i.node_id for i in identities]
+                self._build_models(range(n) if self._split_datasets(self._worker_nodes) else new)
+            except BaseException:
+                self._stop_workers(old)
+                if self._split_datasets(self._worker_nodes):
+                    self._build_models(range(old))
+                raise
+            logger.info("grew from %d to %d workers: started workers %s", old, n, new)
+        else:
+            self._stop_workers(n)
+            if self._split_datasets(self._worker_nodes):
+                self._build_models(range(n))
+            logger.warning("shrank from %d to %d workers: stopped workers %s", old, n, list(range(n, old)))
+            new = []
+        self.options = resized
+        return set(new)
+
+    def _stop_workers(self, keep: int) -> None:
+        """Kill the workers from index ``keep`` on."""
+        for worker in self.workers[keep:]:
+            ray.kill(worker)
+        del self.workers[keep:], self._worker_nodes[keep:]
+
+    def connect_exchange(self) -> None:
+        """Every worker combines gradients as the engine's count asks; the parameter servers planned anew.
+
+        After a resize: the servers of the old count are killed; with "ps"
+        and several workers, new ones are planned (how many, where, the
+        partitions) from the workers' nodes as at start, and every worker
+        connects to them. Safe to call again after a failure.
+        """
+        if self.servers:
+            self.servers.kill()
+            self.servers = None
+        self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
+                                "the workers to change their exchange")
+        if self.options.uses_ps:
+            self._start_parameter_servers(self._worker_nodes)
 
     def abort_servers(self) -> None:
         """Make every waiting and future push fail until ``reset_servers`` (no-op without servers)."""

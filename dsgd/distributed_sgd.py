@@ -132,22 +132,22 @@ class DistributedSGD:
         logdir: str | None = None,
         batch_size: int | None = None,
         datasets: dict[str, Any] | None = None,
+        resize_interval_s: float = 60.0,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
-        self.options = Options.checked(
+        opts = Options.checked(
             num_workers=num_workers, devices_per_worker=devices_per_worker, gpu=gpu, strategy=strategy,
             grad_shard_bytes=grad_shard_bytes, all_reduce_alg=all_reduce_alg,
             num_parameter_servers=num_parameter_servers, cpus_per_worker=cpus_per_worker, nan_policy=nan_policy,
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
-            logdir=logdir, batch_size=batch_size)
+            logdir=logdir, batch_size=batch_size, resize_interval_s=resize_interval_s)
         datasets = data.check_datasets(datasets)
-        opts = self.options
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does")
         self._scalars = _scalar_logger(opts.logdir)
-        worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops),
+        worker_config = opts.worker_config(use_ops=opts.strategy == "ps" and _ops_wanted(opts.use_ops),
                                            feed_concurrently=datasets is not None)
         _init_ray_if_needed()
         self._cluster = Cluster(opts, model_creator, worker_config, datasets)
@@ -169,8 +169,14 @@ class DistributedSGD:
         return self.options.strategy
 
     @property
+    def options(self) -> Options:
+        """The checked arguments; ``num_workers`` is the current count."""
+        return self._cluster.options
+
+    @property
     def num_workers(self) -> int:
-        return self.options.num_workers
+        """The workers running now (``resize`` changes it)."""
+        return self._cluster.options.num_workers
 
     @property
     def devices_per_worker(self) -> int:
@@ -236,6 +242,7 @@ class DistributedSGD:
             logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
             per_worker = [{"loss": float("nan")}]
         stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
+        stats.setdefault("num_replicas", float(self.num_workers * self.devices_per_worker))
         stats["step_time_s"] = time.perf_counter() - start
         if self.options.samples_per_step:
             stats["samples_per_s"] = self.options.samples_per_step / stats["step_time_s"]
@@ -323,6 +330,31 @@ class DistributedSGD:
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it."""
         self._on_workers("warmup", what="the workers to warm up")
+
+    # ---- elastic training ---------------------------------------------------
+
+    def resize(self, n: int) -> None:
+        """Between steps, start or stop workers so that ``n`` run; survivors are not restarted.
+
+        Settles the steps in flight first. New workers are built by
+        ``model_creator`` with their own indices and join with the current
+        weights, optimizer state and step count; the highest-indexed
+        workers are the ones stopped. The parameter servers and the
+        partitions are planned for ``n`` workers as at start, and every
+        survivor reconnects to them (with one worker, "ps" has none). With
+        ``datasets=``, every replica gets a new split. A step then averages
+        the ``n x devices_per_worker`` replicas; the effective batch changes
+        with it, so scale the learning rate yourself if you want.
+
+        Bad ``n`` (not an int, < 1, outside ``num_workers=(min, max)``) is a
+        TypeError/ValueError; a size the cluster cannot hold is a DSGDError
+        naming what is missing, before any worker starts. If a new worker
+        fails to build (its ``model_creator`` raises), the new workers are
+        stopped and the error raised. In every such case the engine is as it
+        was and keeps stepping.
+        """
+        self._ledger.check_open()
+        self._ledger.resize(self.options.check_size(n))
 
     # ---- teardown ---------------------------------------------------------
 

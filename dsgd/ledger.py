@@ -17,8 +17,9 @@ waited for, and settles the replicas whenever a call fails:
   interrupted step (``settle_interrupted``);
 - another dsgd error: the replicas are brought to one state and it is raised.
 
-Elastic resizing hooks in here: it settles the steps in flight, changes the
-cluster, and goes on from ``num_steps``.
+Elastic resizing (``resize``) settles the steps in flight, has the cluster
+start or stop workers and re-plan the parameter servers, gives the new
+workers the survivors' state, and goes on from ``num_steps``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class StepLedger:
         self.closed = False
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
+        self._joining: set[int] | None = None  # a resize not finished: the new workers, not yet given the state
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
 
@@ -83,14 +85,17 @@ class StepLedger:
         """Bring every replica to one state after a KeyboardInterrupt in ``step`` (or a recovery, a restore...).
 
         The steps whose calls were all sent complete, as without the
-        interrupt. A step that Ctrl-C cut short before all its calls were
-        sent (the "simple" driver's gather, or between two workers' calls)
+        interrupt, and a resize past building its new workers is finished.
+        A step that Ctrl-C cut short before all its calls were sent (the
+        "simple" driver's gather, or between two workers' calls)
         cannot: the parameter servers abort what of it waits, and the most
         advanced worker's state goes to every worker behind it, so it counts
         on every replica or on none (``num_steps`` says which). An actor
         that died meanwhile is replaced as after any failure.
         """
         self.drain()
+        if self._joining is not None:  # Ctrl-C during a resize, after the new workers were built
+            self._finish_resize()
         try:
             self.num_steps = self.settle([])
         except ActorFailure as e:
@@ -191,6 +196,37 @@ class StepLedger:
             self.drain()
             return self.cluster.latest_state()
 
+    # ---- resizing -------------------------------------------------------------
+
+    def resize(self, n: int) -> None:
+        """After the steps in flight, start or stop workers so that ``n`` run; steps go on from ``num_steps``.
+
+        If the new workers cannot start or build (``Cluster.resize``), the
+        engine is unchanged and the error raised. Once they are built, the
+        resize is done: a worker that dies while the exchange is re-planned
+        and the new workers get the survivors' state is replaced as after a
+        failed step.
+        """
+        with self.call():
+            self.drain()
+            if n == len(self.cluster.workers):
+                return
+            self._joining = self.cluster.resize(n)
+            self._finish_resize()
+
+    def _finish_resize(self) -> None:
+        """Every worker on the new count's exchange, the new workers (``_joining``) given the survivors' state."""
+        self._strategy = strategies.make(self.cluster.options.exchange, self.cluster.calls.call, self.span)
+        while True:
+            try:
+                self.cluster.connect_exchange()
+                self.num_steps = self._resynchronize(self._joining)
+                self._joining = None
+                return
+            except ActorFailure as e:
+                self._count_failure(e)
+                self._joining |= self.cluster.replace_dead()
+
     # ---- recovery -------------------------------------------------------------
 
     def recover(self, error: ActorFailure, in_flight: list[ray.ObjectRef]) -> list:
@@ -200,11 +236,7 @@ class StepLedger:
         below ``num_steps`` is applied on every worker on return.
         """
         while True:
-            self.failures += 1
-            if self.failures > self.max_failures:
-                raise DSGDError(f"giving up after {self.max_failures} recoveries (max_failures); "
-                                f"last failure: {error}") from error
-            logger.warning("%s; recovering (failure %d of at most %d)", error, self.failures, self.max_failures)
+            self._count_failure(error)
             try:
                 applied = self.settle(in_flight, replace_dead=True)
                 results = []
@@ -215,6 +247,14 @@ class StepLedger:
                 return results
             except ActorFailure as e:
                 error = e
+
+    def _count_failure(self, error: ActorFailure) -> None:
+        """Count a failure to recover from; a DSGDError past ``max_failures``."""
+        self.failures += 1
+        if self.failures > self.max_failures:
+            raise DSGDError(f"giving up after {self.max_failures} recoveries (max_failures); "
+                            f"last failure: {error}") from error
+        logger.warning("%s; recovering (failure %d of at most %d)", error, self.failures, self.max_failures)
 
     def settle(self, in_flight: list[ray.ObjectRef], replace_dead: bool = False) -> int:
         """Abort ``in_flight``, optionally replace dead actors, bring every worker to one state; its step count."""
