@@ -7,9 +7,11 @@ import logging
 import numpy as np
 import pytest
 
+import data_test_models as dm
 import dsgd
-from dsgd_test_models import (LR, MOMENTUM, FixedDataMomentumNet, actor_pids, assert_replicas_identical,
-                              assert_weights_close, batch, numpy_gradients, set_start_weights)
+from dsgd_test_models import (LR, MOMENTUM, FixedDataMomentumNet, actor_pids, actors_started_since,
+                              assert_replicas_identical, assert_weights_close, batch, fails_to_build_from_worker_2,
+                              known_actors, numpy_gradients, set_start_weights, wait_until)
 
 
 def momentum_reference(weights: dict, sizes: list[tuple[int, int]], devices_per_worker: int = 1) -> dict:
@@ -77,3 +79,85 @@ def test_devices_per_worker_2_grows_and_shrinks(ray_session):
         run_steps(sgd, 1)
         assert_replicas_identical(sgd, 2)
         assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 1), (2, 2), (1, 1)], 2))
+
+
+@pytest.mark.parametrize("bad, error", [("3", TypeError), (2.0, TypeError), (True, TypeError), (None, TypeError),
+                                        (0, ValueError), (-1, ValueError)])
+def test_bad_sizes_are_refused_and_the_engine_keeps_stepping(ray_session, shared_engine, bad, error):
+    sgd, pids = shared_engine
+    with pytest.raises(error, match="resize"):
+        sgd.resize(bad)
+    assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+    sgd.step(fetch_stats=True)
+
+
+@pytest.fixture(scope="module")
+def shared_engine(ray_session):
+    with engine(2, "ps") as sgd:
+        yield sgd, actor_pids(*sgd.workers)
+
+
+def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothing(ray_session):
+    with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
+        pids = actor_pids(*sgd.workers)
+        run_steps(sgd, 1)
+        with pytest.raises(dsgd.DSGDError, match=r"grow to 9 workers: no room for new worker 8: it needs 1 CPU"):
+            sgd.resize(9)  # the session's Ray has 8 CPUs
+        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+        run_steps(sgd, 1)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
+
+
+@pytest.mark.parametrize("strategy", ["ps", "simple"])
+def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(ray_session, strategy):
+    """The defined state after a fault while growing: the new workers stopped, the error raised, the old size."""
+    with dsgd.DistributedSGD(fails_to_build_from_worker_2, num_workers=2, strategy=strategy,
+                             timeout_s=60, startup_timeout_s=60) as sgd:
+        start = set_start_weights(sgd)
+        pids = actor_pids(*sgd.workers)
+        run_steps(sgd, 1)
+        before = known_actors()
+        with pytest.raises(dsgd.DSGDError, match="no model for worker 2"):
+            sgd.resize(3)
+        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+        new_worker = [a for a in actors_started_since(before) if a[0] == "SGDWorker"]
+        assert len(new_worker) == 1
+        wait_until(lambda: all(state == "DEAD" for _, state in actors_started_since(before)))
+        assert run_steps(sgd, 2)["num_replicas"] == 2
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
+
+
+def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(ray_session):
+    ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
+    ray_data.DataContext.get_current().enable_progress_bars = False
+    rows = 300  # 3 replicas x 100 rows: 10 steps an epoch
+    with dsgd.DistributedSGD(dm.row_id_creator(rows), num_workers=2, strategy="ps", datasets={"train": ray_data.range(rows)},
+                             timeout_s=120, startup_timeout_s=120) as sgd:
+        run_steps(sgd, 3)
+        pids = actor_pids(*sgd.workers)
+        sgd.resize(3)
+        assert actor_pids(*sgd.workers[:2]) == pids
+        before = sgd.get_weights()["w"]
+        sgd.step()
+        first_batches = [seen[0] for seen in sgd.foreach_model(lambda model: model.seen)]
+        assert [len(ids) for ids in first_batches] == [dm.BATCH] * 3  # every replica started a new split
+        np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, first_batches, rows), rtol=1e-5)
+        run_steps(sgd, 9)
+        seen = [s[0] for s in sgd.foreach_model(lambda model: model.seen)]
+        assert [len(s) for s in seen] == [rows // 3] * 3
+        assert len({i for s in seen for i in s}) == rows  # disjoint: every row read once
+        sgd.resize(1)
+        assert run_steps(sgd, 2)["num_replicas"] == 1
+        assert [len(s[0]) for s in sgd.foreach_model(lambda model: model.seen)] == [2 * dm.BATCH]
+
+
+def test_num_replicas_is_a_tensorboard_scalar(ray_session, tmp_path):
+    from test_tensorboard import read_scalars
+
+    with engine(1, "simple", logdir=str(tmp_path)) as sgd:
+        sgd.step(fetch_stats=True)
+        sgd.resize(2)
+        sgd.step(fetch_stats=True)
+    assert [(step, value) for step, value, _ in read_scalars(tmp_path)["num_replicas"]] == [(0, 1.0), (1, 2.0)]
