@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any, Callable
 
 import ray
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 #   every gradient again; glibc's malloc keeps a varying share of that freed memory, so
 #   a worker's RSS wandered by 3-9 % over hundreds of steps, while the pool is reused
 #   and stays flat (benchmarks/soak.py, docs/benchmarks.md "Soak").
+ELASTIC_PLACEMENTS = 5  # an elastic engine places replacements this often before a lost node's failure is raised
+ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
+
 WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
@@ -77,6 +81,10 @@ class Cluster:
         once the workers have built their models, before any parameter server
         starts: the exchange's size is the model's, known only then.
         """
+        if self.options.elastic:
+            self.options = dataclasses.replace(self.options, num_workers=self._elastic_start_count())
+            logger.info("num_workers=%s: starting %d workers", (self.options.min_workers, self.options.max_workers),
+                        self.options.num_workers)
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
         self._worker_nodes = [i.node_id for i in self.calls.identify(self.workers)]
@@ -109,14 +117,14 @@ class Cluster:
         opts = self.options
         return {"CPU": opts.cpus_per_worker, **({"GPU": opts.devices_per_worker} if opts.gpu else {})}
 
-    def _nodes_for(self, new: list[int], what: str = "replace dead worker") -> list[str]:
-        """A live node for each of the new workers ``new``, with room beside the engine's other workers.
+    def _room(self, new: list[int]) -> tuple[list[str], dict[str, dict[str, float]]]:
+        """A live node for each of the new workers ``new`` in turn, as long as they fit; each node's free resources.
 
         Nodes where other workers run come first (they answered just now),
         the dead workers' own nodes last: Ray sees a lost node dead only
         seconds after its actors. Only the engine's workers count as holding
         resources (what other Ray jobs hold may be freed; waiting for that is
-        bounded). Raises DSGDError naming what is missing if no node has room.
+        bounded).
         """
         needs = self._worker_needs()
         free = {node: {r: have.get(r, 0) for r in needs} for node, have in live_node_resources().items()}
@@ -126,12 +134,45 @@ class Cluster:
             if node in free:
                 for r, amount in needs.items():
                     free[node][r] -= amount
-        nodes = place_new_workers(len(new), needs, free, first=others, last=own)
+        return place_new_workers(len(new), needs, free, first=others, last=own), free
+
+    def _nodes_for(self, new: list[int], what: str = "replace dead worker") -> list[str]:
+        """A live node for each of the new workers ``new`` (``_room``); a DSGDError naming what is missing if not all fit."""
+        nodes, free = self._room(new)
         if len(nodes) < len(new):
             room = "; ".join(f"node {n[:8]} has {_amounts(have)} free" for n, have in free.items())
-            raise DSGDError(f"cannot {what} {new[len(nodes)]}: it needs {_amounts(needs)} on one node, "
-                            f"and no live node has that free beside the other workers ({room or 'no node is alive'})")
+            raise DSGDError(f"cannot {what} {new[len(nodes)]}: it needs {_amounts(self._worker_needs())} on one "
+                            f"node, and no live node has that free beside the other workers "
+                            f"({room or 'no node is alive'})")
         return nodes
+
+    def room_to_grow(self) -> int:
+        """How many more workers (up to ``max_workers``) fit beside the engine's, and in what Ray has free now.
+
+        The second bound keeps a grow from waiting for resources that other
+        Ray jobs hold.
+        """
+        n = len(self.workers)
+        fit = len(self._room(list(range(n, self.options.max_workers or n)))[0])
+        available = ray.available_resources()
+        return min([fit] + [int(available.get(r, 0) // amount) for r, amount in self._worker_needs().items()])
+
+    def _elastic_start_count(self) -> int:
+        """The workers an elastic engine starts with: as many as fit, up to max; waits up to startup_timeout_s for min."""
+        opts = self.options
+        deadline = time.monotonic() + opts.startup_timeout_s
+        while True:
+            fit = len(self._room(list(range(opts.max_workers)))[0])
+            if fit >= opts.min_workers:
+                return fit
+            if time.monotonic() >= deadline:
+                raise DSGDError(
+                    f"num_workers={(opts.min_workers, opts.max_workers)}: after {opts.startup_timeout_s:.0f}s the "
+                    f"live Ray nodes have room for {fit} workers of {_amounts(self._worker_needs())}, fewer than the "
+                    f"minimum {opts.min_workers}; add nodes or lower the minimum")
+            logger.info("num_workers=%s: room for %d workers, waiting for %d", (opts.min_workers, opts.max_workers),
+                        fit, opts.min_workers)
+            time.sleep(ELASTIC_POLL_S)
 
     def check_object_store(self, num_workers: int | None = None) -> None:
         """Each step may hold every worker's partitions (of ``num_workers``, default the engine's) plus their means."""
@@ -209,19 +250,27 @@ class Cluster:
 
         Workers first, on live nodes with room (a DSGDError names what is
         missing if there are none); then parameter servers, beside the
-        workers, so a server lost with its node moves to a live one.
+        workers, so a server lost with its node moves to a live one. An
+        elastic engine without room for every dead worker goes on with fewer
+        (``_shrink_around``), as long as ``min_workers`` remain.
         """
         dead_workers = self.calls.unresponsive(self.workers)
         if len(dead_workers) == self.options.num_workers:
             raise DSGDError("every worker died, so no replica is left to restore the weights from; "
                             "restore from a checkpoint (DistributedSGD.restore) in a new engine")
-        if dead_workers:
+        if self.options.elastic:
+            dead_workers, shrunk = self._replace_or_shrink(dead_workers)
+        else:
             self._replace_workers(dead_workers)
+            shrunk = False
         rebuilt = dead_workers
         if self._split_datasets(self._worker_nodes):  # new splits for every replica: survivors rebuild theirs too
             rebuilt = range(self.options.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
+        if shrunk:
+            self.connect_exchange()
+            return set(dead_workers)
         dead_servers = self.calls.unresponsive(self.servers.actors) if self.servers else []
         if dead_servers:
             for identity in self.calls.identify(self.servers.replace(dead_servers, self._worker_nodes)):
@@ -231,12 +280,37 @@ class Cluster:
             self.connect_parameter_servers()
         return set(dead_workers)
 
-    def _replace_workers(self, dead: list[int]) -> None:
+    def _replace_or_shrink(self, dead: list[int]) -> tuple[list[int], bool]:
+        """An elastic engine's ``_replace_workers``: replace the dead workers that fit, go on without the others.
+
+        Returns the indices of the new workers and whether the engine shrank
+        (``_shrink_around``). A new worker placed on a node that turns out
+        lost (Ray had not yet seen it dead) counts as dead: the engine looks
+        again at the room there is.
+        """
+        shrunk, placements = False, 0
+        while True:
+            dead, shrank = self._shrink_around(dead)
+            shrunk = shrunk or shrank
+            try:
+                self._replace_workers(dead, place_again=False)
+                return dead, shrunk
+            except ActorFailure:
+                placements += 1
+                if placements == ELASTIC_PLACEMENTS:
+                    raise
+                logger.warning("a node chosen for a new worker is lost too; looking again at the room there is")
+                dead = self.calls.unresponsive(self.workers)
+
+    def _replace_workers(self, dead: list[int], place_again: bool = True) -> None:
         """Kill what is left of workers ``dead``, start new ones on live nodes (their models are not built yet).
 
         If a node chosen for a new worker turns out lost as well (Ray had not
-        yet seen it dead), the new workers are placed again without it.
+        yet seen it dead), the new workers are placed again without it (or,
+        without ``place_again``, the ActorFailure raised).
         """
+        if not dead:
+            return
         needs = _amounts(self._worker_needs())
         while True:
             nodes = self._nodes_for(dead)
@@ -249,11 +323,38 @@ class Cluster:
                                             f"new workers {dead} to start (each needs {needs} on its node)")
                 break
             except ActorFailure:
-                if set(nodes) <= live_node_resources().keys():
+                if not place_again or set(nodes) <= live_node_resources().keys():
                     raise
                 logger.warning("a node chosen for a new worker is lost too; placing the new workers again")
         for i, identity in zip(dead, identities):
             self._worker_nodes[i] = identity.node_id
+
+    def _shrink_around(self, dead: list[int]) -> tuple[list[int], bool]:
+        """An elastic engine's dead workers without room for all: drop those that fit nowhere, close up the indices.
+
+        Returns the indices of the dead workers still to replace and whether
+        the engine shrank. The surviving workers keep their order and take
+        the indices from 0 (``SGDWorker.renumber``); the replacements that
+        fit come last. Below ``min_workers`` nothing changes (and
+        ``_replace_workers`` raises the error naming what is missing).
+        """
+        fit = len(self._room(dead)[0])
+        keep = len(self.workers) - len(dead) + fit
+        if fit >= len(dead) or keep < self.options.min_workers:
+            return dead, False
+        for i in dead:
+            ray.kill(self.workers[i])
+        order = [i for i in range(len(self.workers)) if i not in dead] + dead[:fit]
+        self.workers = [self.workers[i] for i in order]
+        self._worker_nodes = [self._worker_nodes[i] for i in order]
+        survivors = len(order) - fit
+        moved = [new for new, old in enumerate(order[:survivors]) if new != old]
+        self.calls.call([self.workers[i].renumber.remote(i) for i in moved], "the survivors to take new indices")
+        self.calls.identify([self.workers[i] for i in moved], "the survivors to answer")
+        logger.warning("workers %s are lost and the live nodes have room for %d of them: going on with %d workers "
+                       "(num_workers=%s)", dead, fit, keep, (self.options.min_workers, self.options.max_workers))
+        self.options = dataclasses.replace(self.options, num_workers=keep)
+        return list(range(survivors, keep)), True
 
     # ---- resizing --------------------------------------------------------
 
@@ -264,8 +365,10 @@ class Cluster:
         what is missing, before any starts) and build their models first; if
         that fails (or is interrupted), they are killed and the engine is as
         it was (with datasets, the survivors get splits for the old count
-        again). Shrinking stops the highest-indexed workers. Then the engine
-        has ``n`` workers: call ``connect_exchange`` before the next step.
+        again). Shrinking stops the highest-indexed workers (with datasets,
+        the survivors then get new splits). Once ``num_workers`` is ``n``
+        (also if an error comes later), call ``connect_exchange`` before
+        the next step.
         """
         old = self.options.num_workers
         resized = dataclasses.replace(self.options, num_workers=n)
@@ -274,8 +377,8 @@ class Cluster:
             nodes = self._nodes_for(new, f"grow to {n} workers: no room for new worker")
             if resized.uses_ps:
                 self.check_object_store(n)
-            self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
             try:
+                self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
                 identities = self.calls.identify(self.workers[old:], f"new workers {new} to start")
                 self._worker_nodes += [i.node_id for i in identities]
                 self._build_models(range(n) if self._split_datasets(self._worker_nodes) else new)
@@ -285,14 +388,14 @@ class Cluster:
                     self._build_models(range(old))
                 raise
             logger.info("grew from %d to %d workers: started workers %s", old, n, new)
-        else:
-            self._stop_workers(n)
-            if self._split_datasets(self._worker_nodes):
-                self._build_models(range(n))
-            logger.warning("shrank from %d to %d workers: stopped workers %s", old, n, list(range(n, old)))
-            new = []
+            self.options = resized
+            return set(new)
+        self._stop_workers(n)
         self.options = resized
-        return set(new)
+        logger.warning("shrank from %d to %d workers: stopped workers %s", old, n, list(range(n, old)))
+        if self._split_datasets(self._worker_nodes):
+            self._build_models(range(n))
+        return set()
 
     def _stop_workers(self, keep: int) -> None:
         """Kill the workers from index ``keep`` on."""

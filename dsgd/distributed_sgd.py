@@ -16,9 +16,10 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
-from dsgd import checkpoint, data
+from dsgd import checkpoint, data, placement
 from dsgd.cluster import Cluster
 from dsgd.config import Options
+from dsgd.errors import DSGDError
 from dsgd.ledger import StepLedger
 from dsgd.model import Model
 from dsgd.sgd_worker import SGDWorker
@@ -68,7 +69,12 @@ class DistributedSGD:
     Args:
         model_creator: ``(worker_index, device_index) -> dsgd.Model``; must be
             picklable (it runs inside the worker actors).
-        num_workers: worker actors, each a Ray actor with its own TF session.
+        num_workers: worker actors, each a Ray actor with its own TF session;
+            ``(min, max)`` makes the engine elastic: it starts with as many
+            workers as the cluster has room for (at least ``min``, waiting
+            up to ``startup_timeout_s``), goes on with the survivors when a
+            lost worker cannot be replaced (as long as ``min`` remain), and
+            grows toward ``max`` when there is room (see ``resize_interval_s``).
         devices_per_worker: replicas per worker, one per device.
         gpu: place replicas on GPUs (one per replica) instead of virtual CPUs.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver
@@ -110,6 +116,9 @@ class DistributedSGD:
             replica's ``ray.data.DataIterator``. A worker then asks its
             replicas' ``get_feed_dict`` concurrently, and after a recovery
             every replica starts a new epoch. Needs ``dsgd[data]``.
+        resize_interval_s: an elastic engine below ``max`` looks for room to
+            grow before a step, at most this often; a grow settles the step
+            in flight and adds as many workers as fit.
     """
 
     def __init__(
@@ -143,6 +152,9 @@ class DistributedSGD:
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
             logdir=logdir, batch_size=batch_size, resize_interval_s=resize_interval_s)
         datasets = data.check_datasets(datasets)
+        if opts.elastic and placement.in_placement_group():
+            raise ValueError(f"num_workers={num_workers!r}: an elastic engine cannot run inside a placement group "
+                             "(a Ray Tune trial), whose bundles fix the workers; give an int")
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does")
@@ -226,6 +238,7 @@ class DistributedSGD:
         killed at once, without waiting for the step.
         """
         with self._ledger.call():
+            self._ledger.grow_if_room()
             if write_timeline is None:
                 return self._step(fetch_stats)
             self._ledger.drain()
@@ -351,10 +364,16 @@ class DistributedSGD:
         naming what is missing, before any worker starts. If a new worker
         fails to build (its ``model_creator`` raises), the new workers are
         stopped and the error raised. In every such case the engine is as it
-        was and keeps stepping.
+        was and keeps stepping. Inside a placement group (a Ray Tune trial,
+        whose bundles fix the workers) a resize is refused with a DSGDError.
         """
         self._ledger.check_open()
-        self._ledger.resize(self.options.check_size(n))
+        n = self.options.check_size(n)
+        if placement.in_placement_group():
+            raise DSGDError(f"resize({n}) inside a placement group (a Ray Tune trial) is refused: the trial reserved "
+                            f"one bundle per worker, {self.num_workers} in all; set num_workers in the trial's "
+                            "config or dsgd.tune.trainable's keywords instead")
+        self._ledger.resize(n)
 
     # ---- teardown ---------------------------------------------------------
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Callable, Iterator, Sequence
 
 import ray
@@ -55,6 +56,7 @@ class StepLedger:
         self.closed = False
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
+        self._last_look = time.monotonic()  # an elastic engine last looked for room to grow
         self._joining: set[int] | None = None  # a resize not finished: the new workers, not yet given the state
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
@@ -62,10 +64,10 @@ class StepLedger:
     # ---- every call ---------------------------------------------------------
 
     def check_open(self) -> None:
-        """Refuse calls after ``close``; settle a step that Ctrl-C interrupted."""
+        """Refuse calls after ``close``; settle a step that Ctrl-C interrupted, finish a resize an error cut short."""
         if self.closed:
             raise DSGDError("this DistributedSGD has been shut down; create a new one")
-        if self._interrupted:
+        if self._interrupted or self._joining is not None:
             self.settle_interrupted()
 
     @contextlib.contextmanager
@@ -211,8 +213,37 @@ class StepLedger:
             self.drain()
             if n == len(self.cluster.workers):
                 return
-            self._joining = self.cluster.resize(n)
+            self._joining = set()  # until _finish_resize is done, the next call finishes the resize
+            try:
+                self._joining = self.cluster.resize(n)
+            except BaseException as e:
+                if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
+                    self._joining = None
+                    raise
+                if not isinstance(e, ActorFailure):
+                    raise
+                # a survivor died after the shrink: finishing the resize replaces it
             self._finish_resize()
+
+    def grow_if_room(self) -> None:
+        """An elastic engine below its maximum: at most every ``resize_interval_s``, grow into the room there is.
+
+        A grow that fails (a node lost meanwhile, a worker that cannot
+        build) is logged; the engine goes on at its size and looks again later.
+        """
+        opts = self.cluster.options
+        if not opts.elastic or opts.num_workers >= opts.max_workers:
+            return
+        if time.monotonic() - self._last_look < opts.resize_interval_s:
+            return
+        self._last_look = time.monotonic()
+        room = self.cluster.room_to_grow()
+        if room:
+            try:
+                self.resize(opts.num_workers + room)
+            except (DSGDError, ValueError) as e:  # ValueError: the object store too small for the exchange
+                logger.warning("could not grow to %d workers; going on with %d: %s",
+                               opts.num_workers + room, opts.num_workers, e)
 
     def _finish_resize(self) -> None:
         """Every worker on the new count's exchange, the new workers (``_joining``) given the survivors' state."""
@@ -264,6 +295,7 @@ class StepLedger:
             cluster.stop_datasets()  # and those waiting on a dataset split (replace_dead splits anew)
         cluster.calls.wait_finished(in_flight)
         fresh = cluster.replace_dead() if replace_dead else set()
+        self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)  # an elastic shrink
         return self._resynchronize(fresh)
 
     def _resynchronize(self, fresh: set[int]) -> int:

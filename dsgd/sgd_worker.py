@@ -98,6 +98,15 @@ class SGDWorker:
             self.exchange = ps_exchanges.with_servers(self.runner, self.client)
         return self.client.connect(servers)
 
+    def renumber(self, worker_index: int) -> None:
+        """Take index ``worker_index``: an elastic engine lost a worker below this one and closed up the indices.
+
+        The replicas keep the graph ``model_creator`` built for the old index;
+        ``set_exchange`` (which follows) connects under the new one.
+        """
+        self.worker_index = worker_index
+        self.runner.worker_index = worker_index
+
     def set_exchange(self, kind: str) -> None:
         """Combine gradients the way ``kind`` says (``WorkerConfig.exchange``) from the next step on.
 

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
+import ray
 
 import data_test_models as dm
 import dsgd
 from dsgd_test_models import (LR, MOMENTUM, FixedDataMomentumNet, actor_pids, actors_started_since,
-                              assert_replicas_identical, assert_weights_close, batch, fails_to_build_from_worker_2,
-                              known_actors, numpy_gradients, set_start_weights, wait_until)
+                              assert_all_identical, assert_replicas_identical, assert_weights_close, batch,
+                              fails_to_build_from_worker_2, known_actors, numpy_gradients, run_job,
+                              set_start_weights, wait_until, weights_from_json)
 
 
-def momentum_reference(weights: dict, sizes: list[tuple[int, int]], devices_per_worker: int = 1) -> dict:
-    """Momentum SGD on FixedDataMomentumNet's batches; ``sizes``: (steps, workers), each step averaging its replicas."""
+def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[int, int]]]],
+                       devices_per_worker: int = 1) -> dict:
+    """Momentum SGD on FixedDataMomentumNet's batches, each step averaging the replicas alive at it.
+
+    ``stages``: (steps, workers) or (steps, [(worker, device) of each replica]).
+    """
     accum = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
-    for steps, workers in sizes:
-        replicas = [(w, d) for w in range(workers) for d in range(devices_per_worker)]
+    for steps, workers in stages:
+        replicas = workers if isinstance(workers, list) else [
+            (w, d) for w in range(workers) for d in range(devices_per_worker)]
         for _ in range(steps):
             grads = [numpy_gradients(weights, *batch(w, d, 0)) for w, d in replicas]
             for k in weights:
@@ -161,3 +169,110 @@ def test_num_replicas_is_a_tensorboard_scalar(ray_session, tmp_path):
         sgd.resize(2)
         sgd.step(fetch_stats=True)
     assert [(step, value) for step, value, _ in read_scalars(tmp_path)["num_replicas"]] == [(0, 1.0), (1, 2.0)]
+
+
+@pytest.fixture(scope="module")
+def elastic_job() -> dict:
+    return run_job(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py"), 300)
+
+
+def test_elastic_engine_starts_with_the_room_there_is_and_goes_on_without_a_lost_node(elastic_job):
+    run = elastic_job
+    assert run["start_workers"] == 3  # room for 3 of num_workers=(2, 4)
+    assert run["after_loss_workers"] == 2 and run["after_loss_replicas"] == 2
+    assert run["survivor_pids_kept"]  # worker 2 went on as worker 1, same process
+    # The survivor that took index 1 still reads the batches its model was built for (worker 2's).
+    assert [indices for _, indices in run["stages"]][:2] == [[0, 1, 2], [0, 2]]
+
+
+def test_elastic_engine_grows_back_when_a_node_joins(elastic_job):
+    run = elastic_job
+    assert run["grown_workers"] == 3
+    print(f"grew back {run['grow_s']:.1f}s after the node joined (resize_interval_s=1)")
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    assert_all_identical(replicas)
+    expected = momentum_reference(weights_from_json(run["start"]),
+                                  [(steps, [(w, 0) for w in indices]) for steps, indices in run["stages"]])
+    assert_weights_close(replicas[0], expected)
+
+
+def test_elastic_engine_below_its_minimum_raises_the_error_naming_what_is_missing(elastic_job):
+    error = elastic_job["below_min_error"]
+    assert error is not None and "cannot replace dead worker" in error and "it needs 2 CPU on one node" in error
+
+
+def interrupt_once(sgd, what: str) -> None:
+    """Ctrl-C (a KeyboardInterrupt) in the driver the first time it waits for ``what`` while building or connecting."""
+    calls = sgd._cluster.calls
+    wait = calls.call_startup
+
+    def interrupted(refs, waiting_for):
+        if what in waiting_for and calls.call_startup is interrupted:
+            calls.call_startup = wait
+            raise KeyboardInterrupt
+        return wait(refs, waiting_for)
+
+    calls.call_startup = interrupted
+
+
+def test_ctrl_c_while_new_workers_build_leaves_the_engine_at_its_old_size(ray_session):
+    with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
+        pids = actor_pids(*sgd.workers)
+        interrupt_once(sgd, "build their models")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.resize(3)
+        assert run_steps(sgd, 2)["num_replicas"] == 2
+        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
+
+
+def test_ctrl_c_after_the_new_workers_are_built_finishes_the_resize_at_the_next_call(ray_session):
+    with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
+        run_steps(sgd, 1)
+        interrupt_once(sgd, "change their exchange")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.resize(3)
+        assert run_steps(sgd, 2)["num_replicas"] == 3
+        assert_replicas_identical(sgd, 3)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (2, 3)]))
+
+
+def test_inside_a_placement_group_resize_and_elastic_engines_are_refused(ray_session):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    import dsgd.tune
+
+    with pytest.raises(ValueError, match="elastic engines do not run in Tune trials"):
+        dsgd.tune.trainable(lambda config: FixedDataMomentumNet, steps_per_report=1, num_workers=(1, 2))
+
+    @ray.remote(num_cpus=1)
+    def trial() -> tuple[str, str, int]:
+        try:
+            dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2))
+            elastic_error = ""
+        except ValueError as e:
+            elastic_error = str(e)
+        with engine(1, "ps") as sgd:
+            try:
+                sgd.resize(2)
+                resize_error = ""
+            except dsgd.DSGDError as e:
+                resize_error = str(e)
+            sgd.step(fetch_stats=True)
+            return elastic_error, resize_error, sgd.num_workers
+
+    group = placement_group([{"CPU": 1}, {"CPU": 1}])
+    try:
+        ray.get(group.ready(), timeout=60)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                    placement_group_capture_child_tasks=True)
+        elastic_error, resize_error, num_workers = ray.get(trial.options(scheduling_strategy=strategy).remote(),
+                                                           timeout=180)
+    finally:
+        remove_placement_group(group)
+    assert "an elastic engine cannot run inside a placement group" in elastic_error
+    assert "resize(2) inside a placement group (a Ray Tune trial) is refused" in resize_error
+    assert num_workers == 1
