@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     import benchmarks
-    from ray import cloudpickle
 
     # Workers on other nodes may lack the checkout: send the benchmark's code by value.
     cloudpickle.register_pickle_by_value(benchmarks)
