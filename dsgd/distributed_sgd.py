@@ -117,8 +117,9 @@ class DistributedSGD:
             replicas' ``get_feed_dict`` concurrently, and after a recovery
             every replica starts a new epoch. Needs ``dsgd[data]``.
         resize_interval_s: an elastic engine below ``max`` looks for room to
-            grow before a step, at most this often; a grow settles the step
-            in flight and adds as many workers as fit.
+            grow before a step, at most this often (counted from the start
+            and from the last resize); a grow settles the step in flight and
+            adds as many workers as fit.
     """
 
     def __init__(

@@ -224,6 +224,7 @@ class StepLedger:
                     raise
                 # a survivor died after the shrink: finishing the resize replaces it
             self._finish_resize()
+            self._last_look = time.monotonic()  # an elastic engine grows again only resize_interval_s later
 
     def grow_if_room(self) -> None:
         """An elastic engine below its maximum: at most every ``resize_interval_s``, grow into the room there is.
