@@ -39,6 +39,9 @@ from dsgd.worker_graph import WorkerSignature
 
 logger = logging.getLogger(__name__)
 
+ELASTIC_PLACEMENTS = 5  # an elastic engine places replacements this often before a lost node's failure is raised
+ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
+
 # The workers' environment, each variable unless the driver's environment sets it:
 # - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
 #   cuInit" on CPU-only machines;
@@ -47,9 +50,6 @@ logger = logging.getLogger(__name__)
 #   every gradient again; glibc's malloc keeps a varying share of that freed memory, so
 #   a worker's RSS wandered by 3-9 % over hundreds of steps, while the pool is reused
 #   and stays flat (benchmarks/soak.py, docs/benchmarks.md "Soak").
-ELASTIC_PLACEMENTS = 5  # an elastic engine places replacements this often before a lost node's failure is raised
-ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
-
 WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
