@@ -9,12 +9,20 @@ Every wait goes through its ``calls`` (``dsgd.calls``: bounded, Ray's errors
 turned into dsgd's). Replacements for dead actors go on live nodes: a new
 worker on a node with room for it beside the surviving workers (else an
 error names what is missing), a new parameter server beside the workers.
+
+``resize`` starts or stops workers between steps (``DistributedSGD.resize``):
+new workers are built before anything else changes, so a size the cluster
+cannot hold, or a new worker that fails to build, leaves the engine as it
+was; ``connect_exchange`` then gives every worker the exchange of the new
+count and re-plans the parameter servers as at start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from typing import Any, Callable
 
 import ray
@@ -30,6 +38,9 @@ from dsgd.sgd_worker import SGDWorker
 from dsgd.worker_graph import WorkerSignature
 
 logger = logging.getLogger(__name__)
+
+ELASTIC_PLACEMENTS = 5  # an elastic engine places replacements this often before a lost node's failure is raised
+ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
 
 # The workers' environment, each variable unless the driver's environment sets it:
 # - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
@@ -70,6 +81,10 @@ class Cluster:
         once the workers have built their models, before any parameter server
         starts: the exchange's size is the model's, known only then.
         """
+        if self.options.elastic:
+            self.options = dataclasses.replace(self.options, num_workers=self._elastic_start_count())
+            logger.info("num_workers=%s: starting %d workers", (self.options.min_workers, self.options.max_workers),
+                        self.options.num_workers)
         self.check_resources()
         self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
         self._worker_nodes = [i.node_id for i in self.calls.identify(self.workers)]
@@ -102,49 +117,85 @@ class Cluster:
         opts = self.options
         return {"CPU": opts.cpus_per_worker, **({"GPU": opts.devices_per_worker} if opts.gpu else {})}
 
-    def _nodes_for(self, new: list[int]) -> list[str]:
-        """A live node for each of the new workers ``new``, with room beside the engine's other workers.
+    def _room(self, new: list[int]) -> tuple[list[str], dict[str, dict[str, float]]]:
+        """A live node for each of the new workers ``new`` in turn, as long as they fit; each node's free resources.
 
         Nodes where other workers run come first (they answered just now),
         the dead workers' own nodes last: Ray sees a lost node dead only
         seconds after its actors. Only the engine's workers count as holding
         resources (what other Ray jobs hold may be freed; waiting for that is
-        bounded). Raises DSGDError naming what is missing if no node has room.
+        bounded).
         """
         needs = self._worker_needs()
         free = {node: {r: have.get(r, 0) for r in needs} for node, have in live_node_resources().items()}
         others = [node for i, node in enumerate(self._worker_nodes) if i not in new]
+        own = [self._worker_nodes[i] for i in new if i < len(self._worker_nodes)]
         for node in others:
             if node in free:
                 for r, amount in needs.items():
                     free[node][r] -= amount
-        nodes = place_new_workers(len(new), needs, free, first=others, last=[self._worker_nodes[i] for i in new])
+        return place_new_workers(len(new), needs, free, first=others, last=own), free
+
+    def _nodes_for(self, new: list[int], what: str = "replace dead worker") -> list[str]:
+        """A live node for each of the new workers ``new`` (``_room``); a DSGDError naming what is missing if not all fit."""
+        nodes, free = self._room(new)
         if len(nodes) < len(new):
             room = "; ".join(f"node {n[:8]} has {_amounts(have)} free" for n, have in free.items())
-            raise DSGDError(f"cannot replace dead worker {new[len(nodes)]}: it needs {_amounts(needs)} on one node, "
-                            f"and no live node has that free beside the other workers ({room or 'no node is alive'})")
+            raise DSGDError(f"cannot {what} {new[len(nodes)]}: it needs {_amounts(self._worker_needs())} on one "
+                            f"node, and no live node has that free beside the other workers "
+                            f"({room or 'no node is alive'})")
         return nodes
 
-    def check_object_store(self) -> None:
-        """Each step may hold every worker's partitions plus their means in the store (their bytes on the wire)."""
+    def room_to_grow(self) -> int:
+        """How many more workers (up to ``max_workers``) fit beside the engine's, and in what Ray has free now.
+
+        The second bound keeps a grow from waiting for resources that other
+        Ray jobs hold.
+        """
+        n = len(self.workers)
+        fit = len(self._room(list(range(n, self.options.max_workers or n)))[0])
+        available = ray.available_resources()
+        return min([fit] + [int(available.get(r, 0) // amount) for r, amount in self._worker_needs().items()])
+
+    def _elastic_start_count(self) -> int:
+        """The workers an elastic engine starts with: as many as fit, up to max; waits up to startup_timeout_s for min."""
+        opts = self.options
+        deadline = time.monotonic() + opts.startup_timeout_s
+        while True:
+            fit = len(self._room(list(range(opts.max_workers)))[0])
+            if fit >= opts.min_workers:
+                return fit
+            if time.monotonic() >= deadline:
+                raise DSGDError(
+                    f"num_workers={(opts.min_workers, opts.max_workers)}: after {opts.startup_timeout_s:.0f}s the "
+                    f"live Ray nodes have room for {fit} workers of {_amounts(self._worker_needs())}, fewer than the "
+                    f"minimum {opts.min_workers}; add nodes or lower the minimum")
+            logger.info("num_workers=%s: room for %d workers, waiting for %d", (opts.min_workers, opts.max_workers),
+                        fit, opts.min_workers)
+            time.sleep(ELASTIC_POLL_S)
+
+    def check_object_store(self, num_workers: int | None = None) -> None:
+        """Each step may hold every worker's partitions (of ``num_workers``, default the engine's) plus their means."""
+        num_workers = self.options.num_workers if num_workers is None else num_workers
         exchange = sum(s.size * wire.wire_dtype(s.dtype, self.options.compression).itemsize
                        for s in self.signature.exchange)
-        need = exchange * (self.options.num_workers + 1)
+        need = exchange * (num_workers + 1)
         have = ray.cluster_resources().get("object_store_memory", 0)
         if need > have:
             raise ValueError(
                 f"the exchange needs {need / 2**20:.0f} MiB of Ray object-store memory per step "
-                f"({self.options.num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
+                f"({num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
                 f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
 
-    def _new_worker(self, index: int, node_id: str | None = None):
-        """Start worker ``index`` (on ``node_id``, or where Ray spreads it)."""
-        opts = self.options
+    def _new_worker(self, index: int, node_id: str | None = None, options: Options | None = None):
+        """Start worker ``index`` (on ``node_id``, or where Ray spreads it), with the exchange of ``options``."""
+        opts = options or self.options
+        config = dataclasses.replace(self.worker_config, exchange=opts.exchange)
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
             runtime_env={"env_vars": worker_env()},
-            scheduling_strategy=actor_placement(node_id)).remote(index, self.worker_config)
+            scheduling_strategy=actor_placement(node_id)).remote(index, config)
 
     def _build_models(self, indices) -> None:
         """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
@@ -158,6 +209,14 @@ class Cluster:
                     f"worker {i} built a model that differs from worker 0's: "
                     f"{shards.spec_difference(sig.weights + sig.exchange, expected.weights + expected.exchange) or sig.metrics}")
         self.signature = expected
+
+    def _split_datasets(self, worker_nodes: list[str]) -> bool:
+        """New splits of every dataset over the replicas of workers on ``worker_nodes``; False without datasets."""
+        if not self.splits.datasets:
+            return False
+        self.stop_datasets()
+        self.splits.split(worker_nodes, self.calls.call_startup)
+        return True
 
     def stop_datasets(self) -> None:
         """Stop the dataset splits: every read waiting on one fails now (no-op without datasets)."""
@@ -192,21 +251,27 @@ class Cluster:
 
         Workers first, on live nodes with room (a DSGDError names what is
         missing if there are none); then parameter servers, beside the
-        workers, so a server lost with its node moves to a live one.
+        workers, so a server lost with its node moves to a live one. An
+        elastic engine without room for every dead worker goes on with fewer
+        (``_shrink_around``), as long as ``min_workers`` remain.
         """
         dead_workers = self.calls.unresponsive(self.workers)
         if len(dead_workers) == self.options.num_workers:
             raise DSGDError("every worker died, so no replica is left to restore the weights from; "
                             "restore from a checkpoint (DistributedSGD.restore) in a new engine")
-        if dead_workers:
+        if self.options.elastic:
+            dead_workers, shrunk = self._replace_or_shrink(dead_workers)
+        else:
             self._replace_workers(dead_workers)
+            shrunk = False
         rebuilt = dead_workers
-        if self.splits.datasets:  # new splits for every replica: survivors rebuild theirs too, keeping their state
-            self.stop_datasets()
-            self.splits.split(self._worker_nodes, self.calls.call_startup)
+        if self._split_datasets(self._worker_nodes):  # new splits for every replica: survivors rebuild theirs too
             rebuilt = range(self.options.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
+        if shrunk:
+            self.connect_exchange()
+            return set(dead_workers)
         dead_servers = self.calls.unresponsive(self.servers.actors) if self.servers else []
         if dead_servers:
             for identity in self.calls.identify(self.servers.replace(dead_servers, self._worker_nodes)):
@@ -216,12 +281,37 @@ class Cluster:
             self.connect_parameter_servers()
         return set(dead_workers)
 
-    def _replace_workers(self, dead: list[int]) -> None:
+    def _replace_or_shrink(self, dead: list[int]) -> tuple[list[int], bool]:
+        """An elastic engine's ``_replace_workers``: replace the dead workers that fit, go on without the others.
+
+        Returns the indices of the new workers and whether the engine shrank
+        (``_shrink_around``). A new worker placed on a node that turns out
+        lost (Ray had not yet seen it dead) counts as dead: the engine looks
+        again at the room there is.
+        """
+        shrunk, placements = False, 0
+        while True:
+            dead, shrank = self._shrink_around(dead)
+            shrunk = shrunk or shrank
+            try:
+                self._replace_workers(dead, place_again=False)
+                return dead, shrunk
+            except ActorFailure:
+                placements += 1
+                if placements == ELASTIC_PLACEMENTS:
+                    raise
+                logger.warning("a node chosen for a new worker is lost too; looking again at the room there is")
+                dead = self.calls.unresponsive(self.workers)
+
+    def _replace_workers(self, dead: list[int], place_again: bool = True) -> None:
         """Kill what is left of workers ``dead``, start new ones on live nodes (their models are not built yet).
 
         If a node chosen for a new worker turns out lost as well (Ray had not
-        yet seen it dead), the new workers are placed again without it.
+        yet seen it dead), the new workers are placed again without it (or,
+        without ``place_again``, the ActorFailure raised).
         """
+        if not dead:
+            return
         needs = _amounts(self._worker_needs())
         while True:
             nodes = self._nodes_for(dead)
@@ -234,11 +324,101 @@ class Cluster:
                                             f"new workers {dead} to start (each needs {needs} on its node)")
                 break
             except ActorFailure:
-                if set(nodes) <= live_node_resources().keys():
+                if not place_again or set(nodes) <= live_node_resources().keys():
                     raise
                 logger.warning("a node chosen for a new worker is lost too; placing the new workers again")
         for i, identity in zip(dead, identities):
             self._worker_nodes[i] = identity.node_id
+
+    def _shrink_around(self, dead: list[int]) -> tuple[list[int], bool]:
+        """An elastic engine's dead workers without room for all: drop those that fit nowhere, close up the indices.
+
+        Returns the indices of the dead workers still to replace and whether
+        the engine shrank. The surviving workers keep their order and take
+        the indices from 0 (``SGDWorker.renumber``); the replacements that
+        fit come last. Below ``min_workers`` nothing changes (and
+        ``_replace_workers`` raises the error naming what is missing).
+        """
+        fit = len(self._room(dead)[0])
+        keep = len(self.workers) - len(dead) + fit
+        if fit >= len(dead) or keep < self.options.min_workers:
+            return dead, False
+        for i in dead:
+            ray.kill(self.workers[i])
+        order = [i for i in range(len(self.workers)) if i not in dead] + dead[:fit]
+        self.workers = [self.workers[i] for i in order]
+        self._worker_nodes = [self._worker_nodes[i] for i in order]
+        survivors = len(order) - fit
+        moved = [new for new, old in enumerate(order[:survivors]) if new != old]
+        self.calls.call([self.workers[i].renumber.remote(i) for i in moved], "the survivors to take new indices")
+        self.calls.identify([self.workers[i] for i in moved], "the survivors to answer")
+        logger.warning("workers %s are lost and the live nodes have room for %d of them: going on with %d workers "
+                       "(num_workers=%s)", dead, fit, keep, (self.options.min_workers, self.options.max_workers))
+        self.options = dataclasses.replace(self.options, num_workers=keep)
+        return list(range(survivors, keep)), True
+
+    # ---- resizing --------------------------------------------------------
+
+    def resize(self, n: int) -> set[int]:
+        """Start or stop workers so that ``n`` run; the indices of the new workers (their state not loaded yet).
+
+        Growing, the new workers start on nodes with room (a DSGDError names
+        what is missing, before any starts) and build their models first; if
+        that fails (or is interrupted), they are killed and the engine is as
+        it was (with datasets, the survivors get splits for the old count
+        again). Shrinking stops the highest-indexed workers (with datasets,
+        the survivors then get new splits). Once ``num_workers`` is ``n``
+        (also if an error comes later), call ``connect_exchange`` before
+        the next step.
+        """
+        old = self.options.num_workers
+        resized = dataclasses.replace(self.options, num_workers=n)
+        if n > old:
+            new = list(range(old, n))
+            nodes = self._nodes_for(new, f"grow to {n} workers: no room for new worker")
+            if resized.uses_ps:
+                self.check_object_store(n)
+            try:
+                self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
+                identities = self.calls.identify(self.workers[old:], f"new workers {new} to start")
+                self._worker_nodes += [i.node_id for i in identities]
+                self._build_models(range(n) if self._split_datasets(self._worker_nodes) else new)
+            except BaseException:
+                self._stop_workers(old)
+                if self._split_datasets(self._worker_nodes):
+                    self._build_models(range(old))
+                raise
+            logger.info("grew from %d to %d workers: started workers %s", old, n, new)
+            self.options = resized
+            return set(new)
+        self._stop_workers(n)
+        self.options = resized
+        logger.warning("shrank from %d to %d workers: stopped workers %s", old, n, list(range(n, old)))
+        if self._split_datasets(self._worker_nodes):
+            self._build_models(range(n))
+        return set()
+
+    def _stop_workers(self, keep: int) -> None:
+        """Kill the workers from index ``keep`` on."""
+        for worker in self.workers[keep:]:
+            ray.kill(worker)
+        del self.workers[keep:], self._worker_nodes[keep:]
+
+    def connect_exchange(self) -> None:
+        """Every worker combines gradients as the engine's count asks; the parameter servers planned anew.
+
+        After a resize: the servers of the old count are killed; with "ps"
+        and several workers, new ones are planned (how many, where, the
+        partitions) from the workers' nodes as at start, and every worker
+        connects to them. Safe to call again after a failure.
+        """
+        if self.servers:
+            self.servers.kill()
+            self.servers = None
+        self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
+                                "the workers to change their exchange")
+        if self.options.uses_ps:
+            self._start_parameter_servers(self._worker_nodes)
 
     def abort_servers(self) -> None:
         """Make every waiting and future push fail until ``reset_servers`` (no-op without servers)."""

@@ -59,6 +59,9 @@ class Options:
     batch_size: int | None
     compression: str | None
     backup_workers: int = 0
+    min_workers: int | None = None  # num_workers=(min, max): the elastic bounds; None: a fixed count
+    max_workers: int | None = None
+    resize_interval_s: float = 60.0  # elastic engines: how often, at most, to look for room to grow
 
     @classmethod
     def checked(cls, **given: Any) -> "Options":
@@ -80,9 +83,10 @@ class Options:
                              f"strategy={given['strategy']!r} sends float32: leave compression=None")
         if given["logdir"] is not None and not isinstance(given["logdir"], str):
             raise ValueError(f"logdir must be a directory path (str) or None, got {given['logdir']!r}")
+        min_workers, max_workers = _check_worker_bounds(given["num_workers"])
         return cls(
             strategy=given["strategy"],
-            num_workers=check_int("num_workers", given["num_workers"], 1),
+            num_workers=max_workers,
             devices_per_worker=check_int("devices_per_worker", given["devices_per_worker"], 1),
             gpu=given["gpu"],
             grad_shard_bytes=_check_optional_int("grad_shard_bytes", given["grad_shard_bytes"], 0),
@@ -97,9 +101,29 @@ class Options:
             logdir=given["logdir"],
             batch_size=_check_optional_int("batch_size", given["batch_size"], 1),
             compression=compression,
-            backup_workers=_check_backup_workers(given.get("backup_workers", 0), given["strategy"],
-                                                 given["num_workers"]),
+            backup_workers=_check_backup_workers(given.get("backup_workers", 0), given["strategy"], min_workers),
+            min_workers=min_workers if isinstance(given["num_workers"], tuple) else None,
+            max_workers=max_workers if isinstance(given["num_workers"], tuple) else None,
+            resize_interval_s=_check_seconds("resize_interval_s", given["resize_interval_s"]),
         )
+
+    @property
+    def elastic(self) -> bool:
+        """``num_workers=(min, max)`` was given: the engine shrinks on losses it cannot replace and grows back."""
+        return self.min_workers is not None
+
+    def check_size(self, n: Any) -> int:
+        """``n`` as a worker count for ``resize``: a TypeError if not an int, a ValueError if < 1 or out of bounds."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"resize(n): n must be an int (the number of workers), got {type(n).__name__} {n!r}")
+        low, high = (self.min_workers, self.max_workers) if self.elastic else (1, None)
+        if n < low or (high is not None and n > high):
+            bounds = f"between {low} and {high} (num_workers={(low, high)})" if self.elastic else ">= 1"
+            raise ValueError(f"resize(n): n must be {bounds}, got {n}")
+        if self.backup_workers and n <= self.backup_workers:
+            raise ValueError(f"resize(n): n must be > backup_workers={self.backup_workers} (a step averages "
+                             f"n - backup_workers >= 1 workers), got {n}")
+        return int(n)
 
     @property
     def uses_ps(self) -> bool:
@@ -138,6 +162,20 @@ def check_int(name: str, value: Any, minimum: int, where: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}{where}")
     return int(value)
+
+
+def _check_worker_bounds(value: Any) -> tuple[int, int]:
+    """``num_workers``: an int n (bounds n, n) or a tuple (min, max) with 1 <= min <= max; else a ValueError."""
+    if not isinstance(value, tuple):
+        n = check_int("num_workers", value, 1)
+        return n, n
+    if len(value) != 2:
+        raise ValueError(f"num_workers must be an int or a tuple (min, max) for an elastic engine, got {value!r}")
+    low = check_int("num_workers", value[0], 1, " as min of num_workers=(min, max)")
+    high = check_int("num_workers", value[1], 1, " as max of num_workers=(min, max)")
+    if high < low:
+        raise ValueError(f"num_workers=(min, max) needs min <= max, got {value!r}")
+    return low, high
 
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> int | None:

@@ -16,9 +16,10 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
-from dsgd import checkpoint, data
+from dsgd import checkpoint, data, placement
 from dsgd.cluster import Cluster
 from dsgd.config import Options
+from dsgd.errors import DSGDError
 from dsgd.ledger import StepLedger
 from dsgd.model import Model
 from dsgd.sgd_worker import SGDWorker
@@ -68,7 +69,12 @@ class DistributedSGD:
     Args:
         model_creator: ``(worker_index, device_index) -> dsgd.Model``; must be
             picklable (it runs inside the worker actors).
-        num_workers: worker actors, each a Ray actor with its own TF session.
+        num_workers: worker actors, each a Ray actor with its own TF session;
+            ``(min, max)`` makes the engine elastic: it starts with as many
+            workers as the cluster has room for (at least ``min``, waiting
+            up to ``startup_timeout_s``), goes on with the survivors when a
+            lost worker cannot be replaced (as long as ``min`` remain), and
+            grows toward ``max`` when there is room (see ``resize_interval_s``).
         devices_per_worker: replicas per worker, one per device.
         gpu: place replicas on GPUs (one per replica) instead of virtual CPUs.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver
@@ -123,6 +129,10 @@ class DistributedSGD:
             the slowest workers do not set the pace (README, "Stragglers:
             backup workers"). The stats then report ``num_replicas`` and
             ``dropped_gradients``.
+        resize_interval_s: an elastic engine below ``max`` looks for room to
+            grow before a step, at most this often (counted from the start
+            and from the last resize); a grow settles the step in flight and
+            adds as many workers as fit.
     """
 
     def __init__(
@@ -147,23 +157,27 @@ class DistributedSGD:
         datasets: dict[str, Any] | None = None,
         compression: str | None = None,
         backup_workers: int = 0,
+        resize_interval_s: float = 60.0,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
-        self.options = Options.checked(
+        opts = Options.checked(
             num_workers=num_workers, devices_per_worker=devices_per_worker, gpu=gpu, strategy=strategy,
             grad_shard_bytes=grad_shard_bytes, all_reduce_alg=all_reduce_alg,
             num_parameter_servers=num_parameter_servers, cpus_per_worker=cpus_per_worker, nan_policy=nan_policy,
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
-            logdir=logdir, batch_size=batch_size, compression=compression, backup_workers=backup_workers)
+            logdir=logdir, batch_size=batch_size, compression=compression, backup_workers=backup_workers,
+            resize_interval_s=resize_interval_s)
         datasets = data.check_datasets(datasets)
-        opts = self.options
+        if opts.elastic and placement.in_placement_group():
+            raise ValueError(f"num_workers={num_workers!r}: an elastic engine cannot run inside a placement group "
+                             "(a Ray Tune trial), whose bundles fix the workers; give an int")
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does"
                            + (f"; compression={compression!r} has nothing to send" if compression else ""))
         self._scalars = _scalar_logger(opts.logdir)
-        worker_config = opts.worker_config(use_ops=opts.uses_ps and _ops_wanted(opts.use_ops),
+        worker_config = opts.worker_config(use_ops=opts.strategy == "ps" and _ops_wanted(opts.use_ops),
                                            feed_concurrently=datasets is not None)
         _init_ray_if_needed()
         self._cluster = Cluster(opts, model_creator, worker_config, datasets)
@@ -185,8 +199,14 @@ class DistributedSGD:
         return self.options.strategy
 
     @property
+    def options(self) -> Options:
+        """The checked arguments; ``num_workers`` is the current count."""
+        return self._cluster.options
+
+    @property
     def num_workers(self) -> int:
-        return self.options.num_workers
+        """The workers running now (``resize`` changes it)."""
+        return self._cluster.options.num_workers
 
     @property
     def devices_per_worker(self) -> int:
@@ -236,6 +256,7 @@ class DistributedSGD:
         killed at once, without waiting for the step.
         """
         with self._ledger.call():
+            self._ledger.grow_if_room()
             if write_timeline is None:
                 return self._step(fetch_stats)
             self._ledger.drain()
@@ -254,6 +275,7 @@ class DistributedSGD:
         per_worker, backup = self._backup_stats(per_worker)
         stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
         stats.update(backup)
+        stats.setdefault("num_replicas", float(self.num_workers * self.devices_per_worker))
         stats["step_time_s"] = time.perf_counter() - start
         if self.options.samples_per_step:
             stats["samples_per_s"] = self.options.samples_per_step / stats["step_time_s"]
@@ -354,6 +376,37 @@ class DistributedSGD:
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it."""
         self._on_workers("warmup", what="the workers to warm up")
+
+    # ---- elastic training ---------------------------------------------------
+
+    def resize(self, n: int) -> None:
+        """Between steps, start or stop workers so that ``n`` run; survivors are not restarted.
+
+        Settles the steps in flight first. New workers are built by
+        ``model_creator`` with their own indices and join with the current
+        weights, optimizer state and step count; the highest-indexed
+        workers are the ones stopped. The parameter servers and the
+        partitions are planned for ``n`` workers as at start, and every
+        survivor reconnects to them (with one worker, "ps" has none). With
+        ``datasets=``, every replica gets a new split. A step then averages
+        the ``n x devices_per_worker`` replicas; the effective batch changes
+        with it, so scale the learning rate yourself if you want.
+
+        Bad ``n`` (not an int, < 1, outside ``num_workers=(min, max)``) is a
+        TypeError/ValueError; a size the cluster cannot hold is a DSGDError
+        naming what is missing, before any worker starts. If a new worker
+        fails to build (its ``model_creator`` raises), the new workers are
+        stopped and the error raised. In every such case the engine is as it
+        was and keeps stepping. Inside a placement group (a Ray Tune trial,
+        whose bundles fix the workers) a resize is refused with a DSGDError.
+        """
+        self._ledger.check_open()
+        n = self.options.check_size(n)
+        if placement.in_placement_group():
+            raise DSGDError(f"resize({n}) inside a placement group (a Ray Tune trial) is refused: the trial reserved "
+                            f"one bundle per worker, {self.num_workers} in all; set num_workers in the trial's "
+                            "config or dsgd.tune.trainable's keywords instead")
+        self._ledger.resize(n)
 
     # ---- teardown ---------------------------------------------------------
 

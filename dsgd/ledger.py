@@ -26,14 +26,16 @@ meanwhile does not stop the step if the others can close it (the servers
 are told not to wait for it, ``ServerGroup.excuse``); its failure is
 recovered from before the next step, as any other.
 
-Elastic resizing hooks in here: it settles the steps in flight, changes the
-cluster, and goes on from ``num_steps``.
+Elastic resizing (``resize``) settles the steps in flight, has the cluster
+start or stop workers and re-plan the parameter servers, gives the new
+workers the survivors' state, and goes on from ``num_steps``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Callable, Iterator, Sequence
 
 import ray
@@ -67,16 +69,18 @@ class StepLedger:
         self.quorum = options.num_workers - self.backup_workers  # workers that compute a step
         self._behind: list[ray.ObjectRef] = []  # calls of steps already closed, of workers behind (backup workers)
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
+        self._last_look = time.monotonic()  # an elastic engine last looked for room to grow
+        self._joining: set[int] | None = None  # a resize not finished: the new workers, not yet given the state
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
 
     # ---- every call ---------------------------------------------------------
 
     def check_open(self) -> None:
-        """Refuse calls after ``close``; settle a step that Ctrl-C interrupted."""
+        """Refuse calls after ``close``; settle a step that Ctrl-C interrupted, finish a resize an error cut short."""
         if self.closed:
             raise DSGDError("this DistributedSGD has been shut down; create a new one")
-        if self._interrupted:
+        if self._interrupted or self._joining is not None:
             self.settle_interrupted()
 
     @contextlib.contextmanager
@@ -96,14 +100,17 @@ class StepLedger:
         """Bring every replica to one state after a KeyboardInterrupt in ``step`` (or a recovery, a restore...).
 
         The steps whose calls were all sent complete, as without the
-        interrupt. A step that Ctrl-C cut short before all its calls were
-        sent (the "simple" driver's gather, or between two workers' calls)
+        interrupt, and a resize past building its new workers is finished.
+        A step that Ctrl-C cut short before all its calls were sent (the
+        "simple" driver's gather, or between two workers' calls)
         cannot: the parameter servers abort what of it waits, and the most
         advanced worker's state goes to every worker behind it, so it counts
         on every replica or on none (``num_steps`` says which). An actor
         that died meanwhile is replaced as after any failure.
         """
         self.drain()
+        if self._joining is not None:  # Ctrl-C during a resize, after the new workers were built
+            self._finish_resize()
         try:
             self.num_steps = self.settle([])
         except ActorFailure as e:
@@ -241,6 +248,67 @@ class StepLedger:
             self.drain()
             return self.cluster.latest_state()
 
+    # ---- resizing -------------------------------------------------------------
+
+    def resize(self, n: int) -> None:
+        """After the steps in flight, start or stop workers so that ``n`` run; steps go on from ``num_steps``.
+
+        If the new workers cannot start or build (``Cluster.resize``), the
+        engine is unchanged and the error raised. Once they are built, the
+        resize is done: a worker that dies while the exchange is re-planned
+        and the new workers get the survivors' state is replaced as after a
+        failed step.
+        """
+        with self.call():
+            self.drain()
+            if n == len(self.cluster.workers):
+                return
+            self._joining = set()  # until _finish_resize is done, the next call finishes the resize
+            try:
+                self._joining = self.cluster.resize(n)
+            except BaseException as e:
+                if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
+                    self._joining = None
+                    raise
+                if not isinstance(e, ActorFailure):
+                    raise
+                # a survivor died after the shrink: finishing the resize replaces it
+            self._finish_resize()
+            self._last_look = time.monotonic()  # an elastic engine grows again only resize_interval_s later
+
+    def grow_if_room(self) -> None:
+        """An elastic engine below its maximum: at most every ``resize_interval_s``, grow into the room there is.
+
+        A grow that fails (a node lost meanwhile, a worker that cannot
+        build) is logged; the engine goes on at its size and looks again later.
+        """
+        opts = self.cluster.options
+        if not opts.elastic or opts.num_workers >= opts.max_workers:
+            return
+        if time.monotonic() - self._last_look < opts.resize_interval_s:
+            return
+        self._last_look = time.monotonic()
+        room = self.cluster.room_to_grow()
+        if room:
+            try:
+                self.resize(opts.num_workers + room)
+            except (DSGDError, ValueError) as e:  # ValueError: the object store too small for the exchange
+                logger.warning("could not grow to %d workers; going on with %d: %s",
+                               opts.num_workers + room, opts.num_workers, e)
+
+    def _finish_resize(self) -> None:
+        """Every worker on the new count's exchange, the new workers (``_joining``) given the survivors' state."""
+        self._strategy = strategies.make(self.cluster.options.exchange, self.cluster.calls.call, self.span)
+        while True:
+            try:
+                self.cluster.connect_exchange()
+                self.num_steps = self._resynchronize(self._joining)
+                self._joining = None
+                return
+            except ActorFailure as e:
+                self._count_failure(e)
+                self._joining |= self.cluster.replace_dead()
+
     # ---- recovery -------------------------------------------------------------
 
     def recover(self, error: ActorFailure, in_flight: list[ray.ObjectRef]) -> list:
@@ -250,11 +318,7 @@ class StepLedger:
         below ``num_steps`` is applied on every worker on return.
         """
         while True:
-            self.failures += 1
-            if self.failures > self.max_failures:
-                raise DSGDError(f"giving up after {self.max_failures} recoveries (max_failures); "
-                                f"last failure: {error}") from error
-            logger.warning("%s; recovering (failure %d of at most %d)", error, self.failures, self.max_failures)
+            self._count_failure(error)
             try:
                 applied = self.settle(in_flight, replace_dead=True)
                 results = []
@@ -266,6 +330,14 @@ class StepLedger:
             except ActorFailure as e:
                 error = e
 
+    def _count_failure(self, error: ActorFailure) -> None:
+        """Count a failure to recover from; a DSGDError past ``max_failures``."""
+        self.failures += 1
+        if self.failures > self.max_failures:
+            raise DSGDError(f"giving up after {self.max_failures} recoveries (max_failures); "
+                            f"last failure: {error}") from error
+        logger.warning("%s; recovering (failure %d of at most %d)", error, self.failures, self.max_failures)
+
     def settle(self, in_flight: list[ray.ObjectRef], replace_dead: bool = False) -> int:
         """Abort ``in_flight``, optionally replace dead actors, bring every worker to one state; its step count."""
         cluster = self.cluster
@@ -274,6 +346,7 @@ class StepLedger:
             cluster.stop_datasets()  # and those waiting on a dataset split (replace_dead splits anew)
         cluster.calls.wait_finished(in_flight)
         fresh = cluster.replace_dead() if replace_dead else set()
+        self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)  # an elastic shrink
         return self._resynchronize(fresh)
 
     def _resynchronize(self, fresh: set[int]) -> int:

@@ -41,6 +41,11 @@ def actor_placement(node_id: str | None = None) -> Placement:
                                             placement_group_capture_child_tasks=False)
 
 
+def in_placement_group() -> bool:
+    """The caller runs inside a placement group (a Tune trial): the engine's workers are its fixed bundles."""
+    return get_current_placement_group() is not None
+
+
 def reserved_cpus() -> dict[str, float] | None:
     """CPUs per node that the caller's placement group reserved (all its bundles), or None outside one.
 

@@ -11,6 +11,7 @@ the user's callbacks.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any, Callable, Sequence
 
@@ -96,6 +97,27 @@ class SGDWorker:
         if self.exchange is None:
             self.exchange = ps_exchanges.with_servers(self.runner, self.client)
         return self.client.connect(servers)
+
+    def renumber(self, worker_index: int) -> None:
+        """Take index ``worker_index``: an elastic engine lost a worker below this one and closed up the indices.
+
+        The replicas keep the graph ``model_creator`` built for the old index;
+        ``set_exchange`` (which follows) connects under the new one.
+        """
+        self.worker_index = worker_index
+        self.runner.worker_index = worker_index
+
+    def set_exchange(self, kind: str) -> None:
+        """Combine gradients the way ``kind`` says (``WorkerConfig.exchange``) from the next step on.
+
+        A resize changed the worker count: the old exchange (and, for "ps",
+        the connection to the old servers) is dropped; for "ps", ``connect``
+        makes the new one. The graph's replicas and the session stay.
+        """
+        self.config = dataclasses.replace(self.config, exchange=kind)
+        self.runner.config = self.config
+        self.client = None
+        self.exchange = exchanges.without_servers(self.runner)
 
     # ---- stepping -----------------------------------------------------------
 

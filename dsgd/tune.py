@@ -63,6 +63,9 @@ class _TrialOptions:
         """Bundle 0 for the trial's driver, then one bundle per worker."""
         options = self.for_config(config)
         where = " (from the trial's config or dsgd.tune.trainable's keywords)"
+        if isinstance(options.get("num_workers"), tuple):
+            raise ValueError(f"num_workers={options['num_workers']!r}{where}: elastic engines do not run in Tune "
+                             "trials, whose placement group reserves a fixed number of workers; give an int")
         num_workers = check_int("num_workers", options.get("num_workers", 1), 1, where)
         cpus = check_int("cpus_per_worker", options.get("cpus_per_worker", 1), 1, where)
         devices = check_int("devices_per_worker", options.get("devices_per_worker", 1), 1, where)

@@ -264,6 +264,13 @@ def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
     return TanhNet(worker_index, device_index)
 
 
+def fails_to_build_from_worker_2(worker_index: int, device_index: int) -> FixedDataMomentumNet:
+    """FixedDataMomentumNet replicas; worker 2 (a worker added by a resize to 3) cannot build its own."""
+    if worker_index >= 2:
+        raise RuntimeError(f"no model for worker {worker_index}")
+    return FixedDataMomentumNet(worker_index, device_index)
+
+
 class KillCue:
     """A file naming a process for a worker to SIGKILL once: a fault at a point that only code inside the worker reaches.
 

@@ -250,9 +250,9 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
 @pytest.mark.parametrize("command", [
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
-    ["benchmarks/stragglers.py"],
+    ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"],
     ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
-    ["-m", "benchmarks.stragglers"],
+    ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"],
 ], ids=" ".join)
 def test_benchmarks_run_as_scripts_and_modules(command, tmp_path):
     # A script runs from any directory; `-m` from the repository root.

@@ -1,0 +1,289 @@
+"""Elastic training: DistributedSGD.resize and num_workers=(min, max) engines (SPEC "Elastic training")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import data_test_models as dm
+import dsgd
+from dsgd_test_models import (LR, MOMENTUM, FixedDataMomentumNet, actor_pids, actors_started_since,
+                              assert_all_identical, assert_replicas_identical, assert_weights_close, batch,
+                              fails_to_build_from_worker_2, known_actors, numpy_gradients, run_job,
+                              set_start_weights, wait_until, weights_from_json)
+
+
+def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[int, int]]]],
+                       devices_per_worker: int = 1) -> dict:
+    """Momentum SGD on FixedDataMomentumNet's batches, each step averaging the replicas alive at it.
+
+    ``stages``: (steps, workers) or (steps, [(worker, device) of each replica]).
+    """
+    accum = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
+    for steps, workers in stages:
+        replicas = workers if isinstance(workers, list) else [
+            (w, d) for w in range(workers) for d in range(devices_per_worker)]
+        for _ in range(steps):
+            grads = [numpy_gradients(weights, *batch(w, d, 0)) for w, d in replicas]
+            for k in weights:
+                accum[k] = MOMENTUM * accum[k] + np.mean([g[k] for g in grads], axis=0)
+            weights = {k: weights[k] - LR * accum[k] for k in weights}
+    return weights
+
+
+def engine(num_workers=2, strategy="ps", **kwargs) -> dsgd.DistributedSGD:
+    kwargs = {"timeout_s": 60, "startup_timeout_s": 60, **kwargs}
+    return dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=num_workers, strategy=strategy, **kwargs)
+
+
+def run_steps(sgd, steps: int) -> dict:
+    for _ in range(steps):
+        stats = sgd.step(fetch_stats=True)
+    return stats
+
+
+@pytest.mark.parametrize("strategy, use_ops", [("ps", None), ("ps", False), ("simple", None)])
+def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_session, strategy, use_ops, caplog):
+    caplog.set_level(logging.INFO, logger="dsgd")
+    with engine(2, strategy, use_ops=use_ops) as sgd:
+        start = set_start_weights(sgd)
+        assert run_steps(sgd, 2)["num_replicas"] == 2
+        pids = actor_pids(*sgd.workers)
+
+        sgd.resize(3)
+        assert sgd.num_workers == 3 and len(sgd.workers) == 3
+        assert actor_pids(*sgd.workers[:2]) == pids
+        assert_replicas_identical(sgd, 3)
+        assert "grew from 2 to 3 workers" in caplog.text
+        assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [2, 2, 2]
+        assert run_steps(sgd, 2)["num_replicas"] == 3
+
+        sgd.resize(1)
+        assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == pids[:1]
+        assert [r.levelname for r in caplog.records if "shrank from 3 to 1" in r.message] == ["WARNING"]
+        assert run_steps(sgd, 1)["num_replicas"] == 1
+        assert sgd.num_steps == 5
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2), (2, 3), (1, 1)]))
+
+
+def test_devices_per_worker_2_grows_from_one_worker_and_shrinks_back(ray_session):
+    """1 -> 2 -> 1 workers of 2 devices; "ps" through Python (the op library's path is in the test above)."""
+    with engine(1, "ps", devices_per_worker=2, use_ops=False) as sgd:
+        start = set_start_weights(sgd)
+        run_steps(sgd, 1)
+        sgd.resize(2)
+        assert run_steps(sgd, 2)["num_replicas"] == 4
+        assert_replicas_identical(sgd, 4)
+        sgd.resize(1)
+        run_steps(sgd, 1)
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 1), (2, 2), (1, 1)], 2))
+
+
+@pytest.mark.parametrize("bad, error", [("3", TypeError), (2.0, TypeError), (True, TypeError), (None, TypeError),
+                                        (0, ValueError), (-1, ValueError)])
+def test_bad_sizes_are_refused_and_the_engine_keeps_stepping(ray_session, shared_engine, bad, error):
+    sgd, pids = shared_engine
+    with pytest.raises(error, match="resize"):
+        sgd.resize(bad)
+    assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+    sgd.step(fetch_stats=True)
+
+
+@pytest.fixture(scope="module")
+def shared_engine(ray_session):
+    with engine(2, "ps") as sgd:
+        yield sgd, actor_pids(*sgd.workers)
+
+
+def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothing(ray_session):
+    with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
+        pids = actor_pids(*sgd.workers)
+        run_steps(sgd, 1)
+        with pytest.raises(dsgd.DSGDError, match=r"grow to 9 workers: no room for new worker 8: it needs 1 CPU"):
+            sgd.resize(9)  # the session's Ray has 8 CPUs
+        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+        run_steps(sgd, 1)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
+
+
+@pytest.mark.parametrize("strategy", ["ps", "simple"])
+def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(ray_session, strategy):
+    """The defined state after a fault while growing: the new workers stopped, the error raised, the old size."""
+    with dsgd.DistributedSGD(fails_to_build_from_worker_2, num_workers=2, strategy=strategy,
+                             timeout_s=60, startup_timeout_s=60) as sgd:
+        start = set_start_weights(sgd)
+        pids = actor_pids(*sgd.workers)
+        run_steps(sgd, 1)
+        before = known_actors()
+        with pytest.raises(dsgd.DSGDError, match="no model for worker 2"):
+            sgd.resize(3)
+        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+        new_worker = [a for a in actors_started_since(before) if a[0] == "SGDWorker"]
+        assert len(new_worker) == 1
+        wait_until(lambda: all(state == "DEAD" for _, state in actors_started_since(before)))
+        assert run_steps(sgd, 2)["num_replicas"] == 2
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
+
+
+def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(ray_session):
+    ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
+    ray_data.DataContext.get_current().enable_progress_bars = False
+    rows = 300  # 3 replicas x 100 rows: 10 steps an epoch
+    with dsgd.DistributedSGD(dm.row_id_creator(rows), num_workers=2, strategy="ps", datasets={"train": ray_data.range(rows)},
+                             timeout_s=120, startup_timeout_s=120) as sgd:
+        run_steps(sgd, 3)
+        pids = actor_pids(*sgd.workers)
+        sgd.resize(3)
+        assert actor_pids(*sgd.workers[:2]) == pids
+        before = sgd.get_weights()["w"]
+        sgd.step()
+        first_batches = [seen[0] for seen in sgd.foreach_model(lambda model: model.seen)]
+        assert [len(ids) for ids in first_batches] == [dm.BATCH] * 3  # every replica started a new split
+        np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, first_batches, rows), rtol=1e-5)
+        run_steps(sgd, 9)
+        seen = [s[0] for s in sgd.foreach_model(lambda model: model.seen)]
+        assert [len(s) for s in seen] == [rows // 3] * 3
+        assert len({i for s in seen for i in s}) == rows  # disjoint: every row read once
+        sgd.resize(1)
+        assert run_steps(sgd, 2)["num_replicas"] == 1
+        assert [len(s[0]) for s in sgd.foreach_model(lambda model: model.seen)] == [2 * dm.BATCH]
+
+
+def test_num_replicas_is_a_tensorboard_scalar(ray_session, tmp_path):
+    from test_tensorboard import read_scalars
+
+    with engine(1, "simple", logdir=str(tmp_path)) as sgd:
+        sgd.step(fetch_stats=True)
+        sgd.resize(2)
+        sgd.step(fetch_stats=True)
+    assert [(step, value) for step, value, _ in read_scalars(tmp_path)["num_replicas"]] == [(0, 1.0), (1, 2.0)]
+
+
+@pytest.fixture(scope="module")
+def elastic_job() -> dict:
+    return run_job(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py"), 300)
+
+
+def test_elastic_engine_starts_with_the_room_there_is_and_goes_on_without_a_lost_node(elastic_job):
+    run = elastic_job
+    assert run["start_workers"] == 3  # room for 3 of num_workers=(2, 4)
+    assert run["after_loss_workers"] == 2 and run["after_loss_replicas"] == 2
+    assert run["survivor_pids_kept"]  # worker 2 went on as worker 1, same process
+    # The survivor that took index 1 still reads the batches its model was built for (worker 2's).
+    assert [indices for _, indices in run["stages"]][:2] == [[0, 1, 2], [0, 2]]
+
+
+def test_elastic_engine_grows_back_when_a_node_joins(elastic_job):
+    run = elastic_job
+    assert run["grown_workers"] == 3
+    print(f"grew back {run['grow_s']:.1f}s after the node joined (resize_interval_s=1)")
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    assert_all_identical(replicas)
+    expected = momentum_reference(weights_from_json(run["start"]),
+                                  [(steps, [(w, 0) for w in indices]) for steps, indices in run["stages"]])
+    assert_weights_close(replicas[0], expected)
+
+
+def test_elastic_engine_below_its_minimum_raises_the_error_naming_what_is_missing(elastic_job):
+    error = elastic_job["below_min_error"]
+    assert error is not None and "cannot replace dead worker" in error and "it needs 2 CPU on one node" in error
+
+
+def interrupt_once(sgd, what: str) -> None:
+    """Ctrl-C (a KeyboardInterrupt) in the driver the first time it waits for ``what`` while building or connecting."""
+    calls = sgd._cluster.calls
+    wait = calls.call_startup
+
+    def interrupted(refs, waiting_for):
+        if what in waiting_for and calls.call_startup is interrupted:
+            calls.call_startup = wait
+            raise KeyboardInterrupt
+        return wait(refs, waiting_for)
+
+    calls.call_startup = interrupted
+
+
+def test_ctrl_c_while_new_workers_build_leaves_the_engine_at_its_old_size(ray_session):
+    with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
+        pids = actor_pids(*sgd.workers)
+        interrupt_once(sgd, "build their models")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.resize(3)
+        assert run_steps(sgd, 2)["num_replicas"] == 2
+        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
+
+
+def test_ctrl_c_after_the_new_workers_are_built_finishes_the_resize_at_the_next_call(ray_session):
+    with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
+        run_steps(sgd, 1)
+        interrupt_once(sgd, "change their exchange")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.resize(3)
+        assert run_steps(sgd, 2)["num_replicas"] == 3
+        assert_replicas_identical(sgd, 3)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (2, 3)]))
+
+
+def test_inside_a_placement_group_resize_and_elastic_engines_are_refused(ray_session):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    import dsgd.tune
+
+    with pytest.raises(ValueError, match="elastic engines do not run in Tune trials"):
+        dsgd.tune.trainable(lambda config: FixedDataMomentumNet, steps_per_report=1, num_workers=(1, 2))
+
+    @ray.remote(num_cpus=1)
+    def trial() -> tuple[str, str, int]:
+        try:
+            dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2))
+            elastic_error = ""
+        except ValueError as e:
+            elastic_error = str(e)
+        with engine(1, "ps") as sgd:
+            try:
+                sgd.resize(2)
+                resize_error = ""
+            except dsgd.DSGDError as e:
+                resize_error = str(e)
+            sgd.step(fetch_stats=True)
+            return elastic_error, resize_error, sgd.num_workers
+
+    group = placement_group([{"CPU": 1}, {"CPU": 1}])
+    try:
+        ray.get(group.ready(), timeout=60)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                    placement_group_capture_child_tasks=True)
+        elastic_error, resize_error, num_workers = ray.get(trial.options(scheduling_strategy=strategy).remote(),
+                                                           timeout=180)
+    finally:
+        remove_placement_group(group)
+    assert "an elastic engine cannot run inside a placement group" in elastic_error
+    assert "resize(2) inside a placement group (a Ray Tune trial) is refused" in resize_error
+    assert num_workers == 1
+
+
+def test_elastic_engine_in_one_ray_instance_starts_at_max_refuses_sizes_outside_and_grows_back(ray_session, caplog):
+    caplog.set_level(logging.INFO, logger="dsgd")
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2), strategy="ps", resize_interval_s=2.0,
+                             timeout_s=60, startup_timeout_s=60) as sgd:
+        assert sgd.num_workers == 2  # the session's 8 CPUs have room for the maximum
+        with pytest.raises(ValueError, match=r"resize\(n\): n must be between 1 and 2 \(num_workers=\(1, 2\)\), got 3"):
+            sgd.resize(3)
+        sgd.resize(1)
+        assert sgd.step(fetch_stats=True)["num_replicas"] == 1  # within resize_interval_s of the resize
+        time.sleep(2.1)
+        assert sgd.step(fetch_stats=True)["num_replicas"] == 2  # grown back into the room there is
+        assert "grew from 1 to 2 workers" in caplog.text
+        assert_replicas_identical(sgd, 2)
