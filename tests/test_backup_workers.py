@@ -10,8 +10,8 @@ import ray
 import dsgd
 from dsgd import checkpoint, object_store, ps_actor
 from dsgd.shards import VarSpec, plan_shards, segments
-from dsgd_test_models import (LR, StragglerNet, TanhNet, assert_replicas_identical, assert_weights_close, batch,
-                              kill, numpy_gradients, numpy_step, ps_actors, set_start_weights)
+from dsgd_test_models import (LR, StragglerNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close,
+                              batch, kill, numpy_gradients, numpy_step, ps_actors, server_group, set_start_weights)
 
 FAST = [(0, 0), (1, 0)]  # (worker, device) of the workers that keep up with each other
 
@@ -162,3 +162,23 @@ def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced_more_than_b_are
 def test_bad_backup_workers_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):
         dsgd.DistributedSGD(TanhNet, **kwargs)
+
+
+def test_backup_workers_with_bf16_partitions_through_a_resize(ray_session):
+    """The three together: one backup worker, 16-bit partitions, 3 -> 4 -> 3 workers; replicas stay identical."""
+    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, compression="bf16",
+                             grad_shard_bytes=40) as sgd:
+        half_of_float32 = sum(shard.size for shard in server_group(sgd).layout) * 2  # float32 elements, 2 bytes
+        pids = actor_pids(*sgd.workers)
+        stats = sgd.step(fetch_stats=True)
+        assert (stats["num_replicas"], stats["dropped_gradients"], stats["sent_bytes"]) == (2, 1, half_of_float32)
+        sgd.resize(4)
+        stats = sgd.step(fetch_stats=True)
+        assert (stats["num_replicas"], stats["dropped_gradients"]) == (3, 1)
+        assert_replicas_identical(sgd, 4)
+        with pytest.raises(ValueError, match="n must be > backup_workers=1"):
+            sgd.resize(1)
+        sgd.resize(3)
+        assert actor_pids(*sgd.workers) == pids
+        assert sgd.step(fetch_stats=True)["num_replicas"] == 2
+        assert_replicas_identical(sgd, 3)
