@@ -164,12 +164,19 @@ class FixedDataMomentumNet(TanhNet):
 
 def numpy_momentum_run(weights: dict, replicas: list[tuple[int, int]], steps: int) -> dict:
     """``steps`` momentum-SGD steps on FixedDataMomentumNet's fixed batches."""
+    return numpy_momentum_stages(weights, [(steps, replicas)])
+
+
+def numpy_momentum_stages(weights: dict, stages: list[tuple[int, list[tuple[int, int]]]]) -> dict:
+    """Momentum SGD on FixedDataMomentumNet's fixed batches, in stages of (steps, the replicas each step
+    averages); the momentum carries over from stage to stage (a resized engine)."""
     accum = {k: np.zeros_like(v) for k, v in weights.items()}
-    for _ in range(steps):
-        grads = [numpy_gradients(weights, *batch(w, d, 0)) for w, d in replicas]
-        for k in weights:
-            accum[k] = MOMENTUM * accum[k] + np.mean([g[k] for g in grads], axis=0)
-        weights = {k: weights[k] - LR * accum[k] for k in weights}
+    for steps, replicas in stages:
+        for _ in range(steps):
+            grads = [numpy_gradients(weights, *batch(w, d, 0)) for w, d in replicas]
+            for k in weights:
+                accum[k] = MOMENTUM * accum[k] + np.mean([g[k] for g in grads], axis=0)
+            weights = {k: weights[k] - LR * accum[k] for k in weights}
     return weights
 
 

@@ -12,10 +12,10 @@ import ray
 
 import data_test_models as dm
 import dsgd
-from dsgd_test_models import (LR, MOMENTUM, FixedDataMomentumNet, actor_pids, actors_started_since,
-                              assert_all_identical, assert_replicas_identical, assert_weights_close, batch,
-                              fails_to_build_from_worker_2, known_actors, numpy_gradients, run_job,
-                              set_start_weights, wait_until, weights_from_json)
+from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
+                              assert_replicas_identical, assert_weights_close, fails_to_build_from_worker_2,
+                              known_actors, numpy_momentum_stages, run_job, set_start_weights, wait_until,
+                              weights_from_json)
 
 
 def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[int, int]]]],
@@ -24,16 +24,9 @@ def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[i
 
     ``stages``: (steps, workers) or (steps, [(worker, device) of each replica]).
     """
-    accum = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
-    for steps, workers in stages:
-        replicas = workers if isinstance(workers, list) else [
-            (w, d) for w in range(workers) for d in range(devices_per_worker)]
-        for _ in range(steps):
-            grads = [numpy_gradients(weights, *batch(w, d, 0)) for w, d in replicas]
-            for k in weights:
-                accum[k] = MOMENTUM * accum[k] + np.mean([g[k] for g in grads], axis=0)
-            weights = {k: weights[k] - LR * accum[k] for k in weights}
-    return weights
+    return numpy_momentum_stages(weights, [
+        (steps, workers if isinstance(workers, list) else
+         [(w, d) for w in range(workers) for d in range(devices_per_worker)]) for steps, workers in stages])
 
 
 def engine(num_workers=2, strategy="ps", **kwargs) -> dsgd.DistributedSGD:
