@@ -61,6 +61,15 @@ class ParameterServerClient:
         self._pushes.clear()
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in per_server)
 
+    def close(self) -> None:
+        """Drop every transport end, unmapping the servers' shared buffers (a resize replaced the servers).
+
+        The old exchange's graph ops may keep this client alive, but not its buffers.
+        """
+        self.ends = []
+        self.servers = []
+        self._pushes.clear()
+
     def _end(self, j: int, server: Any, info: dict | None) -> SharedMemoryWorkerEnd | ObjectStoreWorkerEnd:
         """Server ``j``'s transport: the shared buffers it offered (``info``), else the object store."""
         if info is not None:

@@ -116,6 +116,8 @@ class SGDWorker:
         """
         self.config = dataclasses.replace(self.config, exchange=kind)
         self.runner.config = self.config
+        if self.client is not None:
+            self.client.close()
         self.client = None
         self.exchange = exchanges.without_servers(self.runner)
 

@@ -280,3 +280,21 @@ def test_elastic_engine_in_one_ray_instance_starts_at_max_refuses_sizes_outside_
         assert sgd.step(fetch_stats=True)["num_replicas"] == 2  # grown back into the room there is
         assert "grew from 1 to 2 workers" in caplog.text
         assert_replicas_identical(sgd, 2)
+
+
+def _mapped_server_buffers(worker) -> int:
+    """How many parameter-server buffers (memfd mappings) the worker's process has mapped."""
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:dsgd-ps" in line for line in maps)
+
+
+def test_a_resize_unmaps_the_old_servers_buffers_from_the_survivors(ray_session):
+    """The servers of the old count are gone after a resize; the survivors map only the new ones' buffers."""
+    with engine(2, "ps") as sgd:
+        sgd.step()
+        mapped = sgd.foreach_worker(_mapped_server_buffers)
+        assert mapped[0] > 0
+        for n in (3, 2, 3, 2):
+            sgd.resize(n)
+            sgd.step()
+        assert sgd.foreach_worker(_mapped_server_buffers) == mapped
