@@ -11,7 +11,8 @@ import dsgd
 from dsgd import checkpoint, object_store, ps_actor
 from dsgd.shards import VarSpec, plan_shards, segments
 from dsgd_test_models import (LR, StragglerNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close,
-                              batch, kill, numpy_gradients, numpy_step, ps_actors, server_group, set_start_weights)
+                              batch, kill, numpy_gradients, numpy_step, ps_actors, pushes_waiting, server_group, set_start_weights,
+                              wait_until)
 
 FAST = [(0, 0), (1, 0)]  # (worker, device) of the workers that keep up with each other
 
@@ -54,7 +55,8 @@ def test_a_server_averages_the_first_pushes_and_answers_a_late_one_with_their_me
         assert _mean(ray.get(step_2[0], timeout=30)) == (6.0, (0, 1))
         # Worker 2 has not begun step 2, so step 3 waits for it: nobody is ever two steps behind.
         step_3 = [_push(server, 3, 0, 1.0), _push(server, 3, 1, 1.0)]
-        assert not ray.wait(step_3, timeout=1.0)[0]
+        wait_until(lambda: pushes_waiting(server) == {0: [2]})  # both pushes arrived; not closed without worker 2
+        assert not ray.wait(step_3, timeout=0)[0]
         closed = ray.get(server.begin.remote(2, 2), timeout=30)  # worker 2 finds step 2 closed: it catches up
         assert list(closed) == [0] and _mean(closed[0]) == (6.0, (0, 1))
         assert _mean(ray.get(step_3[0], timeout=30)) == (1.0, (0, 1))

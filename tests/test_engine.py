@@ -149,15 +149,23 @@ def exchange_path(stats: dict) -> str:
 @pytest.mark.parametrize("use_ops, path", [(True, "ops"), (False, "python"), (None, "ops")],
                          ids=["use_ops=True", "use_ops=False", "use_ops=None"])
 def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, path):
+    exchange = {"ops": "OpsParameterServers", "python": "PythonParameterServers"}[path]
     if use_ops is None:  # the default: the ops whenever the library builds and loads, as `make install` ensures
         from dsgd import ops
 
         assert ops.is_available()
         with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, strategy="ps") as sgd:
             assert exchange_path(sgd.step(fetch_stats=True)) == path
+            assert sgd.foreach_worker(_exchange_and_dsgd_ops) == [(exchange, path == "ops")] * WORKERS
         return
     sgd = engines["ps" if use_ops else "ps-python"]
     assert exchange_path(sgd.step(fetch_stats=True)) == path
+    assert sgd.foreach_worker(_exchange_and_dsgd_ops) == [(exchange, path == "ops")] * WORKERS
+
+
+def _exchange_and_dsgd_ops(worker) -> tuple[str, bool]:
+    """The worker's exchange class, and whether its graph holds the op library's ops (DsgdPack)."""
+    return type(worker.exchange).__name__, any(op.type == "DsgdPack" for op in worker.sess.graph.get_operations())
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])

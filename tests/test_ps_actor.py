@@ -93,8 +93,8 @@ def test_a_push_waits_for_every_worker(ray_session):
     shard = LAYOUT[0]
     flat = _data(np.random.default_rng(2))[0]
     first = server.push.remote(0, 0, 0, _stored(shard, flat))
-    ready, _ = ray.wait([first], timeout=1.0)
-    assert not ready  # worker 1 has not pushed yet
+    wait_until(lambda: pushes_waiting(server) == {0: [1]})  # worker 0's push arrived; the partition waits for 1
+    assert not ray.wait([first], timeout=0)[0]
     ray.get(server.push.remote(0, 1, 0, _stored(shard, flat)), timeout=30)
     [ref], _ = ray.get(first, timeout=30)
     np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], flat)
