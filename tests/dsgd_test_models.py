@@ -248,6 +248,9 @@ class GatedWorker1Net(FixedDataMomentumNet):
     def get_feed_dict(self):
         if self.worker_index == 1:
             self.gate.pass_through()
+        return super().get_feed_dict()
+
+
 class StragglerNet(TanhNet):
     """Worker ``SLOW_WORKER`` (or each of ``slow_workers``) sleeps ``DELAY_S`` in every get_feed_dict, far
     longer than a step of the others takes."""

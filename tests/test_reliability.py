@@ -169,29 +169,43 @@ def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp
 
 
 @pytest.mark.parametrize("call", ["save", "set_weights"])
-def test_parameter_server_killed_while_the_driver_saves_or_sets_weights(ray_session, warnings_seen, tmp_path, call):
-    """Step 1 is in flight when the driver calls ``call``; worker 1, feeding step 1 after a pause, kills server 0.
+def test_parameter_server_killed_while_the_driver_saves_or_sets_weights(ray_session, warnings_seen, tmp_path, call,
+                                                                      monkeypatch):
+    """Step 1 is in flight, worker 1 held before its batch, when the driver calls ``call``; once the driver is
+    inside the call (its wait for the steps in flight), server 0 is killed and worker 1 let on.
 
-    The call first waits for step 1, so it meets the failure, recovers, re-runs
-    step 1, then saves or sets the weights (whichever came first, the kill or
-    the call, the call handles it).
+    The call meets the failure, recovers, re-runs step 1, then saves or sets the weights.
     """
-    cue = KillCue(str(tmp_path / "cue"))
+    gate = Gate(str(tmp_path / "gate"))
     path = str(tmp_path / "run.ckpt")
-    with dsgd.DistributedSGD(functools.partial(KillOnCue, cue=cue, at="feed"), num_workers=2, strategy="ps",
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
                              grad_shard_bytes=40) as sgd:
         start = set_start_weights(sgd)
         sgd.step()
-        sgd.get_weights()
-        cue.arm(actor_pids(ps_actors(sgd)[0])[0])
+        assert steps_applied(sgd) == [1, 1]
+        server_0 = ps_actors(sgd)[0]
+        pids = actor_pids(server_0)
+        gate.close()
         sgd.step()
+        gate.wait_arrived()
+        drain, faults = sgd._ledger.drain, []
+
+        def fault_then_drain(*args, **kwargs):
+            if not faults:  # the call's first wait: step 1 is in flight, worker 1 still held
+                kill(server_0, pids=pids)
+                faults.append(time.monotonic())
+                gate.open()
+            return drain(*args, **kwargs)
+
+        monkeypatch.setattr(sgd._ledger, "drain", fault_then_drain)
         shifted = {k: v + 1 for k, v in start.items()}
         if call == "save":
             sgd.save(path)
         else:
             sgd.set_weights(shifted)
         print(f"time to recover, a parameter server killed while the driver is in {call}: "
-              f"{time.time() - cue.fired_at():.1f}s")
+              f"{time.monotonic() - faults[0]:.1f}s")
+        monkeypatch.undo()
         assert "parameter server 0 is dead" in warnings_seen.text
         assert sgd.failures == 1
         assert_replicas_identical(sgd, 2)
