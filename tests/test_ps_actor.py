@@ -101,6 +101,16 @@ def test_a_push_waits_for_every_worker(ray_session):
     ray.kill(server)
 
 
+def test_a_push_waits_at_most_the_step_timeout_and_names_the_missing_workers(ray_session):
+    server = _server(3, timeout_s=1.0)
+    shard = LAYOUT[0]
+    first = server.push.remote(0, 0, 0, _stored(shard, _data(np.random.default_rng(3))[0]))
+    with pytest.raises(DSGDTimeoutError, match=r"parameter server 0 waited more than 1s for workers \[1, 2\] "
+                                                    r"to push partition 0 of step 0"):
+        ray.get(first, timeout=30)
+    ray.kill(server)
+
+
 @pytest.mark.parametrize("bad, message", [
     ([np.zeros(7, np.float32)], "segments of sizes"),
     ([np.zeros(SEGMENT_0, np.float64)], "float64"),

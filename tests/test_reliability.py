@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import os
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import tensorflow as tf
 
 import dsgd
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue, KillOnCue,
-                              NaNOnWorker1AtStep1, SlowWorkerNet, TanhNet, actor_pids, actors_started_since,
+                              NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
                               assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
                               ps_actors, pushes_waiting, set_start_weights, steps_applied, wait_until)
 
@@ -263,10 +264,20 @@ class Huge(dsgd.Model):
         return tf.compat.v1.train.GradientDescentOptimizer(0.1)
 
 
-def test_slow_step_times_out_with_a_message(ray_session):
-    with dsgd.DistributedSGD(SlowWorkerNet, num_workers=2, strategy="ps", timeout_s=1) as sgd:
-        with pytest.raises(dsgd.DSGDTimeoutError, match="timed out after 1s waiting for step 0 on all workers"):
-            sgd.step(fetch_stats=True)
+def test_slow_step_times_out_with_a_message(ray_session, tmp_path):
+    """The driver's bound on a step: "simple", where no parameter server's bound can fire first (their own
+    is test_ps_actor's), and worker 1 held until the error came."""
+    gate = Gate(str(tmp_path / "gate"))
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="simple",
+                             timeout_s=1) as sgd:
+        gate.close()
+        try:
+            with pytest.raises(dsgd.DSGDTimeoutError, match="timed out after 1s waiting for the workers' gradients of "
+                                                            "step 0; raise timeout_s"):
+                sgd.step(fetch_stats=True)
+            assert os.path.exists(gate.arrived)  # worker 1 was still held when the bound fired
+        finally:
+            gate.open()
 
 
 def test_step_after_shutdown_is_refused(ray_session):
