@@ -52,10 +52,19 @@ PREFIX = "dsgd-ln"  # names of every namespace, veth and bridge made here (<= 15
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "169.254.77"  # link-local /24: .1 the head, .2 and up the other nodes
 START_TIMEOUT_S = 60.0
-# Ray turns token authentication on for `ray start` when a token file exists (~/.ray/auth_token),
-# and a driver given an explicit address does not send it: one setting for every process of the
-# cluster, this one included. The cluster is reachable only on its own link-local bridge.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
+def auth_mode() -> dict[str, str]:
+    """One token-authentication setting for every process of the cluster, this one included.
+
+    Ray turns token authentication on for `ray start` when a token file exists
+    (~/.ray/auth_token), while a driver given an explicit address sends the
+    token only in token mode. A process whose environment already says
+    "token" (a process that ran `ray.init` with a token file, and its
+    children) read it when it imported Ray: keep it. Otherwise "disabled":
+    the cluster is reachable only on its own link-local bridge.
+    """
+    return {"RAY_AUTH_MODE": "token" if os.environ.get("RAY_AUTH_MODE") == "token" else "disabled"}
 
 
 def missing_requirements() -> str | None:
@@ -176,7 +185,7 @@ class LinkedCluster:
     def _spawn(self, argv: list[str]) -> None:
         log = open(Path(self.temp_dir) / f"start-{len(self.processes)}.log", "w")
         self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                               env={**os.environ, **RAY_ENV}))
+                                               env={**os.environ, **auth_mode()}))
 
     def _wait_for_head(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -250,7 +259,7 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
     cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
     remove_network(nodes)
     try:
-        with common.environment(**RAY_ENV):
+        with common.environment(**auth_mode()):
             cluster.make_network()
             cluster.start_ray(head_cpus, cpus_per_node, object_store_memory, dashboard)
             yield cluster

@@ -10,10 +10,12 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Logical CPUs: enough for two 2-worker engines at once; actors mostly wait.
 NUM_CPUS = 8
 
+# Set when the tests are collected, before any test module (benchmarks' package among them) picks its own.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 
 @pytest.fixture(scope="session")
 def ray_session():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     ray.init(
         num_cpus=NUM_CPUS,
         object_store_memory=1 << 30,

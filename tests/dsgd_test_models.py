@@ -459,7 +459,8 @@ def _run_job(script: str, timeout_s: float, stderr: int) -> tuple[dict, str]:
             raise AssertionError(f"{script} timed out after {timeout_s}s; stderr tail:\n{(err or out)[-4000:]}") from None
         finally:
             kill_process_group(proc)
-    results = [line[len(RESULT_PREFIX):] for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+    # A progress bar drawn on the same stream may put its cursor codes before the line: find the prefix anywhere.
+    results = [line.split(RESULT_PREFIX, 1)[1] for line in out.splitlines() if RESULT_PREFIX in line]
     if proc.returncode != 0 or not results:
         raise AssertionError(f"{script} exited with {proc.returncode}; stderr tail:\n{(err or out)[-4000:]}")
     return json.loads(results[-1]), out

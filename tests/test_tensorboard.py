@@ -59,7 +59,7 @@ def test_engine_logdir_writes_each_fetched_steps_stats(ray_session, tmp_path):
         last = sgd.step(fetch_stats=True)
     assert last["samples_per_s"] == pytest.approx(2 * BATCH / last["step_time_s"])
     scalars = read_scalars(tmp_path)
-    assert sorted(scalars) == ["abs_error", "compute_and_apply_s", "get_feed_dict_s", "loss",
+    assert sorted(scalars) == ["abs_error", "compute_and_apply_s", "get_feed_dict_s", "loss", "num_replicas",
                                "samples_per_s", "sent_bytes", "step_time_s"]
     assert [step for step, _, _ in scalars["loss"]] == [0, 2]
     assert scalars["loss"][-1][1] == pytest.approx(last["loss"])
