@@ -120,6 +120,20 @@ def start_ray(address: str | None = None, node_ip_address: str | None = None, **
         ray.init(runtime_env={"env_vars": env_vars}, logging_level="ERROR", **init_kwargs)
 
 
+def add_ray_flags(parser: argparse.ArgumentParser, default_cpus: str) -> None:
+    """`--address` (join a running cluster) and `--num-cpus` (the Ray instance the script starts otherwise)."""
+    parser.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
+    parser.add_argument("--num-cpus", type=int, default=None,
+                        help=f"logical CPUs when starting Ray here (default: {default_cpus})")
+
+
+def connect_ray(args: argparse.Namespace, default_cpus: int, **init_kwargs: Any) -> None:
+    """Unless this process is connected already: join `args.address`, or start Ray here with `args.num_cpus`
+    (else `default_cpus`) logical CPUs and `init_kwargs` (the flags of ``add_ray_flags``)."""
+    if not ray.is_initialized():
+        start_ray(args.address, num_cpus=args.num_cpus or default_cpus, **init_kwargs)
+
+
 def parameter_servers(sgd: Any) -> list:
     """The engine's parameter-server actors, read from its internals ([] without servers)."""
     group = sgd._cluster.servers

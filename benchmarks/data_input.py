@@ -104,9 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="warm-up rounds, not measured")
     p.add_argument("--rounds", type=int, default=8, help="measured rounds")
     p.add_argument("--data-dir", default=None, help="folder with mnist.npz or the IDX files")
-    p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
-    p.add_argument("--num-cpus", type=int, default=None,
-                   help="logical CPUs when starting Ray here (default: what both engines reserve, plus 2)")
+    common.add_ray_flags(p, "what both engines reserve, plus 2")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "data_input.json")
     return p.parse_args(argv)
 
@@ -115,8 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     command = common.command_line("benchmarks.data_input", argv)
     print(f"command: {command}", flush=True)
-    if not ray.is_initialized():
-        common.start_ray(args.address, num_cpus=args.num_cpus or 2 * args.num_workers + 2)
+    common.connect_ray(args, 2 * args.num_workers + 2)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import tensorflow as tf
 
 import dsgd
@@ -251,9 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_engine_flags(p)
     p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
-    p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
-    p.add_argument("--num-cpus", type=int, default=None,
-                   help="logical CPUs when starting Ray here (default: the 1 + 2 x workers the engines reserve)")
+    common.add_ray_flags(p, "the 1 + 2 x workers the engines reserve")
     p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes, when starting Ray here")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "exchange.json")
     args = p.parse_args(argv)
@@ -267,9 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = common.command_line("benchmarks.exchange", argv)
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
-    if not ray.is_initialized():
-        common.start_ray(args.address, num_cpus=args.num_cpus or 1 + 2 * args.num_workers,
-                         object_store_memory=args.object_store_memory)
+    common.connect_ray(args, 1 + 2 * args.num_workers, object_store_memory=args.object_store_memory)
     records = []
     for shape in args.shapes:
         records.append(run_shape(shape, args, kwargs))

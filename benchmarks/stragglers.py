@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import tensorflow as tf
 
 import dsgd
@@ -126,9 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=10, help="steps of one engine in a round")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds, not measured")
     p.add_argument("--rounds", type=int, default=10, help="measured rounds")
-    p.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
-    p.add_argument("--num-cpus", type=int, default=None,
-                   help="logical CPUs when starting Ray here (default: what both engines reserve, plus 2)")
+    common.add_ray_flags(p, "what both engines reserve, plus 2")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "stragglers.json")
     return p.parse_args(argv)
 
@@ -137,8 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     command = common.command_line("benchmarks.stragglers", argv)
     print(f"command: {command}", flush=True)
-    if not ray.is_initialized():
-        common.start_ray(args.address, num_cpus=args.num_cpus or 2 * args.num_workers + 2)
+    common.connect_ray(args, 2 * args.num_workers + 2)
     creator = functools.partial(StragglerMLP, slow_worker=args.num_workers - 1, slow=args.slow,
                                 delay_s=args.delay_s, hogs=args.hogs)
     engines = {name: dsgd.DistributedSGD(creator, num_workers=args.num_workers, backup_workers=b)
