@@ -172,11 +172,14 @@ def test_backup_workers_with_bf16_partitions_through_a_resize(ray_session):
                              grad_shard_bytes=40) as sgd:
         half_of_float32 = sum(shard.size for shard in server_group(sgd).layout) * 2  # float32 elements, 2 bytes
         pids = actor_pids(*sgd.workers)
+        # No straggler here, so which worker each partition leaves out depends on arrival order; a worker left
+        # out of any partition counts as dropped, hence a range (the exact count is tested with a straggler).
         stats = sgd.step(fetch_stats=True)
-        assert (stats["num_replicas"], stats["dropped_gradients"], stats["sent_bytes"]) == (2, 1, half_of_float32)
+        assert (stats["num_replicas"], stats["sent_bytes"]) == (2, half_of_float32)
+        assert 1 <= stats["dropped_gradients"] <= 3
         sgd.resize(4)
         stats = sgd.step(fetch_stats=True)
-        assert (stats["num_replicas"], stats["dropped_gradients"]) == (3, 1)
+        assert stats["num_replicas"] == 3 and 1 <= stats["dropped_gradients"] <= 4
         assert_replicas_identical(sgd, 4)
         with pytest.raises(ValueError, match="n must be > backup_workers=1"):
             sgd.resize(1)
