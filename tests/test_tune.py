@@ -1,6 +1,7 @@
 """dsgd.tune: DistributedSGD trials under Ray Tune, their resources and checkpoints."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -219,3 +220,18 @@ def test_save_and_restore_a_directory_round_trip_exactly(ray_session, tmp_path):
         (tmp_path / "empty").mkdir()
         with pytest.raises(FileNotFoundError, match=f"empty is not a checkpoint: .* no {checkpoint.CHECKPOINT_FILE}"):
             sgd.restore(str(tmp_path / "empty"))
+
+
+def test_tune_mnist_example_trains_a_trial_and_restores_its_best_checkpoint(ray_session, tmp_path):
+    """examples/tune_mnist.py as a user runs it on a running cluster (this session's), one learning rate, 10 steps."""
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tune_mnist.py")
+    out = subprocess.run([sys.executable, example, "--lr", "0.01", "--steps-per-report", "5", "--max-reports", "2",
+                          "--storage-path", str(tmp_path), "--address", ray.get_runtime_context().gcs_address],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 trials in" in out.stdout and "lr=0.01     steps=10" in out.stdout, out.stdout[-3000:]
+    restored = re.search(r"best trial: lr=0.01, loss [0-9.]+ after 10 steps; its checkpoint \((.+)\) restored: "
+                         r"test accuracy ([0-9.]+)", out.stdout)
+    assert restored, out.stdout[-3000:]
+    assert restored.group(1).startswith(str(tmp_path)) and os.path.isdir(restored.group(1))
+    assert float(restored.group(2)) > 0.3  # ten classes: chance is 0.1
