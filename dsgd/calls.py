@@ -8,14 +8,18 @@ aborted) comes out as ``ActorFailure``, which the step ledger recovers
 from, naming the actor by what its ``identity()`` call answered
 (``identify``); a dsgd error raised inside an actor comes out as itself;
 any other failure as ``DSGDError``; a wait that runs out as
-``DSGDTimeoutError`` saying what was awaited.
+``DSGDTimeoutError`` saying what was awaited. ``sending`` makes a set of
+calls go out whole, Ctrl-C or not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 
@@ -42,6 +46,29 @@ def _fault_of(error: BaseException) -> BaseException | None:
     if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, _FAULTS):
         return error.cause
     return None
+
+
+@contextlib.contextmanager
+def sending() -> Iterator[None]:
+    """Send a set of calls whole: a Ctrl-C (SIGINT) while they are submitted takes effect once the last is sent.
+
+    Otherwise a KeyboardInterrupt could leave, say, ``set_weights`` sent to
+    some workers and not others; sent to all, the next call settles what
+    they did. Python runs signal handlers in the main thread only, so only
+    there is anything held: the signal is noted, then raised again under the
+    handler it found.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if noted:
+            signal.raise_signal(signal.SIGINT)
 
 
 class Calls:

@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 import ray
 
 from dsgd import strategies, timeline
+from dsgd.calls import sending
 from dsgd.cluster import Cluster
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
 
@@ -226,8 +227,10 @@ class StepLedger:
             self.drain()
             while True:
                 workers = self.cluster.workers[:1] if worker_0_only else self.cluster.workers
+                with sending():
+                    refs = [getattr(w, method).remote(*args) for w in workers]
                 try:
-                    return self.cluster.calls.call([getattr(w, method).remote(*args) for w in workers], what)
+                    return self.cluster.calls.call(refs, what)
                 except ActorFailure as e:
                     self.recover(e, [])
                     if not rerun:

@@ -1,12 +1,15 @@
 """Ctrl-C (KeyboardInterrupt) during step(): the engine stays usable with identical replicas, or shuts down cleanly."""
 
+import json
 import os
+import signal
 
 import numpy as np
 import pytest
 import ray
 
 import dsgd
+from dsgd import calls, checkpoint
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, assert_replicas_identical, assert_weights_close,
                               known_actors, numpy_momentum_run, run_job, set_start_weights, wait_until,
                               weights_from_json)
@@ -114,3 +117,61 @@ def test_interrupt_during_a_recovery_or_a_restore_is_settled_by_the_next_call(ra
         assert sgd.num_steps == 2
         assert_replicas_identical(sgd, 2)
         assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+
+
+def applied_steps_saved(path: str) -> int:
+    with np.load(path) as saved:
+        return json.loads(str(saved[checkpoint.META_KEY]))["applied_steps"]
+
+
+def test_ctrl_c_while_a_set_of_calls_is_sent_raises_once_the_last_is_sent():
+    """What keeps set_weights from reaching some workers and not others (``dsgd.calls.sending``)."""
+    sent = []
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI shell may have SIGINT ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with calls.sending():
+                os.kill(os.getpid(), signal.SIGINT)
+                sent += ["worker 0", "worker 1"]
+        assert sent == ["worker 0", "worker 1"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler it found, again
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+def test_ctrl_c_while_a_call_between_steps_waits_for_the_workers_leaves_the_engine_usable(ray_session, monkeypatch,
+                                                                                          tmp_path):
+    """get_weights, set_weights, save and foreach_worker, each interrupted once its calls are sent."""
+    path = str(tmp_path / "run.ckpt")
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
+                             timeout_s=20) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.get_weights()
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
+
+        sgd.save(path)
+        sgd.step()
+        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.save(path)
+        assert applied_steps_saved(path) == 1  # the interrupted save wrote nothing
+        sgd.save(path)
+        assert applied_steps_saved(path) == 2
+
+        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.foreach_worker(lambda worker: worker.runner.applied_steps)
+        assert sgd.foreach_worker(lambda worker: worker.runner.applied_steps) == [2, 2]
+
+        new = {k: np.full_like(v, 0.5) for k, v in start.items()}
+        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+        with pytest.raises(KeyboardInterrupt):
+            sgd.set_weights(new)
+        assert_weights_close(sgd.get_weights(), new)  # sent to every worker, so set on every replica
+        assert_replicas_identical(sgd, 2)
+        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
+        assert sgd.num_steps == 3
+        assert_replicas_identical(sgd, 2)
