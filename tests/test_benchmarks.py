@@ -14,7 +14,7 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, peers, resnet, resnet101, soak
+from benchmarks import common, exchange, peers, resnet, resnet101, setup_cost, soak
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -161,6 +161,22 @@ def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_ses
     assert f"| {label} | worker 1 RSS |" in result["table"] and f"{label} " in result["table"].splitlines()[-1]
 
 
+def test_setup_cost_times_plain_tensorflow_process_start_and_dsgd_interleaved(ray_session, tmp_path):
+    out = tmp_path / "setup_cost.json"
+    result = setup_cost.main(["--variables", "12", "--floats", "3000", "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    (size,) = result["sizes"]
+    assert size["variables"] == 12 and abs(size["floats"] - 3000) <= 12 and not size["interrupted"]
+    assert size["order"] == list(setup_cost.SYSTEMS)  # later rounds rotate (common.run_rounds)
+    for run in size["runs"]["dsgd"]:  # the phases add up to the set-up, each one measured
+        parts = ["workers up", "models built", "parameter servers", "initial weights"]
+        assert all(run[p] > 0 for p in parts) and sum(run[p] for p in parts) == pytest.approx(run["set-up"])
+        assert run["total"] == pytest.approx(run["set-up"] + run["first step"])
+    m = size["median_s"]
+    assert size["ratio"] == pytest.approx((m["dsgd"]["total"] - m["start"]["total"]) / m["plain"]["total"])
+    assert "| 12 |" in result["table"] and "(target <= 1.2)" in result["table"]
+
+
 def test_soak_refuses_a_peer_variable_dsgd_does_not_pass_to_its_workers(capsys):
     with pytest.raises(SystemExit):
         soak.parse_args(["--peer-env", "MALLOC_ARENA_MAX=2"])
@@ -252,9 +268,9 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
 @pytest.mark.parametrize("command", [
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
-    ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"],
+    ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"], ["benchmarks/setup_cost.py"],
     ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
-    ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"],
+    ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"], ["-m", "benchmarks.setup_cost"],
 ], ids=" ".join)
 def test_benchmarks_start_as_scripts_and_modules(command, tmp_path):
     # A script runs from any directory; `-m` from the repository root.
