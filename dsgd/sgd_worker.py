@@ -37,6 +37,10 @@ class SGDWorker:
         self.models: list[Model] = []
         self.exchange: exchanges.Exchange | None = None  # for "ps", made by connect
         self.client: ParameterServerClient | None = None  # "ps" with several workers, set by connect
+        # Every exchange built into the graph so far, for a resize back to a count seen before: its graph
+        # ops, and the session's plan for the step that runs them, are reused instead of built anew.
+        self._local_exchanges: dict[str, exchanges.Exchange | None] = {}  # by WorkerConfig.exchange
+        self._ps_exchanges: dict[tuple, tuple[ParameterServerClient, exchanges.Exchange]] = {}  # by _ps_key
 
     @property
     def sess(self) -> tf.compat.v1.Session | None:
@@ -73,7 +77,9 @@ class SGDWorker:
         with runner.default_session():
             runner.built = worker_graph.build(self.worker_index, self.config, model_creator, runner.sess)
         self.models = runner.built.models
-        self.exchange = exchanges.without_servers(runner)
+        self._local_exchanges.clear()  # their ops were in the old graph
+        self._ps_exchanges.clear()
+        self.exchange = self._local_exchange()
         if state is not None:
             self.set_state(state)
         # The graph's Python objects live as long as the worker: keep the cyclic
@@ -90,13 +96,26 @@ class SGDWorker:
         through shared memory.
         """
         if self.client is None:
-            self.client = ParameterServerClient(self.worker_index, layout, placement,
-                                                self.config.step_timeout_s, self.config.startup_timeout_s)
+            self.client, self.exchange = self._ps_exchanges.get(self._ps_key(layout, placement)) or (
+                ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
+                                      self.config.startup_timeout_s), None)
         elif [s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
         if self.exchange is None:
             self.exchange = ps_exchanges.with_servers(self.runner, self.client)
+            self._ps_exchanges[self._ps_key(layout, placement)] = (self.client, self.exchange)
         return self.client.connect(servers)
+
+    def _ps_key(self, layout: list[shards.Shard], placement: list[int]) -> tuple:
+        """What a "ps" exchange is built for: this worker's index, the partitions, which server sums each."""
+        return self.worker_index, tuple(layout), tuple(placement)
+
+    def _local_exchange(self) -> exchanges.Exchange | None:
+        """The exchange of ``WorkerConfig.exchange`` if it needs no servers (None for "ps"), built once."""
+        kind = self.config.exchange
+        if kind not in self._local_exchanges:
+            self._local_exchanges[kind] = exchanges.without_servers(self.runner)
+        return self._local_exchanges[kind]
 
     def renumber(self, worker_index: int) -> None:
         """Take index ``worker_index``: an elastic engine lost a worker below this one and closed up the indices.
@@ -112,14 +131,15 @@ class SGDWorker:
 
         A resize changed the worker count: the old exchange (and, for "ps",
         the connection to the old servers) is dropped; for "ps", ``connect``
-        makes the new one. The graph's replicas and the session stay.
+        makes the new one, or takes up the one it made before for the same
+        partitions. The graph's replicas and the session stay.
         """
         self.config = dataclasses.replace(self.config, exchange=kind)
         self.runner.config = self.config
         if self.client is not None:
             self.client.close()
         self.client = None
-        self.exchange = exchanges.without_servers(self.runner)
+        self.exchange = self._local_exchange()
 
     # ---- stepping -----------------------------------------------------------
 

@@ -284,13 +284,19 @@ def _mapped_server_buffers(worker) -> int:
         return sum("memfd:dsgd-ps" in line for line in maps)
 
 
-def test_a_resize_unmaps_the_old_servers_buffers_from_the_survivors(ray_session):
-    """The servers of the old count are gone after a resize; the survivors map only the new ones' buffers."""
+def test_a_resize_back_reuses_the_exchange_and_unmaps_the_old_servers_buffers(ray_session):
+    """The servers of the old count are gone after a resize; the survivors map only the new ones' buffers. Back
+    at a count seen before, each survivor takes up the exchange it built for it (graph ops and all)."""
     with engine(2, "ps") as sgd:
+        start = set_start_weights(sgd)
         sgd.step()
         mapped = sgd.foreach_worker(_mapped_server_buffers)
+        exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
         assert mapped[0] > 0
         for n in (3, 2):
             sgd.resize(n)
             sgd.step()
         assert sgd.foreach_worker(_mapped_server_buffers) == mapped
+        assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (1, 3), (1, 2)]))
