@@ -81,8 +81,10 @@ class SGDWorker:
         gc.freeze()
         return runner.built.signature
 
-    def connect(self, layout: list[shards.Shard], placement: list[int], servers: list) -> int:
-        """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j).
+    def connect(self, layout: list[shards.Shard], placement: list[int], servers: list,
+                routes: list[int] | None = None) -> int:
+        """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j; ``routes[j]``,
+        default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.server_group``).
 
         The first call (and the first after ``setup`` rebuilt the graph)
         makes the "ps" exchange; later calls, after a server or worker was
@@ -96,7 +98,7 @@ class SGDWorker:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
         if self.exchange is None:
             self.exchange = ps_exchanges.with_servers(self.runner, self.client)
-        return self.client.connect(servers)
+        return self.client.connect(servers, routes)
 
     def renumber(self, worker_index: int) -> None:
         """Take index ``worker_index``: an elastic engine lost a worker below this one and closed up the indices.
