@@ -15,7 +15,9 @@ table) and of every parameter server (GCS actor table) of the float32
 engine, per engine which partitions each worker reads through shared
 memory, the start weights, every replica's final weights and the lockstep
 record, weights as nested lists; under "backup", the same for a run with a
-straggler and one backup worker (``run_with_backup``).
+straggler and one backup worker (``run_with_backup``); under "node_local",
+2 workers per node, whose partitions cross through each node's relay
+(``run_node_local``).
 """
 
 from __future__ import annotations
@@ -84,10 +86,32 @@ def run_with_backup() -> dict:
                 "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas]}
 
 
+def run_node_local() -> dict:
+    """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions."""
+    with dsgd.DistributedSGD(TanhNet, num_workers=4, devices_per_worker=1, strategy="ps",
+                             grad_shard_bytes=SHARD_BYTES) as sgd:
+        start = set_start_weights(sgd)
+        stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
+        group = server_group(sgd)
+        return {"worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
+                "ps_nodes": [actor_node(ps) for ps in group.actors],
+                "placement": group.placement,
+                "partition_bytes": [s.wire_nbytes for s in group.layout],
+                # partition -> [relaying server, the workers it sums], in partition order
+                "relays": [[[r, list(ws)] for r, ws in group.relays.get(j, {}).items()] for j in range(len(group.layout))],
+                "routes": [group.routes(w) for w in range(4)],
+                # per server: partition -> pushes that came through the object store
+                "traffic": [{str(j): n for j, n in t.items()} for t in ray.get([a.traffic.remote() for a in group.actors])],
+                "node_sent_bytes": [s["node_sent_bytes"] for s in stats],
+                "sent_bytes": [s["sent_bytes"] for s in stats],
+                "start": _listed(start), "replicas": [_listed(r) for r in replica_weights(sgd)]}
+
+
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
         result["backup"] = run_with_backup()
+        result["node_local"] = run_node_local()
     print(RESULT_PREFIX + json.dumps(result))
 
 
