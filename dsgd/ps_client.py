@@ -105,7 +105,7 @@ class ParameterServerClient:
     def receive(self, shard: Shard, step_id: int) -> np.ndarray:
         """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push)."""
         push = self._pushes.pop(shard.index)
-        what = f"parameter server {self.placement[shard.index]}'s sum of partition {shard.index}, step {step_id}"
+        what = f"parameter server {self.routes[shard.index]}'s sum of partition {shard.index}, step {step_id}"
         return self.read(shard, step_id, self._wait(push, what))
 
     def read(self, shard: Shard, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:
