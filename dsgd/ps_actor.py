@@ -57,6 +57,7 @@ This module must not import TensorFlow: a parameter server is a light process.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Sequence
 from dataclasses import dataclass, field
@@ -369,7 +370,9 @@ class ParameterServer:
             raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
         if stored is not None:
             p.pushed_through_store += 1
-        return self._end(p, worker_index).read(p.shard, p.offset, p.segments, stored)
+        # A node's partial sum travels in float32 (the sum of its workers' 16-bit copies, not rounded again).
+        shard = dataclasses.replace(p.shard, compression=None) if worker_index in p.relay_keys else p.shard
+        return self._end(p, worker_index).read(shard, p.offset, p.segments, stored)
 
     def _end(self, p: _Partition, key: int) -> SharedMemoryServerEnd | ObjectStoreServerEnd:
         """The transport end a push of ``p`` by ``key`` comes through: a relay's partial sum always crosses the
@@ -388,7 +391,7 @@ class ParameterServer:
         with recorder.span(f"{what} partition {p.shard.index} of workers {list(averaged)}", "sum"):
             for k, (start, size) in enumerate(p.segments):
                 arrays.average_into(total[start:start + size], [pushed[k] for pushed in inputs], divisor)
-                if p.total is not None:
+                if p.total is not None and p.home is None:
                     wire.convert_into(mean[start:start + size], total[start:start + size])
         if p.home is not None:
             return self._relay(p, step_id, averaged, recorder)
@@ -399,14 +402,15 @@ class ParameterServer:
 
     def _relay(self, p: _Partition, step_id: int, summed: tuple[int, ...],
                recorder: timeline.Recorder) -> tuple[ray.ObjectRef, tuple[int, ...]]:
-        """Push the node's partial sum of ``p`` (in its mean slot) to its server as workers ``summed``, wait for
-        the mean (bounded) and write it into the slot; the mean's ref (for workers here on the object store)
-        and the workers it averages."""
+        """Push the node's partial sum of ``p`` (in its mean slot, or its float32 sum if compressed) to its server
+        as workers ``summed``, wait for the mean (bounded) and write it into the slot; the mean's ref (for
+        workers here on the object store) and the workers it averages."""
         mean = p.mean(step_id)
         home = p.home
+        partial = mean if p.total is None else p.total
         with recorder.span(f"push the node's partial sum of partition {p.shard.index} (workers {list(summed)}, "
-                           f"{mean.nbytes} bytes) to parameter server {home}", "relay"):
-            stored = object_store.put([mean[start:start + size] for start, size in p.segments])
+                           f"{partial.nbytes} bytes) to parameter server {home}", "relay"):
+            stored = object_store.put([partial[start:start + size] for start, size in p.segments])
             call = self.peers[home].push.remote(step_id, min(summed), p.shard.index, stored)
             try:
                 [ref], averaged = ray.get(call, timeout=self.step_timeout_s)

@@ -120,8 +120,8 @@ class ServerGroup:
         averages the first ``num_workers - backup_workers`` workers' pushes.
 
         ``worker_nodes[w]``: worker w's node, for node-local aggregation
-        (``plan_relays``); without it, or with backup workers or a compressed
-        layout, every worker pushes every partition to its server.
+        (``plan_relays``); without it, or with backup workers, every worker
+        pushes every partition to its server.
         """
         self.layout = list(layout)
         self.nodes = list(nodes)
@@ -133,10 +133,9 @@ class ServerGroup:
         self.relays = self._plan_relays(worker_nodes)
 
     def _plan_relays(self, worker_nodes: Sequence[str] | None) -> dict[int, dict[int, tuple[int, ...]]]:
-        """``plan_relays``, where node-local aggregation applies: no backup workers (a node's partial sum
-        would wait for its slowest worker) and float32 on the wire."""
-        compressed = any(s.wire_dtype != s.dtype for s in self.layout)
-        if worker_nodes is None or self.backup_workers or compressed:
+        """``plan_relays``, where node-local aggregation applies: without backup workers (a node's partial sum
+        would wait for its slowest worker)."""
+        if worker_nodes is None or self.backup_workers:
             return {}
         return plan_relays(self.layout, self.placement, self.nodes, worker_nodes)
 
@@ -154,7 +153,8 @@ class ServerGroup:
                 for j in range(len(self.layout))]
 
     def node_sent_bytes(self, worker_nodes: Sequence[str]) -> dict[str, int]:
-        """Node -> the gradient bytes its workers (or its relays) push to servers on other nodes per step."""
+        """Node -> the gradient bytes its workers (or its relays) push to servers on other nodes per step; a
+        relay's partial sum is float32 (``Shard.nbytes``) under compression too."""
         sent: dict[str, int] = {}
         for w, node in enumerate(worker_nodes):
             for shard, r in zip(self.layout, self.routes(w)):
@@ -162,7 +162,7 @@ class ServerGroup:
                     sent[node] = sent.get(node, 0) + shard.wire_nbytes
         for j, by in self.relays.items():
             for r in by:
-                sent[self.nodes[r]] = sent.get(self.nodes[r], 0) + self.layout[j].wire_nbytes
+                sent[self.nodes[r]] = sent.get(self.nodes[r], 0) + self.layout[j].nbytes
         return sent
 
     def start(self, indices: Sequence[int] | None = None) -> list:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import ray
 
-from dsgd import object_store, ps_actor
+from dsgd import object_store, ps_actor, wire
 from dsgd.errors import DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
@@ -182,38 +182,43 @@ def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session
     ray.kill(server)
 
 
-def _relayed_pair(timeout_s=30.0):
+def _relayed_pair(layout=LAYOUT, timeout_s=30.0):
     """Server 0 sums both partitions; server 1 relays them for workers 2 and 3 (as on another node)."""
-    home = ps_actor.start(0, 4, LAYOUT, timeout_s, node_sums={s.index: [(2, 3)] for s in LAYOUT})
-    relay = ps_actor.start(1, 4, [], timeout_s, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in LAYOUT])
+    home = ps_actor.start(0, 4, layout, timeout_s, node_sums={s.index: [(2, 3)] for s in layout})
+    relay = ps_actor.start(1, 4, [], timeout_s, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in layout])
     ray.get(relay.set_peers.remote([home, relay]), timeout=30)
     return home, relay
 
 
-def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(ray_session):
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(ray_session, compression):
     """Node-local aggregation: workers 2 and 3 reach the relay (2 through shared memory), which pushes their
-    sum once; the mean is ((w0 + w1) + (w2 + w3)) / 4, the same for every worker, bit for bit."""
+    sum once (float32, also when the workers push bf16); the mean is ((w0 + w1) + (w2 + w3)) / 4 in float32
+    (rounded once to bf16), the same for every worker, bit for bit."""
     rng = np.random.default_rng(7)
-    home, relay = _relayed_pair()
-    client = ParameterServerClient(2, LAYOUT, [0] * len(LAYOUT), step_timeout_s=30, startup_timeout_s=30)
-    client.connect([home, relay], routes=[1] * len(LAYOUT))
+    layout = plan_shards(SPECS, 50_000, compression)
+    home, relay = _relayed_pair(layout)
+    client = ParameterServerClient(2, layout, [0] * len(layout), step_timeout_s=30, startup_timeout_s=30)
+    client.connect([home, relay], routes=[1] * len(layout))
     for step in range(2):
-        parts = [_data(rng) for _ in range(4)]
-        for shard in LAYOUT:
+        parts = [[wire.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
+                 for _ in range(4)]  # what each worker pushes, in the wire dtype
+        for shard in layout:
             j = shard.index
             pushes = {w: home.push.remote(step, w, j, _stored(shard, parts[w][j])) for w in (0, 1)}
             pushes[3] = relay.push.remote(step, 3, j, _stored(shard, parts[3][j]))
             pushes[2] = client.send(shard, step, _segments_of(shard, parts[2][j]))
             answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
             assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2, 3) for w in range(4)}
-            expected = ((parts[0][j] + parts[1][j]) + (parts[2][j] + parts[3][j])) / np.float32(4)
+            w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
+            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), ((w0 + w1) + (w2 + w3)) / np.float32(4))
             np.testing.assert_array_equal(client.read(shard, step, answers[2]), expected)  # the relay's buffer
             for w in (0, 1, 3):
                 [ref] = answers[w][0]
                 np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
             assert answers[3][0] == answers[0][0]  # the relay hands on the server's mean, not a copy
     # Per partition and step: workers 0 and 1 and the relay's one partial sum came through the object store.
-    assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in LAYOUT}
+    assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
     for actor in (home, relay):
         ray.kill(actor)
 

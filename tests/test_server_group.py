@@ -74,8 +74,13 @@ def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhe
     assert group.routes(0) == [0, 0, 0, 0] and group.routes(2) == [1, 1, 2, 2] and group.routes(4) == placement
     # Bytes per step leaving each node: a and b one copy of the 2 partitions summed elsewhere, c all 4.
     assert group.node_sent_bytes(["a", "a", "b", "b", "c"]) == {"a": 2 * 4000, "b": 2 * 4000, "c": 4 * 4000}
-    # One worker per node, backup workers, or a compressed layout: no relays.
+    # One worker per node, or backup workers: no relays.
     assert plan_relays(layout, placement, servers, ["a", "b"]) == {}
     assert ServerGroup(layout, servers, 4, 30.0, backup_workers=1, worker_nodes=["a", "a", "b", "b"]).relays == {}
+    # Compressed: workers push 16 bits, a relay's partial sum crosses in float32.
     bf16 = plan_shards([VarSpec("v", (4000,), np.dtype(np.float32))], 4000, "bf16")
-    assert ServerGroup(bf16, servers, 4, 30.0, worker_nodes=["a", "a", "b", "b"]).relays == {}
+    group = ServerGroup(bf16, servers, 5, 30.0, worker_nodes=["a", "a", "b", "b", "c"])
+    assert group.relays == plan_relays(bf16, group.placement, servers, ["a", "a", "b", "b", "c"]) != {}
+    sent = group.node_sent_bytes(["a", "a", "b", "b", "c"])
+    assert sent["c"] == sum(s.wire_nbytes for s in bf16)  # node c's one worker pushes 16 bits directly
+    assert sent["a"] == sum(bf16[j].nbytes for j, by in group.relays.items() if 0 in by)
