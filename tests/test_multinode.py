@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from compression_runs import check_lockstep
-from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_step, run_job, weights_from_json
+from dsgd_test_models import (REPLICAS_2x1, assert_weights_close, numpy_momentum_run, numpy_step, run_job,
+                              weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
@@ -86,7 +87,8 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
 
 def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across(job):
     """Node-local aggregation: per partition summed on the other node, each node's relay (its server) sums its
-    two workers' copies and pushes one partial sum; the result matches the numpy reference of 4 replicas."""
+    two workers' copies and pushes one partial sum; the result matches the numpy reference of 4 replicas,
+    also through the recovery from a killed worker."""
     run = job["node_local"]
     nodes = sorted(set(run["worker_nodes"]))
     assert len(nodes) == 2 and sorted(run["worker_nodes"].count(n) for n in nodes) == [2, 2]
@@ -109,12 +111,13 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
     assert run["node_sent_bytes"] == [float(max(sent.values()))] * job["steps"]
     assert max(sent.values()) <= gradient_bytes
     assert run["sent_bytes"] == [float(gradient_bytes)] * job["steps"]  # what one worker pushes, as before
+    # Worker 3 killed after those steps: one recovery, relays planned from the new worker's node, and the
+    # steps after it still equal the numpy reference, on 4 bit-identical replicas.
+    assert run["failures"] == 1 and any(run["relays_after"])
     replicas = [weights_from_json(r) for r in run["replicas"]]
     assert len(replicas) == 4
     for replica in replicas[1:]:
         for name in replicas[0]:
             assert np.array_equal(replica[name], replicas[0][name]), name
-    expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
-    for step in range(job["steps"]):
-        expected = numpy_step(expected, [(w, 0) for w in range(4)], step)
+    expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 2 * job["steps"])
     assert_weights_close(replicas[0], expected)

@@ -211,7 +211,8 @@ def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(
             answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
             assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2, 3) for w in range(4)}
             w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
-            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), ((w0 + w1) + (w2 + w3)) / np.float32(4))
+            mean = ((w0 + w1) + (w2 + w3)) / np.float32(4)
+            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), mean)
             np.testing.assert_array_equal(client.read(shard, step, answers[2]), expected)  # the relay's buffer
             for w in (0, 1, 3):
                 [ref] = answers[w][0]
