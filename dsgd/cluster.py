@@ -282,7 +282,8 @@ class Cluster:
         if dead_servers or (self.servers and rebuilt):  # new workers may sit on other nodes: relays re-planned
             for identity in self.calls.identify(self.servers.replace(dead_servers, self._worker_nodes)):
                 logger.warning("parameter server %d %s; started a new one, pid %d on node %s", identity.index,
-                               "is dead" if identity.index in dead_servers else "relays for other nodes now",
+                               "is dead" if identity.index in dead_servers else
+                               "was planned to relay for other workers (a new worker is on another node)",
                                identity.pid, identity.node_id[:8])
             self.connect_parameter_servers()
         return set(dead_workers)
