@@ -283,7 +283,7 @@ class Cluster:
             for identity in self.calls.identify(self.servers.replace(dead_servers, self._worker_nodes)):
                 logger.warning("parameter server %d %s; started a new one, pid %d on node %s", identity.index,
                                "is dead" if identity.index in dead_servers else
-                               "was planned to relay for other workers (a new worker is on another node)",
+                               "serves a new relay plan (a new worker runs on another node)",
                                identity.pid, identity.node_id[:8])
             self.connect_parameter_servers()
         return set(dead_workers)
