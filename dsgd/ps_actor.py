@@ -57,10 +57,9 @@ This module must not import TensorFlow: a parameter server is a light process.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
+from dataclasses import dataclass, field, replace
 from typing import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -371,7 +370,7 @@ class ParameterServer:
         if stored is not None:
             p.pushed_through_store += 1
         # A node's partial sum travels in float32 (the sum of its workers' 16-bit copies, not rounded again).
-        shard = dataclasses.replace(p.shard, compression=None) if worker_index in p.relay_keys else p.shard
+        shard = replace(p.shard, compression=None) if worker_index in p.relay_keys else p.shard
         return self._end(p, worker_index).read(shard, p.offset, p.segments, stored)
 
     def _end(self, p: _Partition, key: int) -> SharedMemoryServerEnd | ObjectStoreServerEnd:
@@ -423,9 +422,8 @@ class ParameterServer:
             except ray.exceptions.RayActorError:
                 raise StepAborted(f"parameter server {self.server_index}: parameter server {home}, which sums "
                                   f"partition {p.shard.index}, died in step {step_id}") from None
-            except ray.exceptions.RayTaskError as e:  # the server's own error (aborted, a bad push)
-                cause = e.as_instanceof_cause()
-                raise (cause if isinstance(cause, (DSGDError, StepAborted, ValueError)) else e) from None
+            except ray.exceptions.RayTaskError as e:  # the server's own error (aborted, a bad push): as it is
+                raise (e.cause if isinstance(e.cause, (DSGDError, StepAborted, ValueError)) else e) from None
             np.copyto(mean, got)
         return ref, tuple(averaged)
 
