@@ -219,12 +219,21 @@ class ServerGroup:
         return [actor.trace.remote(step_id) for actor in self.actors]
 
     def describe(self) -> str:
-        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log (bytes on the wire)."""
+        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log (bytes on the wire);
+        with relays, how many partitions each node's workers sum before they cross ('; summed within the node
+        first: 2 partitions on node 1a2b3c4d, ...')."""
         loads = ", ".join(f"{sum(s.wire_nbytes for s in self.partitions_of(j)) / 2**20:.1f}"
                           for j in range(len(self.nodes)))
         largest = max(s.wire_nbytes for s in self.layout) / 2**20
+        relayed: dict[str, int] = {}
+        for by in self.relays.values():
+            for r in by:
+                relayed[self.nodes[r]] = relayed.get(self.nodes[r], 0) + 1
         return (f"{len(self.layout)} partition{'s' * (len(self.layout) != 1)} of up to {largest:.1f} MiB on "
-                f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)")
+                f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)"
+                + ("; summed within the node first: " + ", ".join(f"{n} partitions on node {node[:8]}"
+                                                                  for node, n in sorted(relayed.items()))
+                   if relayed else ""))
 
     def kill(self) -> None:
         for actor in self.actors:

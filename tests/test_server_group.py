@@ -72,6 +72,7 @@ def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhe
     group = ServerGroup(layout, servers, 5, 30.0, worker_nodes=["a", "a", "b", "b", "c"])
     assert group.relays == relays
     assert group.routes(0) == [0, 0, 0, 0] and group.routes(2) == [1, 1, 2, 2] and group.routes(4) == placement
+    assert group.describe().endswith("; summed within the node first: 2 partitions on node a, 2 partitions on node b")
     # Bytes per step leaving each node: a and b one copy of the 2 partitions summed elsewhere, c all 4.
     assert group.node_sent_bytes(["a", "a", "b", "b", "c"]) == {"a": 2 * 4000, "b": 2 * 4000, "c": 4 * 4000}
     # One worker per node, or backup workers: no relays.
