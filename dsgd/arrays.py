@@ -2,7 +2,10 @@
 
 ``average_into(out, inputs)`` computes ``(inputs[0] + inputs[1] + ...) / n``
 adding in the order given (worker order), block by block so each block stays
-in cache between the adds and the divide. The driver's "simple" average and
+in cache between the adds and the divide; ``divisor`` replaces ``n`` where an
+input is already a sum of several workers' (node-local aggregation: a node's
+partial sum, divided by the total worker count at its server, or by 1 at the
+node's relay, which only sums). The driver's "simple" average and
 every parameter server call it, so the two strategies agree bit for bit.
 Inputs in a 16-bit wire form (``dsgd.wire``) are widened to ``out``'s
 float32 block by block, so a compressed partition is summed in float32.
@@ -20,14 +23,18 @@ from dsgd import wire
 BLOCK_BYTES = 1 << 18
 
 
-def average_into(out: np.ndarray, inputs: Sequence[np.ndarray]) -> np.ndarray:
-    """``out[:] = mean of inputs`` (same flat size and dtype, or 16-bit wire forms of a float32 ``out``).
+def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | None = None) -> np.ndarray:
+    """``out[:] = sum of inputs / divisor`` (same flat size and dtype, or 16-bit wire forms of a float32 ``out``).
 
-    Summed in the order given.
+    Summed in the order given; ``divisor`` defaults to ``len(inputs)`` (their mean).
     """
     n = len(inputs)
     if n == 0:
         raise ValueError("average_into needs at least one input")
+    if divisor is None:
+        divisor = n
+    elif divisor < 1:
+        raise ValueError(f"average_into divides by a count of workers, at least 1; got {divisor}")
     flat_out = out.reshape(-1)
     flat = [_Widened(a.reshape(-1)) if a.dtype != out.dtype else a.reshape(-1) for a in inputs]
     block = max(1, BLOCK_BYTES // max(1, out.dtype.itemsize))
@@ -40,7 +47,8 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray]) -> np.ndarray:
             np.add(flat[0][lo:hi], flat[1][lo:hi], out=target)
             for a in flat[2:]:
                 np.add(target, a[lo:hi], out=target)
-        np.divide(target, n, out=target)
+        if divisor != 1:
+            np.divide(target, divisor, out=target)
     return out
 
 

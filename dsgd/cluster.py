@@ -230,8 +230,14 @@ class Cluster:
 
     def connect_parameter_servers(self) -> None:
         group = self.servers
-        self.calls.call_startup([w.connect.remote(group.layout, group.placement, group.actors) for w in self.workers],
+        self.calls.call_startup(group.link(), "the parameter servers that relay to learn the others")
+        self.calls.call_startup([w.connect.remote(group.layout, group.placement, group.actors, group.routes(i))
+                                 for i, w in enumerate(self.workers)],
                                 "the workers to connect to the parameter servers")
+
+    def node_sent_bytes(self) -> int:
+        """The most gradient bytes one node pushes to parameter servers on other nodes per step ("ps")."""
+        return max(self.servers.node_sent_bytes(self._worker_nodes).values(), default=0)
 
     # ---- state -----------------------------------------------------------
 
@@ -273,11 +279,12 @@ class Cluster:
             self.connect_exchange()
             return set(dead_workers)
         dead_servers = self.calls.unresponsive(self.servers.actors) if self.servers else []
-        if dead_servers:
+        if dead_servers or (self.servers and rebuilt):  # new workers may sit on other nodes: relays re-planned
             for identity in self.calls.identify(self.servers.replace(dead_servers, self._worker_nodes)):
-                logger.warning("parameter server %d is dead; started a new one, pid %d on node %s",
-                               identity.index, identity.pid, identity.node_id[:8])
-        if dead_servers or (self.servers and rebuilt):
+                logger.warning("parameter server %d %s; started a new one, pid %d on node %s", identity.index,
+                               "is dead" if identity.index in dead_servers else
+                               "serves a new relay plan (a new worker runs on another node)",
+                               identity.pid, identity.node_id[:8])
             self.connect_parameter_servers()
         return set(dead_workers)
 

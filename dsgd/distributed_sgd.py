@@ -276,6 +276,8 @@ class DistributedSGD:
         stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
         stats.update(backup)
         stats.setdefault("num_replicas", float(self.num_workers * self.devices_per_worker))
+        if self._cluster.servers is not None:
+            stats["node_sent_bytes"] = float(self._cluster.node_sent_bytes())
         stats["step_time_s"] = time.perf_counter() - start
         if self.options.samples_per_step:
             stats["samples_per_s"] = self.options.samples_per_step / stats["step_time_s"]

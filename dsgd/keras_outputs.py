@@ -17,7 +17,7 @@ import tensorflow as tf
 
 # Keys of step(fetch_stats=True)'s result that a metric must not shadow.
 RESERVED_METRIC_NAMES = ("loss", "step", "step_time_s", "samples_per_s", "skipped",
-                         "num_replicas", "dropped_gradients", "sent_bytes")
+                         "num_replicas", "dropped_gradients", "sent_bytes", "node_sent_bytes")
 
 
 def output_names(outputs: Any, model: Any) -> list[str]:

@@ -18,6 +18,17 @@ wire compression (``dsgd.wire``) pushes and means are 16-bit: the server
 sums the pushes into a float32 array beside the mean and rounds the mean
 once.
 
+Node-local aggregation (``Relay``, planned by ``dsgd.server_group.plan_relays``):
+on a node without partition j's server that holds several workers, one server
+there relays j. Its local workers push j to it through shared memory as to any
+local server; once all have, it sums their copies (float32, worker order) and
+pushes the node's partial sum to j's server through the object store as one
+push standing for those workers (keyed by the lowest of them), waits for the
+mean, and writes it into its mean buffer for them. j's server sums its own
+workers' copies and the nodes' partial sums (lowest worker first) and divides
+by the number of workers they stand for. So one copy of j per node crosses
+each way per step, whatever the node's number of workers.
+
 Backup workers (``backup_workers=b``): a partition's step closes at the
 first ``num_workers - b`` pushes (``ParameterServer._closes``); a later push
 of a closed step is dropped and answered with the step's mean at once. A
@@ -47,13 +58,14 @@ This module must not import TensorFlow: a parameter server is a light process.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import numpy as np
 import ray
 
 from dsgd import actor_identity, arrays, object_store, shared_memory, timeline, wire
-from dsgd.errors import DSGDTimeoutError, StepAborted
+from dsgd.errors import DSGDError, DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd
 
@@ -61,11 +73,21 @@ CONTROL_THREADS = 3
 
 
 def start(server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
-          backup_workers: int = 0, **options) -> ray.actor.ActorHandle:
+          backup_workers: int = 0, relays: Sequence[Relay] = (),
+          node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, **options) -> ray.actor.ActorHandle:
     """A ``ParameterServer`` actor with the threads it needs; ``options`` go to ``.options``."""
     return ray.remote(ParameterServer).options(
-        num_cpus=0, max_concurrency=num_workers * len(partitions) + CONTROL_THREADS, **options).remote(
-        server_index, num_workers, partitions, step_timeout_s, backup_workers)
+        num_cpus=0, max_concurrency=num_workers * (len(partitions) + len(relays)) + CONTROL_THREADS,
+        **options).remote(server_index, num_workers, partitions, step_timeout_s, backup_workers, relays, node_sums)
+
+
+@dataclass(frozen=True)
+class Relay:
+    """This server sums ``workers``' copies of ``shard`` (its node's workers) and pushes the sum to server ``home``."""
+
+    shard: Shard
+    home: int
+    workers: tuple[int, ...]
 
 
 @dataclass
@@ -77,11 +99,21 @@ class _Partition:
     segments: list[tuple[int, int]]  # (start, size) of each segment a remote push carries
     means: list[np.ndarray]  # views of the mean buffer in the wire dtype, one per slot (step parity, backup workers)
     total: np.ndarray | None  # compressed: the float32 array the pushes are averaged in, then rounded into a mean
+    # who pushes it: a worker, or a node's relay keyed by its lowest worker -> the workers the push stands for
+    contributors: dict[int, tuple[int, ...]]
+    quorum: int  # the workers a step is averaged over (or, relayed, summed over)
+    home: int | None = None  # relayed: the server its partial sum goes to
     step_id: int | None = None  # the step it sums next
     waiting: dict[int, list[np.ndarray]] = field(default_factory=dict)  # worker -> its segments, in push order
     # step -> (the mean's ref for remote readers, the workers averaged), for the steps whose means are kept
     done: dict[int, tuple[ray.ObjectRef | None, tuple[int, ...]]] = field(default_factory=dict)
-    failures: dict[int, ValueError] = field(default_factory=dict)
+    failures: dict[int, Exception] = field(default_factory=dict)
+    relay_keys: frozenset[int] = frozenset()  # the contributors that are relays (a node's lowest worker)
+    pushed_through_store: int = 0  # pushes that carried their data through the object store, since the start
+
+    def workers_in(self, keys) -> list[int]:
+        """The workers the pushes of contributors ``keys`` stand for, in order."""
+        return sorted(w for k in keys for w in self.contributors[k])
 
     def mean(self, step_id: int) -> np.ndarray:
         return self.means[step_id % len(self.means)]
@@ -91,11 +123,16 @@ class ParameterServer:
     """Runs as a threaded Ray actor (see ``start``); holds no state that outlives a step."""
 
     def __init__(self, server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
-                 backup_workers: int = 0):
+                 backup_workers: int = 0, relays: Sequence[Relay] = (),
+                 node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None):
         """``partitions``: the shards of the layout this server sums.
 
         ``step_timeout_s`` bounds how long a push waits for the other workers'
         pushes; a step averages the first ``num_workers - backup_workers``.
+        ``relays``: the partitions of other servers this one sums for its
+        node's workers; ``node_sums[j]``: the worker groups (one per node)
+        whose partial sums of partition j come from relays instead of their
+        workers' pushes.
         """
         self.server_index = server_index
         self.num_workers = num_workers
@@ -104,7 +141,7 @@ class ParameterServer:
         self.step_timeout_s = step_timeout_s
         self.node_id = ray.get_runtime_context().get_node_id()
         offsets, end = [], 0
-        for shard in partitions:
+        for shard in [*partitions, *(r.shard for r in relays)]:
             offsets.append(end)
             end = shared_memory.aligned(end + shard.wire_nbytes)
         self.nbytes = end
@@ -114,7 +151,14 @@ class ParameterServer:
             memory = self.mean_buffer.memory
         else:
             memory = bytearray(self.nbytes * self.slots)
-        self.partitions = {shard.index: self._place(shard, memory, offset) for shard, offset in zip(partitions, offsets)}
+        node_sums = node_sums or {}
+        self.partitions = {shard.index: self._place(shard, memory, offset, node_sums.get(shard.index, ()))
+                           for shard, offset in zip(partitions, offsets)}
+        for relay, offset in zip(relays, offsets[len(partitions):]):
+            self.partitions[relay.shard.index] = self._place(relay.shard, memory, offset, (), relay)
+        self.peers: list = []  # every server's actor, for the relays' pushes (``set_peers``)
+        self.relay_ends = {min(group): ObjectStoreServerEnd(server_index, min(group))
+                           for groups in node_sums.values() for group in groups}
         # Each worker's end of its transport; the object store until it attaches on this node.
         self.ends: dict[int, SharedMemoryServerEnd | ObjectStoreServerEnd] = {
             w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
@@ -124,12 +168,31 @@ class ParameterServer:
         self.begun = {w: -1 for w in range(num_workers)}  # worker -> the last step it began (backup workers)
         self.traces: dict[int, timeline.Recorder] = {}  # the last two steps' events
 
-    def _place(self, shard: Shard, memory, offset: int) -> _Partition:
-        """``shard``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if compressed."""
+    def _place(self, shard: Shard, memory, offset: int, node_sums: Sequence[tuple[int, ...]],
+               relay: Relay | None = None) -> _Partition:
+        """``shard``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if compressed.
+
+        Pushed by every worker but those of ``node_sums`` (each group pushed as one by its node's relay), or
+        relayed: by ``relay.workers``.
+        """
         means = [np.frombuffer(memory, shard.wire_dtype, shard.size, offset + k * self.nbytes)
                  for k in range(self.slots)]
         total = None if shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
-        return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], means, total)
+        if relay is not None:
+            contributors = {w: (w,) for w in relay.workers}
+        else:
+            grouped = {w for group in node_sums for w in group}
+            contributors = {w: (w,) for w in range(self.num_workers) if w not in grouped}
+            contributors.update({min(group): tuple(group) for group in node_sums})
+        quorum = len(relay.workers) if relay is not None else self.quorum
+        return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], means, total,
+                          dict(sorted(contributors.items())), quorum, None if relay is None else relay.home,
+                          relay_keys=frozenset(min(group) for group in node_sums))
+
+    def set_peers(self, servers: Sequence) -> None:
+        """Every server's actor (index = server index): the relays push their partial sums to them."""
+        with self.changed:
+            self.peers = list(servers)
 
     # ---- connection --------------------------------------------------------
 
@@ -177,11 +240,18 @@ class ParameterServer:
             late = self.quorum < self.num_workers and p.step_id is not None and step_id < p.step_id  # closed
             if not late:
                 self._take(p, step_id, worker_index, stored)
-                self._note_begun(worker_index, step_id)
+                for w in p.contributors[worker_index]:
+                    self._note_begun(w, step_id)
                 inputs, averaged = self._wait_closable(p, step_id, resets)
                 recorder = self._recorder(step_id)
         if inputs is not None:  # this push closes the step: sum outside the lock, so other partitions go on
-            ref = self._sum(p, step_id, inputs, averaged, recorder)
+            try:
+                ref, averaged = self._sum(p, step_id, inputs, averaged, recorder)
+            except Exception as e:  # e.g. a relay's server died: the step's other pushes fail now, not at a timeout
+                with self.changed:
+                    p.failures[step_id] = e
+                    self.changed.notify_all()
+                raise
             with self.changed:
                 if self.resets == resets:
                     p.done = {s: d for s, d in p.done.items() if s > step_id - self.slots}
@@ -191,10 +261,12 @@ class ParameterServer:
         with self.changed:
             self._wait_settled(p, step_id, resets)
             what = "late push" if late else "push"
-            self._recorder(step_id).add(f"worker {worker_index}'s {what} of partition {partition} (waits for the sum)",
+            workers = p.contributors.get(worker_index, (worker_index,))
+            who = f"worker {worker_index}'s" if len(workers) == 1 else f"the partial sum of workers {list(workers)}:"
+            self._recorder(step_id).add(f"{who} {what} of partition {partition} (waits for the sum)",
                                         start, timeline.now_us(), "pushes")
             ref, averaged = p.done[step_id]
-            return self.ends[worker_index].reply(ref), averaged
+            return self._end(p, worker_index).reply(ref), averaged
 
     def _take(self, p: _Partition, step_id: int, worker_index: int, stored: list | None) -> None:
         """Accept a push (under the lock) into ``p.waiting``; a bad one fails the step."""
@@ -211,17 +283,25 @@ class ParameterServer:
         self._wait(p, step_id, lambda: self._settled(p, step_id) or self.resets != resets or self._closes(p, step_id))
         if self._settled(p, step_id) or self.resets != resets:
             return None, ()
-        averaged = tuple(sorted(list(p.waiting)[:self.quorum]))  # the first pushes to arrive
-        inputs = [p.waiting[w] for w in averaged]
+        keys, count = [], 0
+        for key in p.waiting:  # the first pushes to arrive
+            if count >= p.quorum:
+                break
+            keys.append(key)
+            count += len(p.contributors[key])
+        keys.sort()
+        inputs = [p.waiting[key] for key in keys]
+        averaged = tuple(p.workers_in(keys))
         p.waiting.clear()  # pushes beyond the first are dropped
         p.step_id = step_id + 1
         return inputs, averaged
 
     def _closes(self, p: _Partition, step_id: int) -> bool:
         """Whether ``p``'s step has the pushes it is averaged over: the first ``num_workers - backup_workers``,
-        once every worker is done with the step whose mean slot it writes (has begun ``step_id - 1``)."""
-        return (p.step_id == step_id and len(p.waiting) >= self.quorum
-                and all(begun >= step_id - 1 for begun in self.begun.values()))
+        once every worker is done with the step whose mean slot it writes (has begun ``step_id - 1``; without
+        backup workers every worker's push says so)."""
+        return (p.step_id == step_id and len(p.workers_in(p.waiting)) >= p.quorum
+                and (self.slots == 1 or all(begun >= step_id - 1 for begun in self.begun.values())))
 
     def _note_begun(self, worker_index: int, step_id: int) -> None:
         if step_id > self.begun[worker_index]:
@@ -256,12 +336,12 @@ class ParameterServer:
     def _wait(self, p: _Partition, step_id: int, condition) -> None:
         """``changed.wait_for(condition)`` bounded by the step timeout; the timeout names who is missing."""
         if not self.changed.wait_for(condition, self.step_timeout_s):
-            missing = sorted(set(range(self.num_workers)) - set(p.waiting))
+            missing = p.workers_in(set(p.contributors) - set(p.waiting))
             behind = sorted(w for w, begun in self.begun.items() if begun < step_id - 1)
             raise DSGDTimeoutError(
                 f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
                 + (f"workers {behind} to begin step {step_id - 1} (it closes step {step_id} of partition "
-                   f"{p.shard.index} only then)" if len(p.waiting) >= self.quorum else
+                   f"{p.shard.index} only then)" if len(p.workers_in(p.waiting)) >= p.quorum else
                    f"workers {missing} to push partition {p.shard.index} of step {step_id}"))
 
     def _partition(self, index: int, worker_index: int) -> _Partition:
@@ -281,25 +361,77 @@ class ParameterServer:
         if step_id != p.step_id:
             raise ValueError(f"parameter server {self.server_index} is summing step {p.step_id} of partition "
                              f"{p.shard.index} but worker {worker_index} pushed step {step_id}")
+        if worker_index not in p.contributors:
+            raise ValueError(f"parameter server {self.server_index} expects partition {p.shard.index} from "
+                             f"{sorted(p.contributors)} (a node's relay pushes as its lowest worker), "
+                             f"not from worker {worker_index}")
         if worker_index in p.waiting:
             raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
-        return self.ends[worker_index].read(p.shard, p.offset, p.segments, stored)
+        if stored is not None:
+            p.pushed_through_store += 1
+        # A node's partial sum travels in float32 (the sum of its workers' 16-bit copies, not rounded again).
+        shard = replace(p.shard, compression=None) if worker_index in p.relay_keys else p.shard
+        return self._end(p, worker_index).read(shard, p.offset, p.segments, stored)
+
+    def _end(self, p: _Partition, key: int) -> SharedMemoryServerEnd | ObjectStoreServerEnd:
+        """The transport end a push of ``p`` by ``key`` comes through: a relay's partial sum always crosses the
+        object store (its key, the node's lowest worker, may have its own shared buffer here)."""
+        return self.relay_ends[key] if key in p.relay_keys else self.ends[key]
 
     def _sum(self, p: _Partition, step_id: int, inputs: list[list[np.ndarray]], averaged: tuple[int, ...],
-             recorder: timeline.Recorder) -> ray.ObjectRef | None:
-        """Average the ``averaged`` workers' segments into the step's mean slot; the mean's ref if remote workers
-        read it. A compressed partition is averaged in float32 and its mean rounded once to 16 bits."""
+             recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
+        """Average the pushes (``averaged``: the workers they stand for) into the step's mean slot; the mean's ref
+        if remote workers read it, and the workers the mean averages. A compressed partition is averaged in
+        float32 and its mean rounded once to 16 bits. A relayed partition is summed, then pushed on (``_relay``)."""
         mean = p.mean(step_id)
         total = mean if p.total is None else p.total
-        with recorder.span(f"average partition {p.shard.index} of workers {list(averaged)}", "sum"):
+        divisor = 1 if p.home is not None else len(averaged)
+        what = "sum" if p.home is not None else "average"
+        with recorder.span(f"{what} partition {p.shard.index} of workers {list(averaged)}", "sum"):
             for k, (start, size) in enumerate(p.segments):
-                arrays.average_into(total[start:start + size], [worker[k] for worker in inputs])
-                if p.total is not None:
+                arrays.average_into(total[start:start + size], [pushed[k] for pushed in inputs], divisor)
+                if p.total is not None and p.home is None:
                     wire.convert_into(mean[start:start + size], total[start:start + size])
-        if not any(end.remote for end in self.ends.values()):
-            return None
+        if p.home is not None:
+            return self._relay(p, step_id, averaged, recorder)
+        if not p.relay_keys and not any(end.remote for end in self.ends.values()):
+            return None, averaged
         with recorder.span(f"put the mean of partition {p.shard.index} for remote workers", "sum"):
-            return object_store.put([mean])
+            return object_store.put([mean]), averaged
+
+    def _relay(self, p: _Partition, step_id: int, summed: tuple[int, ...],
+               recorder: timeline.Recorder) -> tuple[ray.ObjectRef, tuple[int, ...]]:
+        """Push the node's partial sum of ``p`` (in its mean slot, or its float32 sum if compressed) to its server
+        as workers ``summed``, wait for the mean (bounded) and write it into the slot; the mean's ref (for
+        workers here on the object store) and the workers it averages."""
+        mean = p.mean(step_id)
+        home = p.home
+        partial = mean if p.total is None else p.total
+        with recorder.span(f"push the node's partial sum of partition {p.shard.index} (workers {list(summed)}, "
+                           f"{partial.nbytes} bytes) to parameter server {home}", "relay"):
+            stored = object_store.put([partial[start:start + size] for start, size in p.segments])
+            call = self.peers[home].push.remote(step_id, min(summed), p.shard.index, stored)
+            try:
+                [ref], averaged = ray.get(call, timeout=self.step_timeout_s)
+                [got] = object_store.join(ray.get(ref, timeout=self.step_timeout_s), [p.shard.size])
+            except ray.exceptions.GetTimeoutError:
+                raise DSGDTimeoutError(
+                    f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
+                    f"parameter server {home}'s mean of partition {p.shard.index}, step {step_id} (it relays "
+                    f"workers {list(summed)}' partial sum)") from None
+            except ray.exceptions.RayActorError:
+                raise StepAborted(f"parameter server {self.server_index}: parameter server {home}, which sums "
+                                  f"partition {p.shard.index}, died in step {step_id}") from None
+            except ray.exceptions.RayTaskError as e:  # the server's own error (aborted, a bad push): as it is
+                raise (e.cause if isinstance(e.cause, (DSGDError, StepAborted, ValueError)) else e) from None
+            np.copyto(mean, got)
+        return ref, tuple(averaged)
+
+    def traffic(self) -> dict[int, int]:
+        """Partition -> how many pushes of it carried their data through the object store (from another node),
+        since the start; a relayed partition is not counted here but at its server."""
+        with self.changed:
+            return {j: p.pushed_through_store for j, p in self.partitions.items() if p.home is None}
 
     # ---- control -----------------------------------------------------------
 

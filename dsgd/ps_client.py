@@ -48,16 +48,21 @@ class ParameterServerClient:
         self.sent_bytes = sum(seg.wire_nbytes for parts in self.segments for seg in parts)  # per step
         self.servers: list[Any] = []
         self.ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per partition: its server's transport
+        self.routes = list(self.placement)  # partition -> the server it is pushed to (``connect``)
         self._pushes: dict[int, ray.ObjectRef] = {}  # partition -> this step's push call
 
-    def connect(self, servers: Sequence[Any]) -> int:
-        """Attach to every server and pick each pair's transport; the number reached through shared memory."""
+    def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None) -> int:
+        """Attach to every server and pick each pair's transport; the number reached through shared memory.
+
+        ``routes[j]`` (default: the placement): the server partition j is pushed to, its node's relay or its own.
+        """
         self.servers = list(servers)
+        self.routes = list(self.placement if routes is None else routes)
         node = ray.get_runtime_context().get_node_id()
         infos = self._wait([s.attach.remote(self.worker_index, node) for s in self.servers],
                            "the parameter servers to attach", self.startup_timeout_s)
         per_server = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
-        self.ends = [per_server[j] for j in self.placement]
+        self.ends = [per_server[j] for j in self.routes]
         self._pushes.clear()
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in per_server)
 
@@ -76,7 +81,7 @@ class ParameterServerClient:
             try:
                 return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                              shared_memory.attach(info["mean"], writable=False), info["offsets"],
-                                             info["slots"], [s for s, k in zip(self.layout, self.placement) if k == j])
+                                             info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j])
             except OSError:  # same node, but another PID namespace: use the object store
                 self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
                            self.startup_timeout_s)
@@ -93,14 +98,14 @@ class ParameterServerClient:
         return self._push(shard, step_id, stored)
 
     def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None) -> ray.ObjectRef:
-        server = self.servers[self.placement[shard.index]]
+        server = self.servers[self.routes[shard.index]]
         self._pushes[shard.index] = server.push.remote(step_id, self.worker_index, shard.index, stored)
         return self._pushes[shard.index]
 
     def receive(self, shard: Shard, step_id: int) -> np.ndarray:
         """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push)."""
         push = self._pushes.pop(shard.index)
-        what = f"parameter server {self.placement[shard.index]}'s sum of partition {shard.index}, step {step_id}"
+        what = f"parameter server {self.routes[shard.index]}'s sum of partition {shard.index}, step {step_id}"
         return self.read(shard, step_id, self._wait(push, what))
 
     def read(self, shard: Shard, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:

@@ -8,7 +8,10 @@ workers placed there (``plan_servers``), and picks the partition size from
 the model and the server count (``dsgd.shards.default_partition_bytes``);
 partitions are spread over the servers by bytes (``assign_partitions``).
 Workers reach a server on their own node through shared memory, others
-through the object store (``dsgd.ps_client``).
+through the object store (``dsgd.ps_client``). Node-local aggregation
+(``plan_relays``): on a node with several workers, a server there sums their
+copies of each partition summed elsewhere and pushes one partial sum per
+partition and step across (``dsgd.ps_actor.Relay``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,35 @@ def assign_partitions(layout: Sequence[Shard], num_servers: int) -> list[int]:
     return placement
 
 
+def plan_relays(layout: Sequence[Shard], placement: Sequence[int], server_nodes: Sequence[str],
+                worker_nodes: Sequence[str]) -> dict[int, dict[int, tuple[int, ...]]]:
+    """Node-local aggregation: ``relays[j] = {server r: the workers whose copies of partition j r sums}``.
+
+    For every partition j and every node that is not its server's, holds at
+    least two workers and a server: that node's server with the fewest bytes
+    to sum so far (its own partitions, then the relayed ones in layout order)
+    sums the node's workers' copies of j and pushes the sum to j's server, so
+    one copy of j leaves the node per step instead of one per worker. A node
+    with one worker pushes directly (the same bytes, one hop fewer).
+    """
+    workers_on: dict[str, list[int]] = {}
+    for w, node in enumerate(worker_nodes):
+        workers_on.setdefault(node, []).append(w)
+    load = [0] * len(server_nodes)
+    for shard, j in zip(layout, placement):
+        load[j] += shard.wire_nbytes
+    relays: dict[int, dict[int, tuple[int, ...]]] = {}
+    for shard, home in zip(layout, placement):
+        for node, workers in sorted(workers_on.items()):
+            here = [r for r, n in enumerate(server_nodes) if n == node]
+            if node == server_nodes[home] or len(workers) < 2 or not here:
+                continue
+            r = min(here, key=lambda k: (load[k], k))
+            load[r] += shard.wire_nbytes
+            relays.setdefault(shard.index, {})[r] = tuple(workers)
+    return relays
+
+
 def home_for(server_nodes: Sequence[str], server: int, worker_nodes: Sequence[str]) -> str:
     """The node for a new server ``server`` (``server_nodes[j]``: where server j ran), beside the live workers.
 
@@ -83,9 +115,14 @@ class ServerGroup:
     """Starts, replaces, aborts, resets and traces the parameter servers of one engine."""
 
     def __init__(self, layout: Sequence[Shard], nodes: Sequence[str], num_workers: int, step_timeout_s: float,
-                 backup_workers: int = 0):
+                 backup_workers: int = 0, worker_nodes: Sequence[str] | None = None):
         """``nodes[j]``: where server j runs; ``step_timeout_s`` bounds a push's wait for the others; a step
-        averages the first ``num_workers - backup_workers`` workers' pushes."""
+        averages the first ``num_workers - backup_workers`` workers' pushes.
+
+        ``worker_nodes[w]``: worker w's node, for node-local aggregation
+        (``plan_relays``); without it, or with backup workers, every worker
+        pushes every partition to its server.
+        """
         self.layout = list(layout)
         self.nodes = list(nodes)
         self.num_workers = num_workers
@@ -93,9 +130,40 @@ class ServerGroup:
         self.backup_workers = backup_workers
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
+        self.relays = self._plan_relays(worker_nodes)
+
+    def _plan_relays(self, worker_nodes: Sequence[str] | None) -> dict[int, dict[int, tuple[int, ...]]]:
+        """``plan_relays``, where node-local aggregation applies: without backup workers (a node's partial sum
+        would wait for its slowest worker)."""
+        if worker_nodes is None or self.backup_workers:
+            return {}
+        return plan_relays(self.layout, self.placement, self.nodes, worker_nodes)
 
     def partitions_of(self, server: int) -> list[Shard]:
         return [s for s, j in zip(self.layout, self.placement) if j == server]
+
+    def relays_of(self, server: int) -> list[ps_actor.Relay]:
+        """The partitions of other servers that ``server`` sums for its node's workers."""
+        return [ps_actor.Relay(self.layout[j], self.placement[j], by[server])
+                for j, by in sorted(self.relays.items()) if server in by]
+
+    def routes(self, worker: int) -> list[int]:
+        """``routes[j]``: the server ``worker`` pushes partition j to: its node's relay of j, else j's server."""
+        return [next((r for r, workers in self.relays.get(j, {}).items() if worker in workers), self.placement[j])
+                for j in range(len(self.layout))]
+
+    def node_sent_bytes(self, worker_nodes: Sequence[str]) -> dict[str, int]:
+        """Node -> the gradient bytes its workers (or its relays) push to servers on other nodes per step; a
+        relay's partial sum is float32 (``Shard.nbytes``) under compression too."""
+        sent: dict[str, int] = {}
+        for w, node in enumerate(worker_nodes):
+            for shard, r in zip(self.layout, self.routes(w)):
+                if self.nodes[r] != node:
+                    sent[node] = sent.get(node, 0) + shard.wire_nbytes
+        for j, by in self.relays.items():
+            for r in by:
+                sent[self.nodes[r]] = sent.get(self.nodes[r], 0) + self.layout[j].nbytes
+        return sent
 
     def start(self, indices: Sequence[int] | None = None) -> list:
         """Start servers (all, or ``indices``) on their nodes; the actors started (they start in the background).
@@ -107,17 +175,29 @@ class ServerGroup:
         """
         indices = range(len(self.nodes)) if indices is None else indices
         for j in indices:
+            node_sums = {k: list(by.values()) for k, by in self.relays.items() if self.placement[k] == j}
             self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.step_timeout_s,
-                                            self.backup_workers, scheduling_strategy=actor_placement(self.nodes[j]))
+                                            self.backup_workers, self.relays_of(j), node_sums,
+                                            scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
+
+    def link(self) -> list:
+        """Refs of giving every relaying server the actors it pushes to (after any start, before workers push)."""
+        return [actor.set_peers.remote(self.actors) for j, actor in enumerate(self.actors) if self.relays_of(j)]
 
     def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:
         """Kill what is left of servers ``dead`` and start new ones (``home_for``); the new actors.
 
-        ``worker_nodes``: the nodes of the (live) workers.
+        ``worker_nodes``: the nodes of the (live) workers. If they change
+        which servers relay what (``plan_relays``), every server is started
+        anew with the new plan (a server holds nothing across steps).
         """
         for j in dead:
             self.nodes[j] = home_for(self.nodes, j, worker_nodes)
+        relays = self._plan_relays(worker_nodes)
+        if relays != self.relays:
+            self.relays, dead = relays, range(len(self.nodes))
+        for j in dead:
             ray.kill(self.actors[j])
         return self.start(dead)
 
@@ -139,12 +219,21 @@ class ServerGroup:
         return [actor.trace.remote(step_id) for actor in self.actors]
 
     def describe(self) -> str:
-        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log (bytes on the wire)."""
+        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log (bytes on the wire);
+        with relays, how many partitions each node's workers sum before they cross ('; summed within the node
+        first: 2 partitions on node 1a2b3c4d, ...')."""
         loads = ", ".join(f"{sum(s.wire_nbytes for s in self.partitions_of(j)) / 2**20:.1f}"
                           for j in range(len(self.nodes)))
         largest = max(s.wire_nbytes for s in self.layout) / 2**20
+        relayed: dict[str, int] = {}
+        for by in self.relays.values():
+            for r in by:
+                relayed[self.nodes[r]] = relayed.get(self.nodes[r], 0) + 1
         return (f"{len(self.layout)} partition{'s' * (len(self.layout) != 1)} of up to {largest:.1f} MiB on "
-                f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)")
+                f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)"
+                + ("; summed within the node first: " + ", ".join(f"{n} partitions on node {node[:8]}"
+                                                                  for node, n in sorted(relayed.items()))
+                   if relayed else ""))
 
     def kill(self) -> None:
         for actor in self.actors:
@@ -167,7 +256,8 @@ def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequ
     if shard_bytes is None:
         shard_bytes = shards.default_partition_bytes(exchange, len(nodes))
     layout = shards.plan_shards(exchange, shard_bytes, options.compression)
-    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s, options.backup_workers)
+    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s, options.backup_workers,
+                        worker_nodes)
     chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
     logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
                 group.describe(), "" if chosen else

@@ -87,8 +87,10 @@ class SGDWorker:
         gc.freeze()
         return runner.built.signature
 
-    def connect(self, layout: list[shards.Shard], placement: list[int], servers: list) -> int:
-        """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j).
+    def connect(self, layout: list[shards.Shard], placement: list[int], servers: list,
+                routes: list[int] | None = None) -> int:
+        """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j; ``routes[j]``,
+        default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.server_group``).
 
         The first call (and the first after ``setup`` rebuilt the graph)
         makes the "ps" exchange; later calls, after a server or worker was
@@ -104,7 +106,7 @@ class SGDWorker:
         if self.exchange is None:
             self.exchange = ps_exchanges.with_servers(self.runner, self.client)
             self._ps_exchanges[self._ps_key(layout, placement)] = (self.client, self.exchange)
-        return self.client.connect(servers)
+        return self.client.connect(servers, routes)
 
     def _ps_key(self, layout: list[shards.Shard], placement: list[int]) -> tuple:
         """What a "ps" exchange is built for: this worker's index, the partitions, which server sums each."""

@@ -15,7 +15,9 @@ table) and of every parameter server (GCS actor table) of the float32
 engine, per engine which partitions each worker reads through shared
 memory, the start weights, every replica's final weights and the lockstep
 record, weights as nested lists; under "backup", the same for a run with a
-straggler and one backup worker (``run_with_backup``).
+straggler and one backup worker (``run_with_backup``); under "node_local",
+2 workers per node, whose partitions cross through each node's relay
+(``run_node_local``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import ray
 import dsgd
 from cluster_jobs import actor_node, local_cluster
 from compression_runs import FLOAT32, STEPS, lockstep
-from dsgd_test_models import (RESULT_PREFIX, StragglerNet, TanhNet, replica_weights, set_start_weights, ps_actors,
-                              server_group)
+from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,
+                              set_start_weights, ps_actors, server_group)
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
@@ -84,10 +86,42 @@ def run_with_backup() -> dict:
                 "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas]}
 
 
+def run_node_local() -> dict:
+    """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions; then
+    worker 3 is killed and ``STEPS`` more steps run through the recovery."""
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=4, devices_per_worker=1, strategy="ps",
+                             grad_shard_bytes=SHARD_BYTES) as sgd:
+        start = set_start_weights(sgd)
+        stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
+        group = server_group(sgd)
+        result = {
+            "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
+            "ps_nodes": [actor_node(ps) for ps in group.actors],
+            "placement": group.placement,
+            "partition_bytes": [s.wire_nbytes for s in group.layout],
+            "relays": _relays(group),
+            "routes": [group.routes(w) for w in range(4)],
+            # per server: partition -> pushes that came through the object store
+            "traffic": [{str(j): n for j, n in t.items()} for t in ray.get([a.traffic.remote() for a in group.actors])],
+            "node_sent_bytes": [s["node_sent_bytes"] for s in stats],
+            "sent_bytes": [s["sent_bytes"] for s in stats]}
+        kill(sgd.workers[3])
+        for _ in range(STEPS):
+            sgd.step()
+        return {**result, "failures": sgd.failures, "relays_after": _relays(server_group(sgd)),
+                "start": _listed(start), "replicas": [_listed(r) for r in replica_weights(sgd)]}
+
+
+def _relays(group) -> list:
+    """Per partition: [relaying server, the workers it sums] of each node that relays it."""
+    return [[[r, list(ws)] for r, ws in group.relays.get(j, {}).items()] for j in range(len(group.layout))]
+
+
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
         result["backup"] = run_with_backup()
+        result["node_local"] = run_node_local()
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -7,7 +7,8 @@ parameter servers (one per node) for 3 steps and reports where every actor
 ran and the final weights; beside it, compressed engines (bf16 through the
 op library, fp16 through Python) step in lockstep, their 16-bit partitions
 crossing the object stores (tests/test_compression.py has the one-node runs);
-then the same cluster runs 2 workers with one backup worker and a straggler.
+then the same cluster runs 2 workers with one backup worker and a straggler,
+and 2 nodes x 2 workers with node-local aggregation.
 """
 
 import os
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 
 from compression_runs import check_lockstep
-from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_step, run_job, weights_from_json
+from dsgd_test_models import (REPLICAS_2x1, assert_weights_close, numpy_momentum_run, numpy_step, run_job,
+                              weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
@@ -80,4 +82,42 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
     expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
     for step in range(job["steps"]):
         expected = numpy_step(expected, [(0, 0)], step)
+    assert_weights_close(replicas[0], expected)
+
+
+def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across(job):
+    """Node-local aggregation: per partition summed on the other node, each node's relay (its server) sums its
+    two workers' copies and pushes one partial sum; the result matches the numpy reference of 4 replicas,
+    also through the recovery from a killed worker."""
+    run = job["node_local"]
+    nodes = sorted(set(run["worker_nodes"]))
+    assert len(nodes) == 2 and sorted(run["worker_nodes"].count(n) for n in nodes) == [2, 2]
+    assert sorted(run["ps_nodes"]) == job["nodes"]  # one server per node
+    workers_on = {n: [w for w, m in enumerate(run["worker_nodes"]) if m == n] for n in nodes}
+    sent = {n: 0 for n in nodes}
+    for j, (home, relays) in enumerate(zip(run["placement"], run["relays"])):
+        home_node = run["ps_nodes"][home]
+        [other] = [n for n in nodes if n != home_node]
+        # The other node's server relays partition j for that node's two workers, who push it there.
+        assert relays == [[run["ps_nodes"].index(other), workers_on[other]]]
+        for w in workers_on[other]:
+            assert run["routes"][w][j] == run["ps_nodes"].index(other)
+        for w in workers_on[home_node]:
+            assert run["routes"][w][j] == home
+        # One push through the object store per step: the relay's partial sum (2 without relays).
+        assert run["traffic"][home][str(j)] == job["steps"]
+        sent[other] += run["partition_bytes"][j]
+    gradient_bytes = sum(run["partition_bytes"])
+    assert run["node_sent_bytes"] == [float(max(sent.values()))] * job["steps"]
+    assert max(sent.values()) <= gradient_bytes
+    assert run["sent_bytes"] == [float(gradient_bytes)] * job["steps"]  # what one worker pushes, as before
+    # Worker 3 killed after those steps: one recovery, relays planned from the new worker's node, and the
+    # steps after it still equal the numpy reference, on 4 bit-identical replicas.
+    assert run["failures"] == 1 and any(run["relays_after"])
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    assert len(replicas) == 4
+    for replica in replicas[1:]:
+        for name in replicas[0]:
+            assert np.array_equal(replica[name], replicas[0][name]), name
+    expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 2 * job["steps"])
     assert_weights_close(replicas[0], expected)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import ray
 
-from dsgd import object_store, ps_actor
+from dsgd import object_store, ps_actor, wire
 from dsgd.errors import DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
@@ -180,3 +180,67 @@ def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session
         _local_worker(server, 1)
     assert len(os.listdir(f"/proc/{pid}/fd")) == open_fds
     ray.kill(server)
+
+
+def _relayed_pair(layout=LAYOUT, timeout_s=30.0):
+    """Server 0 sums both partitions; server 1 relays them for workers 2 and 3 (as on another node)."""
+    home = ps_actor.start(0, 4, layout, timeout_s, node_sums={s.index: [(2, 3)] for s in layout})
+    relay = ps_actor.start(1, 4, [], timeout_s, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in layout])
+    ray.get(relay.set_peers.remote([home, relay]), timeout=30)
+    return home, relay
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(ray_session, compression):
+    """Node-local aggregation: workers 2 and 3 reach the relay (2 through shared memory), which pushes their
+    sum once (float32, also when the workers push bf16); the mean is ((w0 + w1) + (w2 + w3)) / 4 in float32
+    (rounded once to bf16), the same for every worker, bit for bit."""
+    rng = np.random.default_rng(7)
+    layout = plan_shards(SPECS, 50_000, compression)
+    home, relay = _relayed_pair(layout)
+    client = ParameterServerClient(2, layout, [0] * len(layout), step_timeout_s=30, startup_timeout_s=30)
+    client.connect([home, relay], routes=[1] * len(layout))
+    for step in range(2):
+        parts = [[wire.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
+                 for _ in range(4)]  # what each worker pushes, in the wire dtype
+        for shard in layout:
+            j = shard.index
+            pushes = {w: home.push.remote(step, w, j, _stored(shard, parts[w][j])) for w in (0, 1)}
+            pushes[3] = relay.push.remote(step, 3, j, _stored(shard, parts[3][j]))
+            pushes[2] = client.send(shard, step, _segments_of(shard, parts[2][j]))
+            answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
+            assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2, 3) for w in range(4)}
+            w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
+            mean = ((w0 + w1) + (w2 + w3)) / np.float32(4)
+            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), mean)
+            np.testing.assert_array_equal(client.read(shard, step, answers[2]), expected)  # the relay's buffer
+            for w in (0, 1, 3):
+                [ref] = answers[w][0]
+                np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
+            assert answers[3][0] == answers[0][0]  # the relay hands on the server's mean, not a copy
+    # Per partition and step: workers 0 and 1 and the relay's one partial sum came through the object store.
+    assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
+    for actor in (home, relay):
+        ray.kill(actor)
+
+
+def test_a_worker_of_a_relayed_node_pushing_to_the_server_is_refused(ray_session):
+    home, relay = _relayed_pair()
+    shard = LAYOUT[0]
+    with pytest.raises(ValueError, match=r"expects partition 0 from \[0, 1, 2\] .* not from worker 3"):
+        ray.get(home.push.remote(0, 3, 0, _stored(shard, _data(np.random.default_rng(8))[0])), timeout=30)
+    for actor in (home, relay):
+        ray.kill(actor)
+
+
+def test_a_relay_whose_server_is_aborted_fails_its_workers_pushes(ray_session):
+    home, relay = _relayed_pair()
+    shard = LAYOUT[0]
+    flat = _data(np.random.default_rng(9))[0]
+    ray.get(home.abort.remote(), timeout=30)
+    pushes = [relay.push.remote(0, w, 0, _stored(shard, flat)) for w in (2, 3)]
+    for push in pushes:
+        with pytest.raises(StepAborted):
+            ray.get(push, timeout=30)
+    for actor in (home, relay):
+        ray.kill(actor)

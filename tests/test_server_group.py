@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from dsgd.server_group import assign_partitions, home_for, plan_servers
+from dsgd.server_group import ServerGroup, assign_partitions, home_for, plan_relays, plan_servers
 from dsgd.shards import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_shards
 
 
@@ -57,3 +57,31 @@ def test_default_splits_a_variable_only_across_servers():
     layout = plan_shards(huge, default_partition_bytes(huge, 2))
     assert len(layout) == 4  # each in two pieces, one per server
     assert assign_partitions(layout, 2) == [0, 1, 0, 1]
+
+
+def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhere():
+    layout = plan_shards([VarSpec("v", (4000,), np.dtype(np.float32))], 4000)  # 4 partitions of 4 KB
+    placement = assign_partitions(layout, 3)  # servers 0, 1, 2, 0
+    assert placement == [0, 1, 2, 0]
+    servers = ["a", "b", "b"]
+    # Node a: workers 0, 1; node b: workers 2, 3; node c: worker 4 (no server there).
+    relays = plan_relays(layout, placement, servers, ["a", "a", "b", "b", "c"])
+    # Partitions of server 0 (node a) are relayed on node b by the less loaded of servers 1 and 2; those of
+    # servers 1 and 2 (node b) on node a by server 0. Node c has one worker: it pushes directly.
+    assert relays == {0: {1: (2, 3)}, 1: {0: (0, 1)}, 2: {0: (0, 1)}, 3: {2: (2, 3)}}
+    group = ServerGroup(layout, servers, 5, 30.0, worker_nodes=["a", "a", "b", "b", "c"])
+    assert group.relays == relays
+    assert group.routes(0) == [0, 0, 0, 0] and group.routes(2) == [1, 1, 2, 2] and group.routes(4) == placement
+    assert group.describe().endswith("; summed within the node first: 2 partitions on node a, 2 partitions on node b")
+    # Bytes per step leaving each node: a and b one copy of the 2 partitions summed elsewhere, c all 4.
+    assert group.node_sent_bytes(["a", "a", "b", "b", "c"]) == {"a": 2 * 4000, "b": 2 * 4000, "c": 4 * 4000}
+    # One worker per node, or backup workers: no relays.
+    assert plan_relays(layout, placement, servers, ["a", "b"]) == {}
+    assert ServerGroup(layout, servers, 4, 30.0, backup_workers=1, worker_nodes=["a", "a", "b", "b"]).relays == {}
+    # Compressed: workers push 16 bits, a relay's partial sum crosses in float32.
+    bf16 = plan_shards([VarSpec("v", (4000,), np.dtype(np.float32))], 4000, "bf16")
+    group = ServerGroup(bf16, servers, 5, 30.0, worker_nodes=["a", "a", "b", "b", "c"])
+    assert group.relays == plan_relays(bf16, group.placement, servers, ["a", "a", "b", "b", "c"]) != {}
+    sent = group.node_sent_bytes(["a", "a", "b", "b", "c"])
+    assert sent["c"] == sum(s.wire_nbytes for s in bf16)  # node c's one worker pushes 16 bits directly
+    assert sent["a"] == sum(bf16[j].nbytes for j, by in group.relays.items() if 0 in by)
