@@ -125,7 +125,7 @@ class ParameterServerClient:
 
     def forget_pushes(self) -> None:
         """Drop the pushes of a failed step and their answers (the driver aborts and resets the servers)."""
-        for end in self.ends:
+        for end in set(self.ends):  # one end per server, shared by its partitions
             end.forget()
 
     def _wait(self, refs, what: str, timeout_s: float | None = None):
