@@ -104,12 +104,19 @@ class Listener:
         """Stop answering; the worker's waits read end-of-file."""
         with self._lock:
             self._closed = True
-            ends = [self._server] if self._connection is None else [self._connection]
-        for sock in ends:
+            connection = self._connection
+        if connection is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept or recv
+                connection.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv
             except OSError:
                 pass
+            return
+        try:  # the thread may still be in accept, which nothing but a connection wakes: connect, it sees closed
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as wake:
+                wake.setblocking(False)
+                wake.connect(self.address[1])
+        except OSError:  # it is past accept already (or the worker is connected and it will see closed)
+            pass
 
 
 class Channel:
