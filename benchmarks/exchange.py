@@ -1,6 +1,6 @@
 """Exchange benchmark: what a 2-worker step costs beyond one worker alone, against the bound.
 
-Three model shapes, each 2 workers x 1 device, every gradient computed by
+Four model shapes, each 2 workers x 1 device, every gradient computed by
 TensorFlow (loss = sum over variables of reduce_sum(v) * x, x a random
 scalar drawn in the graph each step: each gradient is a fresh full-size
 tensor, while compute stays a read and a write of every weight):
@@ -8,11 +8,15 @@ tensor, while compute stays a read and a write of every weight):
   resnet101  ResNet-101's trainable variables (314 tensors, 44.5 M float32)
   huge       two embedding-like matrices of the same 44.5 M float32 in all
   tiny       3000 tensors of 256 float32 (3 MB)
+  small      ResNet-101's 314 variables, every channel count scaled by 0.3
+             (kernel sizes kept): 4.0 M float32, a small many-tensor model
 
-For each shape, four systems run interleaved in one run (round r: each takes
+For each shape, five systems run interleaved in one run (round r: each takes
 one step, in an order rotated by r, so machine noise hits all of them alike):
 
   floor   dsgd.DistributedSGD(model, num_workers=1): one worker computing alone
+  ideal   two such 1-worker engines stepping at the same time, each from its
+          own thread: the same workers computing, with no exchange
   simple  DistributedSGD(model, num_workers=2, strategy="simple")
   ps      DistributedSGD(model, num_workers=2, strategy="ps")
   bound   the driver averaging 2 gradient-sized float32 arrays into a
@@ -25,11 +29,13 @@ partitions travel as 16-bit floats), interleaved with the others.
 A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
 step of each system over `--steps` rounds after `--warmup` warm-up rounds
 (and, with `--steady-warmup N`, again after N more rounds, labelled steady),
-"ps"/"simple" (target <= 0.7) and (ps - floor)/bound (target <= 2.0).
+"ps"/"simple" (target <= 0.7), (ps - floor)/bound (target <= 2.0) and
+(ps - ideal)/bound (target <= 1.5).
 Writes benchmarks/results/exchange.json. From the repository root:
 
     .venv/bin/python benchmarks/exchange.py
     .venv/bin/python -m benchmarks.exchange --shapes huge --steady-warmup 20
+    .venv/bin/python -m benchmarks.exchange --shapes small tiny
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ if not __package__:  # run as `python benchmarks/exchange.py`
     import _repo_path  # noqa: F401
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import statistics
@@ -52,12 +59,13 @@ import dsgd
 from benchmarks import common
 from benchmarks.resnet import resnet_v1
 
-SHAPES = ("resnet101", "huge", "tiny")
-SYSTEMS = ("floor", "simple", "ps", "bound")
+SHAPES = ("resnet101", "huge", "tiny", "small")
+SYSTEMS = ("floor", "ideal", "simple", "ps", "bound")
 HUGE_ROWS, HUGE_COLS = 174_020, 128  # two of these: ResNet-101's 44.5 M float32
 TINY_SHAPE = [32, 8]
+SMALL_WIDTH = 0.3  # the small shape: ResNet-101's channel counts times this (4.0 M float32)
 LEARNING_RATE = 0.01
-TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0}
+TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0, "(ps - ideal)/bound": 1.5}
 
 
 def resnet_shapes(model: str) -> list[tuple[str, list[int]]]:
@@ -83,11 +91,19 @@ def variable_shapes(shape: str, scale: float = 1.0, tiny_count: int = 3000) -> l
         variables = [(f"embedding_{i}", [HUGE_ROWS, HUGE_COLS]) for i in range(2)]
     elif shape == "tiny":
         variables = [(f"tiny_{i:04d}", TINY_SHAPE) for i in range(tiny_count)]
+    elif shape == "small":
+        variables = [(name, narrower(dims, SMALL_WIDTH)) for name, dims in resnet_shapes("resnet101")]
     else:
         raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
     if scale == 1.0:
         return variables
     return [(name, [max(1, round(int(np.prod(dims)) * scale))]) for name, dims in variables]
+
+
+def narrower(dims: list[int], width: float) -> list[int]:
+    """A variable's shape with its channel counts times ``width`` (at least 1); a conv kernel's size is kept."""
+    kept = 2 if len(dims) == 4 else 0
+    return dims[:kept] + [max(1, round(d * width)) for d in dims[kept:]]
 
 
 class ExchangeModel(dsgd.Model):
@@ -131,19 +147,37 @@ class Bound:
         return time.perf_counter() - start
 
 
+class Ideal:
+    """The same workers computing with no exchange: two 1-worker engines stepping at once, each from its thread."""
+
+    def __init__(self, engines: list[dsgd.DistributedSGD]):
+        self.engines = engines
+        self.pool = concurrent.futures.ThreadPoolExecutor(len(engines))
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        for step in [self.pool.submit(engine.step, fetch_stats=True) for engine in self.engines]:
+            step.result()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any]:
-    """Median ms of each system over the steps after `warmup`, and the two target ratios."""
+    """Median ms of each system over the steps after `warmup`, and the target ratios."""
     medians = {name: statistics.median(t[warmup:]) * 1000 if t[warmup:] else None for name, t in times.items()}
     ratios = dict.fromkeys(TARGETS)
     if all(medians[name] is not None for name in SYSTEMS):
         ratios = {"ps/simple": medians["ps"] / medians["simple"],
-                  "(ps - floor)/bound": (medians["ps"] - medians["floor"]) / medians["bound"]}
+                  "(ps - floor)/bound": (medians["ps"] - medians["floor"]) / medians["bound"],
+                  "(ps - ideal)/bound": (medians["ps"] - medians["ideal"]) / medians["bound"]}
     return {"warmup": warmup, "measured_steps": min(len(t[warmup:]) for t in times.values()),
             "median_ms": medians, "ratios": ratios, "step_s": times}
 
 
 def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build the shape's three engines and the bound, run the interleaved rounds; the shape's record."""
+    """Build the shape's engines and the bound, run the interleaved rounds; the shape's record."""
     variables = variable_shapes(shape, args.scale, args.tiny_count)
     num_elements = sum(int(np.prod(dims)) for _, dims in variables)
     print(f"\n== {shape}: {len(variables)} tensors, {num_elements / 1e6:.2f} M float32 "
@@ -153,7 +187,8 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
                               "setup_s": {}, "interrupted": False}
     with contextlib.ExitStack() as engines_alive:
         engines = {}
-        builds = [("floor", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
+        # "ideal" steps the floor's engine and a second 1-worker engine at once
+        builds = [("floor", 1, {}), ("ideal", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
                   ("ps", args.num_workers, {"strategy": "ps"})]
         builds += [(f"ps-{c}", args.num_workers, {"strategy": "ps", "compression": c}) for c in args.compression]
         for name, workers, strategy in builds:
@@ -168,9 +203,11 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
               f"{record['num_partitions']} partitions", flush=True)
         bound = Bound(num_elements, args.num_workers)
+        ideal = Ideal([engines["floor"], engines.pop("ideal")])
+        engines_alive.callback(ideal.close)
         systems = {name: common.timed(functools.partial(engine.step, fetch_stats=True))
                    for name, engine in engines.items()}
-        systems["bound"] = bound.step
+        systems = {"floor": systems.pop("floor"), "ideal": ideal.step, **systems, "bound": bound.step}
         record["systems"] = list(systems)
 
         times, record["order"], interrupted = common.run_rounds(
@@ -222,8 +259,8 @@ def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> st
     """A markdown table of every shape and phase: medians, ratios, servers and partitions."""
     systems = records[0]["systems"] if records else list(SYSTEMS)
     lines = ["| shape | steps | " + " | ".join(f"{n} ms" for n in systems)
-             + " | ps/simple | (ps − floor)/bound | servers / partitions |",
-             "|---" * (len(systems) + 5) + "|"]
+             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | servers / partitions |",
+             "|---" * (len(systems) + 3 + len(TARGETS)) + "|"]
     for r in records:
         for label, phase in phases(r, args):
             ms, ratios = phase["median_ms"], phase["ratios"]
@@ -250,7 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_engine_flags(p)
     p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
-    common.add_ray_flags(p, "the 1 + 2 x workers the engines reserve")
+    common.add_ray_flags(p, "the 2 + 2 x workers the engines reserve")
     p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes, when starting Ray here")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "exchange.json")
     args = p.parse_args(argv)
@@ -264,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = common.command_line("benchmarks.exchange", argv)
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
-    common.connect_ray(args, 1 + 2 * args.num_workers, object_store_memory=args.object_store_memory)
+    common.connect_ray(args, 2 + 2 * args.num_workers, object_store_memory=args.object_store_memory)
     records = []
     for shape in args.shapes:
         records.append(run_shape(shape, args, kwargs))

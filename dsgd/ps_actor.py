@@ -1,8 +1,8 @@
 """Parameter-server actor: averages many gradient partitions over the workers.
 
 A server process serves every partition the driver assigns to it (BytePS's
-design: few summing processes, many partitions). Each worker makes one call
-per partition and step: ``push`` says that its copy of the partition is
+design: few summing processes, many partitions). Each worker pushes each
+partition every step: ``push`` says that its copy of the partition is
 ready and returns once the step's mean of that partition exists. The push
 that completes the set averages every worker's copy with
 ``arrays.average_into`` (worker order, so the mean is bit-for-bit the
@@ -11,8 +11,10 @@ server's mean buffer; the pushes waiting for it wake.
 
 Each worker reaches the server through the transport ``attach`` picks for the
 pair (``dsgd.transport``): shared memory for a worker on the server's node
-(its input buffer, and one mean buffer for all local workers), the object
-store for any other (the push carries the worker's segments; the server puts
+(its input buffer, one mean buffer for all local workers, and a signal
+channel on which the worker announces its pushes and ``push`` answers them,
+on a thread of the channel: no Ray call), the object store for any other
+(the push is an actor call carrying the worker's segments; the server puts
 the mean once per partition and step for all its remote workers). Under
 wire compression (``dsgd.wire``) pushes and means are 16-bit: the server
 sums the pushes into a float32 array beside the mean and rounds the mean
@@ -50,7 +52,9 @@ The actor is threaded (``start``): a push blocks its thread while it waits
 for the other workers, so there is a thread for every worker's push of every
 partition (a worker's ``begin`` comes before its pushes and uses one of
 them), and ``CONTROL_THREADS`` more for ``abort``, ``reset``, ``excuse``,
-``trace``, ``attach`` and ``identity``.
+``trace``, ``attach`` and ``identity``. A local worker's pushes run on its
+channel's thread instead, one after another in the order it sends them
+(layout order, the same on every worker, so none waits behind another).
 
 This module must not import TensorFlow: a parameter server is a light process.
 """
@@ -64,7 +68,7 @@ from typing import Sequence
 import numpy as np
 import ray
 
-from dsgd import actor_identity, arrays, object_store, shared_memory, timeline, wire
+from dsgd import actor_identity, arrays, object_store, shared_memory, signals, timeline, wire
 from dsgd.errors import DSGDError, DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd
@@ -145,7 +149,7 @@ class ParameterServer:
             offsets.append(end)
             end = shared_memory.aligned(end + shard.wire_nbytes)
         self.nbytes = end
-        self.shared = shared_memory.available()
+        self.shared = shared_memory.available() and signals.available()
         if self.shared:
             self.mean_buffer = shared_memory.SharedBuffer(self.nbytes * self.slots, f"dsgd-ps{server_index}-mean")
             memory = self.mean_buffer.memory
@@ -200,9 +204,10 @@ class ParameterServer:
         """Connect a worker and pick the pair's transport; how the worker reaches this server.
 
         A worker on this server's node (``node_id`` equal to ours) gets shared
-        buffers: ``{"input": address, "mean": address, "offsets": {partition:
-        byte offset}, "slots": [byte offset of each slot of the mean buffer]}``
-        (addresses for ``shared_memory.attach``). Any other
+        buffers and a signal channel: ``{"input": address, "mean": address,
+        "signal": address, "offsets": {partition: byte offset}, "slots": [byte
+        offset of each slot of the mean buffer]}`` (addresses for
+        ``shared_memory.attach`` and ``signals.Channel``). Any other
         worker, or ``node_id=None`` (a worker that could not map them), pushes
         through the object store: ``None``.
         """
@@ -211,8 +216,11 @@ class ParameterServer:
             if not self.shared or node_id != self.node_id:
                 self.ends[worker_index] = ObjectStoreServerEnd(self.server_index, worker_index)
                 return None
-            end = self.ends[worker_index] = SharedMemoryServerEnd(self.server_index, worker_index, self.nbytes)
-            return {"input": end.buffer.address(), "mean": self.mean_buffer.address(),
+            end = self.ends[worker_index] = SharedMemoryServerEnd(
+                self.server_index, worker_index, self.nbytes,
+                lambda step_id, partition: self.push(step_id, worker_index, partition), self.step_timeout_s,
+                relayed=[j for j, p in self.partitions.items() if p.home is not None])
+            return {**end.address(), "mean": self.mean_buffer.address(),
                     "offsets": {j: p.offset for j, p in self.partitions.items()},
                     "slots": [k * self.nbytes for k in range(self.slots)]}
 
@@ -222,8 +230,9 @@ class ParameterServer:
              stored: list[np.ndarray] | None = None) -> tuple[list, tuple[int, ...]]:
         """One worker's copy of ``partition`` for ``step_id`` is ready; wait for the step's mean.
 
-        ``stored`` is what ``object_store.put`` stored (a remote worker), or
-        None (a local worker: its copy is in its input buffer). Returns the
+        ``stored`` is what ``object_store.put`` stored (a remote worker's
+        call), or None (a local worker's announcement on its signal channel:
+        its copy is in its input buffer). Returns the
         transport's reply, ``[ObjectRef]`` of the mean for a remote worker,
         ``[]`` for a local one (the mean is in the shared mean buffer), and
         the workers the mean averages. A push of a step already closed

@@ -6,10 +6,12 @@ picks the transport of each worker-server pair (``dsgd.transport``): shared
 memory with a server on the worker's own node, the object store with one
 elsewhere.
 
-Per partition and step the worker makes one call (``push``) and one bounded
-wait for its reply, whatever the transport; with shared memory nothing else
-touches Ray. With backup workers, a step starts with ``begin``: one call per
-server, which says which partitions of the step are closed already.
+Per partition and step the worker pushes once and waits (bounded) for the
+answer, through its transport end: with shared memory, a message on the
+pair's signal channel each way and no Ray call at all; with the object store,
+an actor call (``push``) and a wait for its reply. With backup workers, a
+step starts with ``begin``: one call per server, which says which partitions
+of the step are closed already.
 
 No TensorFlow here: the worker's exchanges (``dsgd.ps_exchanges``) call
 ``send`` / ``send_gradients`` and ``receive``.
@@ -17,13 +19,14 @@ No TensorFlow here: the worker's exchanges (``dsgd.ps_exchanges``) call
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import ray
 
-from dsgd import shared_memory
-from dsgd.errors import DSGDTimeoutError
+from dsgd import shared_memory, signals
+from dsgd.errors import ActorFailure, DSGDTimeoutError
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd
 
@@ -49,7 +52,6 @@ class ParameterServerClient:
         self.servers: list[Any] = []
         self.ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per partition: its server's transport
         self.routes = list(self.placement)  # partition -> the server it is pushed to (``connect``)
-        self._pushes: dict[int, ray.ObjectRef] = {}  # partition -> this step's push call
 
     def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None) -> int:
         """Attach to every server and pick each pair's transport; the number reached through shared memory.
@@ -63,7 +65,6 @@ class ParameterServerClient:
                            "the parameter servers to attach", self.startup_timeout_s)
         per_server = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
         self.ends = [per_server[j] for j in self.routes]
-        self._pushes.clear()
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in per_server)
 
     def close(self) -> None:
@@ -73,7 +74,6 @@ class ParameterServerClient:
         """
         self.ends = []
         self.servers = []
-        self._pushes.clear()
 
     def _end(self, j: int, server: Any, info: dict | None) -> SharedMemoryWorkerEnd | ObjectStoreWorkerEnd:
         """Server ``j``'s transport: the shared buffers it offered (``info``), else the object store."""
@@ -81,32 +81,35 @@ class ParameterServerClient:
             try:
                 return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                              shared_memory.attach(info["mean"], writable=False), info["offsets"],
-                                             info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j])
-            except OSError:  # same node, but another PID namespace: use the object store
+                                             info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],
+                                             signals.Channel(info["signal"], self.step_timeout_s))
+            except OSError:  # same node, but another PID or network namespace: use the object store
                 self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
                            self.startup_timeout_s)
         return ObjectStoreWorkerEnd()
 
-    def send(self, shard: Shard, step_id: int, arrays: Sequence[np.ndarray]) -> ray.ObjectRef:
-        """Push ``arrays``, one per segment of ``shard`` (``dsgd.shards.segments``); the push call."""
+    def send(self, shard: Shard, step_id: int, arrays: Sequence[np.ndarray]) -> None:
+        """Push ``arrays``, one per segment of ``shard`` (``dsgd.shards.segments``)."""
         stored = self.ends[shard.index].write(shard, self.segments[shard.index], arrays)
-        return self._push(shard, step_id, stored)
+        self._push(shard, step_id, stored)
 
-    def send_gradients(self, shard: Shard, step_id: int, grads: Sequence[np.ndarray]) -> ray.ObjectRef:
-        """Push ``shard``'s pieces of ``grads`` (every exchange tensor, in layout order); the push call."""
+    def send_gradients(self, shard: Shard, step_id: int, grads: Sequence[np.ndarray]) -> None:
+        """Push ``shard``'s pieces of ``grads`` (every exchange tensor, in layout order)."""
         stored = self.ends[shard.index].write_gradients(shard, self.segments[shard.index], grads)
-        return self._push(shard, step_id, stored)
+        self._push(shard, step_id, stored)
 
-    def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None) -> ray.ObjectRef:
-        server = self.servers[self.routes[shard.index]]
-        self._pushes[shard.index] = server.push.remote(step_id, self.worker_index, shard.index, stored)
-        return self._pushes[shard.index]
+    def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None) -> None:
+        server = self.routes[shard.index]
+        with self._bounded(f"parameter server {server} to take partition {shard.index}, step {step_id}",
+                           self.step_timeout_s):
+            self.ends[shard.index].push(self.servers[server], self.worker_index, shard, step_id, stored)
 
     def receive(self, shard: Shard, step_id: int) -> np.ndarray:
         """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push)."""
-        push = self._pushes.pop(shard.index)
         what = f"parameter server {self.routes[shard.index]}'s sum of partition {shard.index}, step {step_id}"
-        return self.read(shard, step_id, self._wait(push, what))
+        with self._bounded(what, self.step_timeout_s):
+            answer = self.ends[shard.index].answer(shard, step_id, self.step_timeout_s)
+        return self.read(shard, step_id, answer)
 
     def read(self, shard: Shard, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:
         """The mean of ``shard`` for ``step_id`` from its server's ``answer`` (to a push, or from ``begin``)."""
@@ -126,14 +129,24 @@ class ParameterServerClient:
         return sorted(set.intersection(*(set(a) for a in self.averaged.values())))
 
     def forget_pushes(self) -> None:
-        """Drop the calls of a failed step (the driver aborts and resets the servers)."""
-        self._pushes.clear()
+        """Drop the pushes of a failed step and their answers (the driver aborts and resets the servers)."""
+        for end in set(self.ends):  # one end per server, shared by its partitions
+            end.forget()
 
     def _wait(self, refs, what: str, timeout_s: float | None = None):
         timeout_s = self.step_timeout_s if timeout_s is None else timeout_s
-        try:
+        with self._bounded(what, timeout_s):
             return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
+
+    @contextlib.contextmanager
+    def _bounded(self, what: str, timeout_s: float) -> Iterator[None]:
+        """A wait for ``what`` that ran out (TimeoutError) as DSGDTimeoutError, a server whose signal channel
+        closed (ConnectionError: it died) as ActorFailure; both name this worker and ``what``."""
+        try:
+            yield
+        except TimeoutError as e:
             raise DSGDTimeoutError(
                 f"worker {self.worker_index} waited more than {timeout_s:.0f}s for {what}; "
                 "a worker or parameter server is stuck or dead") from e
+        except ConnectionError as e:
+            raise ActorFailure(f"worker {self.worker_index} lost {what}: {e}") from e

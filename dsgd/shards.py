@@ -123,7 +123,8 @@ def _align(elements: int, itemsize: int) -> int:
 def default_partition_bytes(specs: Sequence[VarSpec], num_servers: int) -> int:
     """The partition size dsgd picks: about ``PARTITIONS_PER_SERVER`` per server, at least 1 MiB.
 
-    Each partition costs a call per worker and step, so a partition is as
+    Each partition costs a push per worker and step (an actor call from
+    another node, a signal on the server's node), so a partition is as
     large as it can be while still giving every server a few to pipeline.
     A variable is split only into as many pieces as there are servers: its
     pieces are ready at the same moment, so splitting gains only when they

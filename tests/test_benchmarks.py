@@ -92,6 +92,8 @@ def test_exchange_shapes():
     assert (len(sizes["resnet101"]), sum(sizes["resnet101"])) == (314, 44_549_160)
     assert len(sizes["huge"]) == 2 and abs(sum(sizes["huge"]) - 44_549_160) < 1000
     assert len(sizes["tiny"]) == 3000 and sum(sizes["tiny"]) == 3000 * 256
+    assert (len(sizes["small"]), sum(sizes["small"])) == (314, 4_042_741)  # ResNet-101 at 0.3 of its channels
+    assert exchange.variable_shapes("small")[0] == ("conv1/weights", [7, 7, 1, 19])
     scaled = exchange.variable_shapes("huge", scale=0.001)
     assert [dims for _, dims in scaled] == [[22_275], [22_275]]
 
@@ -110,7 +112,7 @@ def test_exchange_gradients_are_computed_by_tensorflow():
         assert np.all(g == g.flat[0]) and 0.5 <= g.flat[0] < 1.5
 
 
-def test_exchange_benchmark_interleaves_floor_simple_ps_ps_bf16_and_bound(ray_session, tmp_path):
+def test_exchange_benchmark_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(ray_session, tmp_path):
     out = tmp_path / "exchange.json"
     result = exchange.main(["--shapes", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "2",
                             "--steady-warmup", "1", "--settle-s", "0", "--compression", "bf16", "--out", str(out)])
@@ -120,9 +122,9 @@ def test_exchange_benchmark_interleaves_floor_simple_ps_ps_bf16_and_bound(ray_se
     (shape,) = result["shapes"]
     assert shape["shape"] == "huge" and shape["tensors"] == 2 and not shape["interrupted"]
     assert shape["num_parameter_servers"] >= 1 and shape["num_partitions"] >= 1
-    systems = ["floor", "simple", "ps", "ps-bf16", "bound"]
+    systems = ["floor", "ideal", "simple", "ps", "ps-bf16", "bound"]
     assert shape["systems"] == systems
-    first_rounds = shape["order"][:15]  # 3 rounds of the 5 systems, each round starting one later
+    first_rounds = shape["order"][:18]  # 3 rounds of the 6 systems, each round starting one later
     assert first_rounds == [*systems, *systems[1:], *systems[:1], *systems[2:], *systems[:2]]
     for phase in ("first", "steady"):
         summary = shape[phase]
@@ -130,6 +132,7 @@ def test_exchange_benchmark_interleaves_floor_simple_ps_ps_bf16_and_bound(ray_se
         assert set(summary["median_ms"]) == set(systems)
         assert all(summary["ratios"][name] is not None for name in exchange.TARGETS)
     assert "| huge |" in result["table"] and "| ps-bf16 ms |" in result["table"]
+    assert "| ideal ms |" in result["table"] and "(ps − ideal)/bound" in result["table"]
 
 
 def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_session, tmp_path):

@@ -4,6 +4,7 @@ import logging
 
 import numpy as np
 import pytest
+import ray
 
 import dsgd
 from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
@@ -61,6 +62,38 @@ def test_ps_serves_many_partitions_per_server_through_shared_memory(engines):
     assert sorted(set(server_group(sgd).placement)) == [0, 1]
     # Workers and servers share one node: every partition travels through shared memory.
     assert sgd.foreach_worker(lambda w: [type(e).__name__ == "SharedMemoryWorkerEnd" for e in w.client.ends]) == [[True] * 5] * 2
+
+
+def test_a_same_node_ps_step_pushes_through_signal_channels_without_an_actor_call(engines):
+    """Every push of a step arrives on a worker's signal channel (its thread in the server), none as a Ray call."""
+    sgd = engines["ps"]
+
+    def record_pushes(ps):  # runs in each server (nested: pickled by value); the channels call ps.push
+        import threading
+
+        ps.pushes_seen = []
+        push = type(ps).push
+
+        def recorded(step_id, worker_index, partition, stored=None):
+            ps.pushes_seen.append((worker_index, partition, threading.current_thread().name))
+            return push(ps, step_id, worker_index, partition, stored)
+        ps.push = recorded
+
+    def stop_recording(ps):
+        del ps.push
+        return ps.pushes_seen
+
+    servers = ps_actors(sgd)
+    ray.get([s.__ray_call__.remote(record_pushes) for s in servers], timeout=30)
+    try:
+        for _ in range(2):
+            sgd.step(fetch_stats=True)
+    finally:
+        seen = [push for pushes in ray.get([s.__ray_call__.remote(stop_recording) for s in servers], timeout=30)
+                for push in pushes]
+    partitions = len(server_group(sgd).layout)
+    assert sorted((w, j) for w, j, _ in seen) == sorted([(w, j) for w in range(WORKERS) for j in range(partitions)] * 2)
+    assert {thread.split(" ps")[0] for _, _, thread in seen} == {"dsgd signals"}
 
 
 def steps_against_numpy(sgd, replicas: list, steps: int) -> None:

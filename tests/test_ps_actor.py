@@ -1,6 +1,7 @@
 """The parameter-server actor: many partitions per process, two transports, a fixed summing order,
 and a bad push fails the step instead of hanging it."""
 
+import concurrent.futures
 import os
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import ray
 
 from dsgd import object_store, ps_actor, wire
-from dsgd.errors import DSGDTimeoutError, StepAborted
+from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
 from dsgd_test_models import pushes_waiting, wait_until
@@ -72,14 +73,18 @@ def test_one_server_sums_many_partitions_in_worker_order_over_both_transports(ra
         parts = [_data(rng) for _ in range(3)]
         expected = _expected(parts)
         for shard in reversed(LAYOUT):  # partitions complete independently, in any order
-            pushes = {w: (local.send(shard, step, _segments_of(shard, parts[w][shard.index])) if w == 1 else
-                          server.push.remote(step, w, shard.index, _stored(shard, parts[w][shard.index])))
-                      for w in order}
+            pushes = {}
+            for w in order:
+                if w == 1:  # the local worker announces its push on its signal channel
+                    local.send(shard, step, _segments_of(shard, parts[w][shard.index]))
+                else:
+                    pushes[w] = server.push.remote(step, w, shard.index, _stored(shard, parts[w][shard.index]))
+            local_mean = local.receive(shard, step)  # read in place in the shared mean buffer
+            assert local.averaged[shard.index] == (0, 1, 2)
+            np.testing.assert_array_equal(local_mean, expected[shard.index])  # bit for bit
             answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
-            assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2) for w in order}
+            assert {w: averaged for w, (_, averaged) in answers.items()} == {0: (0, 1, 2), 2: (0, 1, 2)}
             replies = {w: reply for w, (reply, _) in answers.items()}
-            assert replies[1] == []  # the local worker reads the mean from shared memory
-            np.testing.assert_array_equal(local.ends[shard.index].means[0][shard.index], expected[shard.index])  # bit for bit
             for w in (0, 2):
                 [ref] = replies[w]
                 [mean] = object_store.join(ray.get(ref, timeout=30), [shard.size])
@@ -163,6 +168,66 @@ def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     ray.kill(server)
 
 
+@pytest.mark.parametrize("release", ["abort", "reset"])
+def test_abort_and_reset_reach_a_local_worker_blocked_on_its_signal(ray_session, release):
+    """A local worker's wait is on its signal channel, not on Ray: the driver's abort or reset still ends it."""
+    server = _server(2)
+    local = _local_worker(server, 1)
+    shard = LAYOUT[1]
+    local.send(shard, 0, _segments_of(shard, _data(np.random.default_rng(5))[1]))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        receiving = pool.submit(local.receive, shard, 0)
+        wait_until(lambda: pushes_waiting(server) == {1: [0]})  # the push waits for worker 0
+        assert not receiving.done()
+        ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
+        with pytest.raises(StepAborted, match=f"step 0 was {release}"):
+            receiving.result(timeout=30)
+    ray.kill(server)
+
+
+def test_a_local_worker_drops_the_answers_of_a_failed_step(ray_session):
+    """After an abort, a worker forgets its pushes: the re-run of the step gets means, not the old step's aborts."""
+    server = _server(2)
+    local = _local_worker(server, 1)
+    parts = [_data(np.random.default_rng(7)) for _ in range(2)]
+    for shard in LAYOUT:  # step 0, both partitions: worker 0 never comes
+        local.send(shard, 0, _segments_of(shard, parts[1][shard.index]))
+    wait_until(lambda: pushes_waiting(server) == {0: [0]})  # partition 1 is announced behind partition 0
+    ray.get(server.abort.remote(), timeout=30)
+    with pytest.raises(StepAborted):
+        local.receive(LAYOUT[0], 0)  # the step fails at its first partition; partition 1's abort is still to come
+    local.forget_pushes()
+    ray.get(server.reset.remote(0), timeout=30)
+    expected = _expected(parts)
+    for shard in LAYOUT:  # step 0 again, both workers
+        local.send(shard, 0, _segments_of(shard, parts[1][shard.index]))
+        ray.get(server.push.remote(0, 0, shard.index, _stored(shard, parts[0][shard.index])), timeout=30)
+    for shard in LAYOUT:
+        np.testing.assert_array_equal(local.receive(shard, 0), expected[shard.index])
+    ray.kill(server)
+
+
+def test_a_local_worker_waits_for_a_stuck_server_within_its_bound_and_for_a_killed_one_not_at_all(ray_session):
+    server = _server(2)
+    local = ParameterServerClient(1, LAYOUT, [0] * len(LAYOUT), step_timeout_s=1, startup_timeout_s=30)
+    assert local.connect([server]) == 1
+    flat = _data(np.random.default_rng(8))
+    local.send(LAYOUT[0], 0, _segments_of(LAYOUT[0], flat[0]))
+    with pytest.raises(DSGDTimeoutError, match=r"worker 1 waited more than 1s for parameter server 0's sum of "
+                                               r"partition 0, step 0"):
+        local.receive(LAYOUT[0], 0)  # worker 0 never pushes: the server lives but the mean never comes
+    other = _local_worker(server, 0)  # waits up to 30s
+    other.send(LAYOUT[1], 0, _segments_of(LAYOUT[1], flat[1]))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        receiving = pool.submit(other.receive, LAYOUT[1], 0)
+        wait_until(lambda: pushes_waiting(server) == {0: [0], 1: [1]})
+        ray.kill(server)
+        # the signal channel ends with the server: the wait fails at once, as a dead actor, not after its bound
+        with pytest.raises(ActorFailure, match="worker 0 lost parameter server 0's sum of partition 1, step 0: "
+                                               "the parameter server closed the channel"):
+            receiving.result(timeout=60)
+
+
 def test_a_push_whose_peers_never_come_times_out_with_their_names(ray_session):
     server = _server(3, timeout_s=0.5)
     flat = _data(np.random.default_rng(6))[0]
@@ -176,9 +241,10 @@ def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session
     pid = ray.get(server.identity.remote(), timeout=30).pid
     _local_worker(server, 1)
     open_fds = len(os.listdir(f"/proc/{pid}/fd"))
-    for _ in range(5):  # as after recoveries: each attach makes a new input buffer
+    for _ in range(5):  # as after recoveries: each attach makes a new input buffer and signal channel
         _local_worker(server, 1)
-    assert len(os.listdir(f"/proc/{pid}/fd")) == open_fds
+    # the old channels' threads close their sockets as they notice the re-attach
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) == open_fds)
     ray.kill(server)
 
 

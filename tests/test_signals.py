@@ -1,0 +1,89 @@
+"""The signal channel of a same-node worker-server pair (dsgd.signals), in one process: no Ray."""
+
+import concurrent.futures
+import os
+import threading
+
+import pytest
+
+from dsgd import signals
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"dsgd signals {name}"]
+
+
+def test_answers_come_back_to_the_thread_waiting_for_each_and_errors_as_themselves():
+    release = threading.Event()
+
+    def answer(a, b):
+        if b == 0:
+            release.wait(30)  # the first request is answered only after the second has been asked for
+        if b < 0:
+            raise ValueError(f"bad request {(a, b)}")
+        return a * 10 + b
+
+    listener = signals.Listener("answers", answer, 30)
+    channel = signals.Channel(listener.address, 30)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        channel.send(1, 0)
+        channel.send(1, 1)
+        first = pool.submit(channel.wait, 1, 0, 30)
+        second = pool.submit(channel.wait, 1, 1, 30)
+        release.set()
+        assert (first.result(timeout=30), second.result(timeout=30)) == (10, 11)
+    channel.send(2, -1)
+    with pytest.raises(ValueError, match=r"bad request \(2, -1\)"):
+        channel.wait(2, -1, 30)
+    listener.close()
+
+
+def test_a_wait_is_bounded_and_forget_drops_the_answers_still_to_come():
+    release = threading.Event()
+    listener = signals.Listener("forget", lambda a, b: release.wait(30) and (a, b), 30)
+    channel = signals.Channel(listener.address, 30)
+    channel.send(0, 0)
+    with pytest.raises(TimeoutError):
+        channel.wait(0, 0, 0.2)
+    channel.forget()
+    release.set()  # the old request's answer arrives now, after forget
+    channel.send(0, 0)  # the same request again
+    assert channel.wait(0, 0, 30) == (0, 0)
+    with pytest.raises(TimeoutError):  # the old answer was dropped, not kept for a second wait
+        channel.wait(0, 0, 0.2)
+    listener.close()
+
+
+def test_closing_either_end_ends_the_other_and_the_server_thread():
+    listener = signals.Listener("close-server", lambda a, b: (a, b), 30)
+    channel = signals.Channel(listener.address, 30)
+    channel.send(0, 0)
+    assert channel.wait(0, 0, 30) == (0, 0)
+    listener.close()
+    with pytest.raises(ConnectionError, match="closed the channel"):
+        channel.wait(0, 1, 30)  # end-of-file at once, not after the bound
+    for thread in _threads("close-server"):
+        thread.join(30)
+        assert not thread.is_alive()
+
+    listener = signals.Listener("close-worker", lambda a, b: (a, b), 30)
+    signals.Channel(listener.address, 30).close()
+    for thread in _threads("close-worker"):
+        thread.join(30)
+        assert not thread.is_alive()
+    listener.close()
+
+    listener = signals.Listener("never-connected", lambda a, b: (a, b), 30)
+    listener.close()  # a worker that fell back to the object store: the thread waiting in accept ends
+    for thread in _threads("never-connected"):
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_a_channel_refuses_a_socket_not_held_by_the_given_process():
+    listener = signals.Listener("impostor", lambda a, b: (a, b), 30)
+    pid, name = listener.address
+    assert pid == os.getpid()
+    with pytest.raises(ConnectionRefusedError, match=f"not held by process {pid + 1}"):
+        signals.Channel((pid + 1, name), 30)
+    listener.close()
