@@ -38,6 +38,26 @@ def test_answers_come_back_to_the_thread_waiting_for_each_and_errors_as_themselv
     listener.close()
 
 
+def test_a_request_picked_apart_is_answered_on_its_own_thread_and_the_next_ones_go_on():
+    """As a relayed partition's push: it waits on another node, the partitions after it must not wait for it."""
+    release = threading.Event()
+
+    def answer(a, b):
+        if b == 1:
+            assert release.wait(30)
+        return a * 10 + b
+
+    listener = signals.Listener("apart", answer, 30, apart=lambda a, b: b == 1)
+    channel = signals.Channel(listener.address, 30)
+    for b in (0, 1, 2):
+        channel.send(5, b)
+    assert channel.wait(5, 0, 30) == 50
+    assert channel.wait(5, 2, 30) == 52  # answered while request 1 still waits
+    release.set()
+    assert channel.wait(5, 1, 30) == 51
+    listener.close()
+
+
 def test_a_wait_is_bounded_and_forget_drops_the_answers_still_to_come():
     release = threading.Event()
     listener = signals.Listener("forget", lambda a, b: release.wait(30) and (a, b), 30)
