@@ -236,15 +236,32 @@ def test_a_push_whose_peers_never_come_times_out_with_their_names(ray_session):
     ray.kill(server)
 
 
+def _held_by(pid: int, worker_index: int) -> tuple[int, int]:
+    """The input buffers (distinct memfds: a buffer's fd and its mapping's are one) and signal-channel sockets of
+    ``worker_index`` that server process ``pid`` holds."""
+    with open("/proc/net/unix") as f:  # a channel's server end is named after its server and worker
+        sockets = {f"socket:[{line.split()[6]}]" for line in f if f"dsgd-ps0-w{worker_index}-" in line}
+    buffers, channels = set(), 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            target = os.readlink(path)
+            if f"memfd:dsgd-ps0-w{worker_index}" in target:
+                buffers.add(os.stat(path).st_ino)
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        channels += target in sockets
+    return len(buffers), channels
+
+
 def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session):
     server = _server(2)
     pid = ray.get(server.identity.remote(), timeout=30).pid
-    _local_worker(server, 1)
-    open_fds = len(os.listdir(f"/proc/{pid}/fd"))
-    for _ in range(5):  # as after recoveries: each attach makes a new input buffer and signal channel
-        _local_worker(server, 1)
-    # the old channels' threads close their sockets as they notice the re-attach
-    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) == open_fds)
+    # As after recoveries: each attach makes a new input buffer and signal channel. The old clients stay
+    # alive, so their channels close only because the server closes its ends.
+    clients = [_local_worker(server, 1) for _ in range(6)]
+    wait_until(lambda: _held_by(pid, 1) == (1, 1))
+    assert len(clients) == 6
     ray.kill(server)
 
 
@@ -273,13 +290,15 @@ def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(
             j = shard.index
             pushes = {w: home.push.remote(step, w, j, _stored(shard, parts[w][j])) for w in (0, 1)}
             pushes[3] = relay.push.remote(step, 3, j, _stored(shard, parts[3][j]))
-            pushes[2] = client.send(shard, step, _segments_of(shard, parts[2][j]))
+            client.send(shard, step, _segments_of(shard, parts[2][j]))  # on its signal channel
             answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
-            assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2, 3) for w in range(4)}
+            received = client.receive(shard, step)  # in the relay's mean buffer
+            assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2, 3) for w in (0, 1, 3)}
+            assert client.averaged[j] == (0, 1, 2, 3)
             w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
             mean = ((w0 + w1) + (w2 + w3)) / np.float32(4)
             expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), mean)
-            np.testing.assert_array_equal(client.read(shard, step, answers[2]), expected)  # the relay's buffer
+            np.testing.assert_array_equal(received, expected)
             for w in (0, 1, 3):
                 [ref] = answers[w][0]
                 np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
