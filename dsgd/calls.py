@@ -58,8 +58,8 @@ def sending() -> Iterator[None]:
     there is anything held: the signal is noted, then raised again under the
     handler it found.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # None: a handler Python did not install, which it could not put back
         return
     noted = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
