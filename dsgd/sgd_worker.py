@@ -40,7 +40,7 @@ class SGDWorker:
         # Every exchange built into the graph so far, for a resize back to a count seen before: its graph
         # ops, and the session's plan for the step that runs them, are reused instead of built anew.
         self._local_exchanges: dict[str, exchanges.Exchange | None] = {}  # by WorkerConfig.exchange
-        self._ps_exchanges: dict[tuple, tuple[ParameterServerClient, exchanges.Exchange]] = {}  # by _ps_key
+        self._ps_exchanges: dict[tuple, tuple[ParameterServerClient, exchanges.Exchange]] = {}  # see connect
 
     @property
     def sess(self) -> tf.compat.v1.Session | None:
@@ -97,20 +97,17 @@ class SGDWorker:
         replaced, only re-attach. Returns how many servers are reached
         through shared memory.
         """
+        key = self.worker_index, tuple(layout), tuple(placement)  # what a "ps" exchange is built for
         if self.client is None:
-            self.client, self.exchange = self._ps_exchanges.get(self._ps_key(layout, placement)) or (
+            self.client, self.exchange = self._ps_exchanges.get(key) or (
                 ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
                                       self.config.startup_timeout_s), None)
         elif [s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
         if self.exchange is None:
             self.exchange = ps_exchanges.with_servers(self.runner, self.client)
-            self._ps_exchanges[self._ps_key(layout, placement)] = (self.client, self.exchange)
+            self._ps_exchanges[key] = (self.client, self.exchange)
         return self.client.connect(servers, routes)
-
-    def _ps_key(self, layout: list[shards.Shard], placement: list[int]) -> tuple:
-        """What a "ps" exchange is built for: this worker's index, the partitions, which server sums each."""
-        return self.worker_index, tuple(layout), tuple(placement)
 
     def _local_exchange(self) -> exchanges.Exchange | None:
         """The exchange of ``WorkerConfig.exchange`` if it needs no servers (None for "ps"), built once."""
