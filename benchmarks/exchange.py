@@ -15,8 +15,9 @@ For each shape, five systems run interleaved in one run (round r: each takes
 one step, in an order rotated by r, so machine noise hits all of them alike):
 
   floor   dsgd.DistributedSGD(model, num_workers=1): one worker computing alone
-  ideal   two such 1-worker engines stepping at the same time, each from its
-          own thread: the same workers computing, with no exchange
+  ideal   one such 1-worker engine per worker (`--num-workers`), stepping at
+          the same time, each from its own thread: the same workers
+          computing, with no exchange
   simple  DistributedSGD(model, num_workers=2, strategy="simple")
   ps      DistributedSGD(model, num_workers=2, strategy="ps")
   bound   the driver averaging 2 gradient-sized float32 arrays into a
@@ -187,9 +188,10 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
                               "setup_s": {}, "interrupted": False}
     with contextlib.ExitStack() as engines_alive:
         engines = {}
-        # "ideal" steps the floor's engine and a second 1-worker engine at once
-        builds = [("floor", 1, {}), ("ideal", 1, {}), ("simple", args.num_workers, {"strategy": "simple"}),
-                  ("ps", args.num_workers, {"strategy": "ps"})]
+        # "ideal" steps the floor's engine and one more 1-worker engine per further worker, all at once
+        ideal_engines = [f"ideal-{k}" for k in range(1, args.num_workers)]
+        builds = [("floor", 1, {}), *((name, 1, {}) for name in ideal_engines),
+                  ("simple", args.num_workers, {"strategy": "simple"}), ("ps", args.num_workers, {"strategy": "ps"})]
         builds += [(f"ps-{c}", args.num_workers, {"strategy": "ps", "compression": c}) for c in args.compression]
         for name, workers, strategy in builds:
             start = time.perf_counter()
@@ -203,7 +205,7 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
               f"{record['num_partitions']} partitions", flush=True)
         bound = Bound(num_elements, args.num_workers)
-        ideal = Ideal([engines["floor"], engines.pop("ideal")])
+        ideal = Ideal([engines["floor"], *(engines.pop(name) for name in ideal_engines)])
         engines_alive.callback(ideal.close)
         systems = {name: common.timed(functools.partial(engine.step, fetch_stats=True))
                    for name, engine in engines.items()}
@@ -287,7 +289,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_engine_flags(p)
     p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
-    common.add_ray_flags(p, "the 2 + 2 x workers the engines reserve")
+    common.add_ray_flags(p, "the CPUs the engines reserve: 3 x workers, and workers more per --compression value")
     p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes, when starting Ray here")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "exchange.json")
     args = p.parse_args(argv)
@@ -301,7 +303,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = common.command_line("benchmarks.exchange", argv)
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
-    common.connect_ray(args, 2 + 2 * args.num_workers, object_store_memory=args.object_store_memory)
+    # floor and ideal: one engine of 1 worker per worker; simple, ps and each ps-<compression>: one of all workers
+    common.connect_ray(args, args.num_workers * (3 + len(args.compression)),
+                       object_store_memory=args.object_store_memory)
     records = []
     for shape in args.shapes:
         records.append(run_shape(shape, args, kwargs))
