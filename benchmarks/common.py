@@ -8,8 +8,10 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -120,6 +122,31 @@ def start_ray(address: str | None = None, node_ip_address: str | None = None, **
         ray.init(runtime_env={"env_vars": env_vars}, logging_level="ERROR", **init_kwargs)
 
 
+@contextlib.contextmanager
+def local_cluster(nodes: int, cpus_per_node: int, object_store_memory: int, **init_kwargs: Any) -> Iterator[None]:
+    """``nodes`` raylets with their own object stores on this machine (``ray.cluster_utils``), connected to
+    while open; ``init_kwargs`` go to each node.
+
+    Ray keeps the cluster under a private temp dir (RAY_TMPDIR): otherwise its
+    address file would send other Ray drivers on this machine to it.
+    """
+    from ray.cluster_utils import Cluster
+
+    private = tempfile.mkdtemp(prefix=f"dsgd-{nodes}n-")
+    with environment(RAY_TMPDIR=private):
+        cluster = Cluster()
+        try:
+            for _ in range(nodes):
+                cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_memory, **init_kwargs)
+            cluster.wait_for_nodes()
+            start_ray(cluster.address)
+            yield
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(private, ignore_errors=True)
+
+
 def add_ray_flags(parser: argparse.ArgumentParser, default_cpus: str) -> None:
     """`--address` (join a running cluster) and `--num-cpus` (the Ray instance the script starts otherwise)."""
     parser.add_argument("--address", default=None, help="an existing Ray cluster (default: start one here)")
@@ -138,6 +165,20 @@ def parameter_servers(sgd: Any) -> list:
     """The engine's parameter-server actors, read from its internals ([] without servers)."""
     group = sgd._cluster.servers
     return list(group.actors) if group else []
+
+
+def identities(sgd: Any) -> list:
+    """Who every actor of the engine is (``dsgd.actor_identity.ActorIdentity``: kind, index, node, pid): its
+    workers, then its parameter servers."""
+    return ray.get([actor.identity.remote() for actor in sgd.workers + parameter_servers(sgd)], timeout=60)
+
+
+def actors_per_node(sgd: Any) -> list[str]:
+    """Each node's actors, one line per node in order of first appearance ("node 1: worker 0, worker 1, ...")."""
+    nodes: dict[str, list[str]] = {}
+    for identity in identities(sgd):
+        nodes.setdefault(identity.node_id, []).append(str(identity))
+    return [f"node {k + 1}: {', '.join(actors)}" for k, actors in enumerate(nodes.values())]
 
 
 def partition_count(sgd: Any) -> int:

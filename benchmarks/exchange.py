@@ -25,6 +25,10 @@ one step, in an order rotated by r, so machine noise hits all of them alike):
           in-process bound of a 2-way average
 
 Every engine runs at dsgd's defaults unless an engine flag says otherwise.
+`--nodes N` runs them on N simulated nodes (``ray.cluster_utils``: a raylet
+and object store each, on this machine), the workers spread over them, so
+pushes to a server on another node cross the object store (the cross-node
+path); the record lists each node's actors.
 `--compression bf16 [fp16]` adds a system per value, "ps-bf16" ("ps" whose
 partitions travel as 16-bit floats), interleaved with the others.
 A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
@@ -37,6 +41,7 @@ Writes benchmarks/results/exchange.json. From the repository root:
     .venv/bin/python benchmarks/exchange.py
     .venv/bin/python -m benchmarks.exchange --shapes huge --steady-warmup 20
     .venv/bin/python -m benchmarks.exchange --shapes small tiny
+    .venv/bin/python -m benchmarks.exchange --shapes resnet101 --nodes 2 --num-workers 4   # 2 workers per node
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
+import math
 import statistics
 import time
 from pathlib import Path
@@ -202,8 +208,9 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         ps = engines["ps"]
         record["num_parameter_servers"] = len(common.parameter_servers(ps))
         record["num_partitions"] = common.partition_count(ps)
+        record["ps_actors_per_node"] = common.actors_per_node(ps)
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
-              f"{record['num_partitions']} partitions", flush=True)
+              f"{record['num_partitions']} partitions; {'; '.join(record['ps_actors_per_node'])}", flush=True)
         bound = Bound(num_elements, args.num_workers)
         ideal = Ideal([engines["floor"], *(engines.pop(name) for name in ideal_engines)])
         engines_alive.callback(ideal.close)
@@ -290,11 +297,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
     common.add_ray_flags(p, "the CPUs the engines reserve: 3 x workers, and workers more per --compression value")
-    p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes, when starting Ray here")
+    p.add_argument("--object-store-memory", type=int, default=2 << 30,
+                   help="bytes (per node with --nodes), when starting Ray here")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated nodes to start here (ray.cluster_utils), the CPUs split evenly among them")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "exchange.json")
     args = p.parse_args(argv)
     if args.num_workers < 2:
         p.error("--num-workers must be at least 2: the exchange is between workers")
+    if args.nodes < 1:
+        p.error("--nodes must be at least 1")
+    if args.nodes > 1 and args.address:
+        p.error("--nodes starts its own cluster: leave out --address")
     return args
 
 
@@ -304,16 +318,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
     # floor and ideal: one engine of 1 worker per worker; simple, ps and each ps-<compression>: one of all workers
-    common.connect_ray(args, args.num_workers * (3 + len(args.compression)),
-                       object_store_memory=args.object_store_memory)
+    cpus = args.num_cpus or args.num_workers * (3 + len(args.compression))
+    if args.nodes > 1:
+        cluster = common.local_cluster(args.nodes, math.ceil(cpus / args.nodes), args.object_store_memory)
+    else:
+        common.connect_ray(args, cpus, object_store_memory=args.object_store_memory)
+        cluster = contextlib.nullcontext()
     records = []
-    for shape in args.shapes:
-        records.append(run_shape(shape, args, kwargs))
-        if records[-1]["interrupted"]:
-            break
+    with cluster:
+        for shape in args.shapes:
+            records.append(run_shape(shape, args, kwargs))
+            if records[-1]["interrupted"]:
+                break
     table = summary_table(records, args)
     print(f"\n{command}\n\n{table}")
-    result = {"command": command, "engine_kwargs": kwargs, "num_workers": args.num_workers,
+    result = {"command": command, "engine_kwargs": kwargs, "num_workers": args.num_workers, "nodes": args.nodes,
               "settle_s": args.settle_s, "scale": args.scale, "shapes": records, "table": table,
               **common.machine()}
     common.write_json(result, args.out)

@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -341,30 +341,6 @@ def run_interleaved(systems: list[str], cfg: common.BenchConfig, engine_kwargs: 
             run.close()
 
 
-@contextlib.contextmanager
-def two_node_cluster(cpus_per_node: int, object_store_memory: int, **init_kwargs: Any) -> Iterator[None]:
-    """Two raylets with their own object stores on this machine, connected to while open.
-
-    Ray keeps the cluster under a private temp dir (RAY_TMPDIR): otherwise its
-    address file would send other Ray drivers on this machine to it.
-    """
-    from ray.cluster_utils import Cluster
-
-    private = tempfile.mkdtemp(prefix="dsgd-2n-")
-    with common.environment(RAY_TMPDIR=private):
-        cluster = Cluster()
-        try:
-            for _ in range(2):
-                cluster.add_node(num_cpus=cpus_per_node, object_store_memory=object_store_memory, **init_kwargs)
-            cluster.wait_for_nodes()
-            common.start_ray(cluster.address)
-            yield
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            shutil.rmtree(private, ignore_errors=True)
-
-
 def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
     if peer is None or not record["images_per_sec_mean"] or not peer["images_per_sec_mean"]:
         return "–"
@@ -463,8 +439,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             parser.error("--two-node starts its own cluster: run it without a Ray instance already started")
         where = "a two-node cluster (ray.cluster_utils)"
         workers_per_node = math.ceil(cfg.num_workers / 2)
-        ray_context = two_node_cluster(workers_per_node * cfg.cpus_per_worker * distributed + 1,
-                                       args.object_store_memory or 1 << 30, **dashboard)
+        ray_context = common.local_cluster(2, workers_per_node * cfg.cpus_per_worker * distributed + 1,
+                                           args.object_store_memory or 1 << 30, **dashboard)
     elif ray.is_initialized():
         where = f"the cluster this process joined ({sum(n['Alive'] for n in ray.nodes())} nodes)"
         ray_context = contextlib.nullcontext()

@@ -71,7 +71,7 @@ def object_store_used_mib() -> float:
 
 def actor_pids(sgd: dsgd.DistributedSGD) -> dict[str, int]:
     """'worker 0', 'parameter server 0', ... -> pid, for every actor of the engine; they must run on this node."""
-    identities = ray.get([actor.identity.remote() for actor in sgd.workers + common.parameter_servers(sgd)], timeout=60)
+    identities = common.identities(sgd)
     here = ray.get_runtime_context().get_node_id()
     elsewhere = [str(i) for i in identities if i.node_id != here]
     if elsewhere:

@@ -25,10 +25,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import ray
 
-from dsgd import shared_memory, signals
+from dsgd import shared_memory, signals, timeline
 from dsgd.errors import ActorFailure, DSGDTimeoutError
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd
+
+EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
 
 
 class ParameterServerClient:
@@ -88,28 +90,38 @@ class ParameterServerClient:
                            self.startup_timeout_s)
         return ObjectStoreWorkerEnd()
 
-    def send(self, shard: Shard, step_id: int, arrays: Sequence[np.ndarray]) -> None:
-        """Push ``arrays``, one per segment of ``shard`` (``dsgd.shards.segments``)."""
-        stored = self.ends[shard.index].write(shard, self.segments[shard.index], arrays)
-        self._push(shard, step_id, stored)
+    def send(self, shard: Shard, step_id: int, arrays: Sequence[np.ndarray],
+             trace: timeline.Recorder | None = None) -> None:
+        """Push ``arrays``, one per segment of ``shard`` (``dsgd.shards.segments``); ``trace``: the step's
+        timeline, while one is recorded (the write and the push are spans of it)."""
+        with timeline.maybe_span(trace, f"write partition {shard.index}", EXCHANGE_TRACK):
+            stored = self.ends[shard.index].write(shard, self.segments[shard.index], arrays)
+        self._push(shard, step_id, stored, trace)
 
-    def send_gradients(self, shard: Shard, step_id: int, grads: Sequence[np.ndarray]) -> None:
+    def send_gradients(self, shard: Shard, step_id: int, grads: Sequence[np.ndarray],
+                       trace: timeline.Recorder | None = None) -> None:
         """Push ``shard``'s pieces of ``grads`` (every exchange tensor, in layout order)."""
-        stored = self.ends[shard.index].write_gradients(shard, self.segments[shard.index], grads)
-        self._push(shard, step_id, stored)
+        with timeline.maybe_span(trace, f"write partition {shard.index}", EXCHANGE_TRACK):
+            stored = self.ends[shard.index].write_gradients(shard, self.segments[shard.index], grads)
+        self._push(shard, step_id, stored, trace)
 
-    def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None) -> None:
+    def _push(self, shard: Shard, step_id: int, stored: ray.ObjectRef | None,
+              trace: timeline.Recorder | None) -> None:
         server = self.routes[shard.index]
-        with self._bounded(f"parameter server {server} to take partition {shard.index}, step {step_id}",
-                           self.step_timeout_s):
+        with timeline.maybe_span(trace, f"push partition {shard.index}", EXCHANGE_TRACK), \
+                self._bounded(f"parameter server {server} to take partition {shard.index}, step {step_id}",
+                              self.step_timeout_s):
             self.ends[shard.index].push(self.servers[server], self.worker_index, shard, step_id, stored)
 
-    def receive(self, shard: Shard, step_id: int) -> np.ndarray:
-        """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push)."""
+    def receive(self, shard: Shard, step_id: int, trace: timeline.Recorder | None = None) -> np.ndarray:
+        """The mean of ``shard`` for ``step_id`` (read-only; valid until the next step's push); ``trace`` as
+        for ``send`` (the wait for the answer and the read of the mean are spans of it)."""
         what = f"parameter server {self.routes[shard.index]}'s sum of partition {shard.index}, step {step_id}"
-        with self._bounded(what, self.step_timeout_s):
+        with timeline.maybe_span(trace, f"wait for the answer of partition {shard.index}", EXCHANGE_TRACK), \
+                self._bounded(what, self.step_timeout_s):
             answer = self.ends[shard.index].answer(shard, step_id, self.step_timeout_s)
-        return self.read(shard, step_id, answer)
+        with timeline.maybe_span(trace, f"read the mean of partition {shard.index}", EXCHANGE_TRACK):
+            return self.read(shard, step_id, answer)
 
     def read(self, shard: Shard, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:
         """The mean of ``shard`` for ``step_id`` from its server's ``answer`` (to a push, or from ``begin``)."""

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from dsgd import shards, timeline, worker_graph
 from dsgd.exchanges import Exchange
-from dsgd.ps_client import ParameterServerClient
+from dsgd.ps_client import EXCHANGE_TRACK, ParameterServerClient
 from dsgd.step_runner import StepRunner
 
 
@@ -78,9 +78,9 @@ class PythonParameterServers(_ServerExchange):
         try:
             with runner.phase("pack and send"):
                 for shard in client.layout:
-                    client.send_gradients(shard, step_id, out["means"])
+                    client.send_gradients(shard, step_id, out["means"], runner.trace)
             with runner.phase("receive"):
-                shard_means = [client.receive(shard, step_id) for shard in client.layout]
+                shard_means = [client.receive(shard, step_id, runner.trace) for shard in client.layout]
         except BaseException:
             client.forget_pushes()
             raise
@@ -123,7 +123,7 @@ class OpsParameterServers(_ServerExchange):
     def _callback(self, span: str):
         """The body of a graph callback: traced, and its error kept for ``step`` (TF wraps it)."""
         try:
-            with timeline.maybe_span(self.runner.trace, span, "exchange"):
+            with timeline.maybe_span(self.runner.trace, span, EXCHANGE_TRACK):
                 yield
         except BaseException as e:
             self._callback_error = e
@@ -131,11 +131,11 @@ class OpsParameterServers(_ServerExchange):
 
     def _send(self, shard: shards.Shard, arrays: list[np.ndarray], step: np.ndarray) -> None:
         with self._callback(f"send partition {shard.index}"):
-            self.client.send(shard, int(step), arrays)
+            self.client.send(shard, int(step), arrays, self.runner.trace)
 
     def _receive(self, shard: shards.Shard, step: np.ndarray) -> np.ndarray:
         with self._callback(f"receive partition {shard.index}"):
-            return self.client.receive(shard, int(step))
+            return self.client.receive(shard, int(step), self.runner.trace)
 
     def _compute(self, step_id: int, fetch_stats: bool) -> dict:
         from dsgd import ops

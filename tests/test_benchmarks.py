@@ -14,7 +14,7 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, peers, resnet, resnet101, setup_cost, soak
+from benchmarks import common, exchange, peers, resnet, resnet101, setup_cost, soak, step_breakdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -133,6 +133,28 @@ def test_exchange_benchmark_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(
         assert all(summary["ratios"][name] is not None for name in exchange.TARGETS)
     assert "| huge |" in result["table"] and "| ps-bf16 ms |" in result["table"]
     assert "| ideal ms |" in result["table"] and "(ps − ideal)/bound" in result["table"]
+
+
+def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session):
+    args = argparse.Namespace(scale=0.001, num_workers=2, warmup=1, steps=2, traced=1)
+    record = step_breakdown.measure("huge", args, nodes=1)
+    cpu, traced = record["cpu_ms_per_step"], record["traced_ms_per_step"]
+    assert {"worker 0", "worker 1", "parameter server 0", "driver"} <= set(cpu)
+    assert all(ms >= 0 for ms in cpu.values()) and record["step_ms_median"] > 0
+    for worker in ("worker 0", "worker 1"):  # the client's spans and the worker's TensorFlow ops, by kind
+        assert {"write partitions (pack / put)", "push partitions (signal / actor call)", "wait for the means",
+                "read the means (get)", "TF: apply", "TF: graph callbacks (sends, receives)"} <= set(traced[worker])
+    assert "sum partitions" in traced["parameter server 0"]
+    assert "| CPU (untraced steps) |" in step_breakdown.table(record)
+
+
+def test_step_breakdown_kinds_of_events():
+    assert step_breakdown.event_kind({"name": "a/b", "args": {"op": "ResourceApplyAdam(a, b)"}}) == "TF: apply"
+    assert step_breakdown.event_kind({"name": "c", "args": {"op": "CheckNumerics(g)"}}) == "TF: non-finite checks"
+    assert step_breakdown.event_kind({"name": "d", "args": {"op": "MatMul(x, w)"}}) == "TF: other ops (compute)"
+    assert step_breakdown.event_kind({"name": "read the mean of partition 3"}) == "read the means (get)"
+    assert step_breakdown.event_kind({"name": "compute, exchange and apply"}) is None
+    assert step_breakdown.cpu_seconds(os.getpid()) > 0
 
 
 def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_session, tmp_path):
@@ -272,7 +294,7 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
     ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"], ["benchmarks/setup_cost.py"],
-    ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
+    ["benchmarks/step_breakdown.py"], ["-m", "benchmarks.step_breakdown"], ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
     ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"], ["-m", "benchmarks.setup_cost"],
 ], ids=" ".join)
 def test_benchmarks_start_as_scripts_and_modules(command, tmp_path):
