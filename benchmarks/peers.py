@@ -54,6 +54,8 @@ from typing import Any, Protocol
 import ray
 import tensorflow as tf
 
+import dsgd
+
 from benchmarks import common, resnet
 from benchmarks.resnet101 import DsgdRun
 
@@ -220,6 +222,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     from ray import train
 
     os.environ[ALLOCATOR_ENV] = config["allocator"]  # read when TensorFlow makes its first CPU tensor
+    dsgd.tf_logs.python_warnings_follow_cpp_level()  # MultiWorkerMirroredStrategy's INFO lines, as in dsgd's workers
     cfg = common.BenchConfig(**config["cfg"])
     tf.config.threading.set_intra_op_parallelism_threads(cfg.cpus_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, cfg.cpus_per_worker))  # as dsgd's workers

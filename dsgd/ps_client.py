@@ -52,7 +52,8 @@ class ParameterServerClient:
         self.segments = [segments(shard) for shard in self.layout]
         self.sent_bytes = sum(seg.wire_nbytes for parts in self.segments for seg in parts)  # per step
         self.servers: list[Any] = []
-        self.ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per partition: its server's transport
+        self.server_ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per server: its transport
+        self.ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per partition: its route's transport
         self.routes = list(self.placement)  # partition -> the server it is pushed to (``connect``)
 
     def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None) -> int:
@@ -60,22 +61,25 @@ class ParameterServerClient:
 
         ``routes[j]`` (default: the placement): the server partition j is pushed to, its node's relay or its own.
         """
+        self.close()
         self.servers = list(servers)
         self.routes = list(self.placement if routes is None else routes)
         node = ray.get_runtime_context().get_node_id()
         infos = self._wait([s.attach.remote(self.worker_index, node) for s in self.servers],
                            "the parameter servers to attach", self.startup_timeout_s)
-        per_server = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
-        self.ends = [per_server[j] for j in self.routes]
-        return sum(isinstance(end, SharedMemoryWorkerEnd) for end in per_server)
+        self.server_ends = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
+        self.ends = [self.server_ends[j] for j in self.routes]
+        return sum(isinstance(end, SharedMemoryWorkerEnd) for end in self.server_ends)
 
     def close(self) -> None:
-        """Drop every transport end, unmapping the servers' shared buffers (a resize replaced the servers).
+        """Close every transport end (its signal channel) and drop it, unmapping the servers' shared buffers: the
+        servers were replaced (a recovery re-attaches, a resize starts new ones).
 
-        The old exchange's graph ops may keep this client alive, but not its buffers.
+        The old exchange's graph ops may keep this client alive, but not its buffers or sockets.
         """
-        self.ends = []
-        self.servers = []
+        for end in self.server_ends:
+            end.close()
+        self.server_ends, self.ends, self.servers = [], [], []
 
     def _end(self, j: int, server: Any, info: dict | None) -> SharedMemoryWorkerEnd | ObjectStoreWorkerEnd:
         """Server ``j``'s transport: the shared buffers it offered (``info``), else the object store."""

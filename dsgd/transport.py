@@ -78,6 +78,10 @@ class SharedMemoryWorkerEnd:
         """Drop the answers to the pushes so far (a failed step's)."""
         self.channel.forget()
 
+    def close(self) -> None:
+        """Close the signal channel (the server's end sees end-of-file); the buffers go with this end."""
+        self.channel.close()
+
     def read_mean(self, shard: Shard, step_id: int, reply: list,
                   wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
         """The mean in the wire dtype, in the server's mean buffer (read-only; valid until the next step's push)."""
@@ -114,6 +118,9 @@ class ObjectStoreWorkerEnd:
     def forget(self) -> None:
         """Drop the calls of the pushes so far (a failed step's)."""
         self._pushes.clear()
+
+    def close(self) -> None:
+        self.forget()
 
     def read_mean(self, shard: Shard, step_id: int, reply: list,
                   wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:

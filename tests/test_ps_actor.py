@@ -265,6 +265,20 @@ def test_reattaching_a_worker_replaces_its_buffer_without_leaking_it(ray_session
     ray.kill(server)
 
 
+def test_a_worker_closes_its_signal_channels_on_reattach_and_close(ray_session):
+    server = _server(2)
+    pid = ray.get(server.identity.remote(), timeout=30).pid
+    client = _local_worker(server, 1)
+    first = client.server_ends[0].channel
+    client.connect([server])  # a re-attach (after a recovery): the old channel is closed, a new one made
+    second = client.server_ends[0].channel
+    assert first._socket.fileno() == -1 and second._socket.fileno() != -1
+    wait_until(lambda: _held_by(pid, 1) == (1, 1))
+    client.close()  # the servers were replaced: nothing of this client stays open
+    assert second._socket.fileno() == -1 and client.ends == [] and client.server_ends == []
+    ray.kill(server)
+
+
 def _relayed_pair(layout=LAYOUT, timeout_s=30.0):
     """Server 0 sums both partitions; server 1 relays them for workers 2 and 3 (as on another node)."""
     home = ps_actor.start(0, 4, layout, timeout_s, node_sums={s.index: [(2, 3)] for s in layout})
