@@ -9,8 +9,10 @@ at dsgd's defaults:
 1. `--warmup` steps, not measured;
 2. `--steps` steps (`step(fetch_stats=True)`), timed in the driver, with
    every process's CPU time (user + system, from /proc/<pid>/stat) read
-   around them: the workers, the parameter servers and the driver. Every
-   simulated node runs here, so /proc sees them all;
+   around them: the workers, the parameter servers, the driver, and Ray's
+   own daemons of this cluster (its raylets, which move objects between
+   nodes, and its GCS). Every simulated node runs here, so /proc sees them
+   all;
 3. `--traced` steps with `step(write_timeline=...)`, whose events are summed
    per process and kind: a worker's TensorFlow ops (the apply, the
    non-finite checks, the graph callbacks of the sends and receives, dsgd's
@@ -75,6 +77,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime (fields 14 and 15 of stat)
 
 
+def ray_daemons() -> dict[str, list[int]]:
+    """'raylets' and 'gcs' -> the pids of this cluster's raylet and GCS processes (by its session name: other
+    Ray instances on this machine are not counted)."""
+    session = os.path.basename(ray._private.worker._global_node.get_session_dir_path())
+    daemons: dict[str, list[int]] = {"raylets": [], "gcs": []}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+            if comm in ("raylet", "gcs_server"):
+                with open(f"/proc/{pid}/cmdline") as f:
+                    if session in f.read():
+                        daemons["raylets" if comm == "raylet" else "gcs"].append(int(pid))
+        except FileNotFoundError:  # gone meanwhile
+            continue
+    return daemons
+
+
 def event_kind(event: dict[str, Any]) -> str | None:
     """What a trace event counts as, or None for those not summed (the step's own phases, the driver's)."""
     op = event.get("args", {}).get("op")
@@ -115,14 +135,16 @@ def measure(shape: str, args: argparse.Namespace, nodes: int) -> dict[str, Any]:
         print(f"  {shape} on {nodes} node(s): {'; '.join(where)}", flush=True)
         for _ in range(args.warmup):
             sgd.step(fetch_stats=True)
-        pids = {name: identity.pid for name, identity in actors.items()} | {"driver": os.getpid()}
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        pids = {name: [identity.pid] for name, identity in actors.items()} | {"driver": [os.getpid()]}
+        pids |= ray_daemons()
+        before = {name: sum(map(cpu_seconds, group)) for name, group in pids.items()}
         walls = []
         for _ in range(args.steps):
             start = time.perf_counter()
             stats = sgd.step(fetch_stats=True)
             walls.append(time.perf_counter() - start)
-        cpu_ms = {name: (cpu_seconds(pid) - before[name]) * 1000 / args.steps for name, pid in pids.items()}
+        cpu_ms = {name: (sum(map(cpu_seconds, group)) - before[name]) * 1000 / args.steps
+                  for name, group in pids.items()}
         traced: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         with tempfile.TemporaryDirectory() as tmp:
             for k in range(args.traced):

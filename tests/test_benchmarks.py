@@ -139,7 +139,7 @@ def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step
     args = argparse.Namespace(scale=0.001, num_workers=2, warmup=1, steps=2, traced=1)
     record = step_breakdown.measure("huge", args, nodes=1)
     cpu, traced = record["cpu_ms_per_step"], record["traced_ms_per_step"]
-    assert {"worker 0", "worker 1", "parameter server 0", "driver"} <= set(cpu)
+    assert {"worker 0", "worker 1", "parameter server 0", "driver", "raylets", "gcs"} <= set(cpu)
     assert all(ms >= 0 for ms in cpu.values()) and record["step_ms_median"] > 0
     for worker in ("worker 0", "worker 1"):  # the client's spans and the worker's TensorFlow ops, by kind
         assert {"write partitions (pack / put)", "push partitions (signal / actor call)", "wait for the means",
