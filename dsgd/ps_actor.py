@@ -71,7 +71,7 @@ import ray
 from dsgd import actor_identity, arrays, object_store, shared_memory, signals, timeline, wire
 from dsgd.errors import DSGDError, DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
-from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd
+from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd
 
 CONTROL_THREADS = 3
 
@@ -113,7 +113,7 @@ class _Partition:
     done: dict[int, tuple[ray.ObjectRef | None, tuple[int, ...]]] = field(default_factory=dict)
     failures: dict[int, Exception] = field(default_factory=dict)
     relay_keys: frozenset[int] = frozenset()  # the contributors that are relays (a node's lowest worker)
-    pushed_through_store: int = 0  # pushes that carried their data through the object store, since the start
+    pushed_from_elsewhere: int = 0  # pushes whose data came from another node (stream or object store), so far
 
     def workers_in(self, keys) -> list[int]:
         """The workers the pushes of contributors ``keys`` stand for, in order."""
@@ -144,6 +144,7 @@ class ParameterServer:
         self.slots = 2 if backup_workers else 1  # the steps whose means are kept
         self.step_timeout_s = step_timeout_s
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.host = ray.util.get_node_ip_address()  # where streams from other nodes' workers connect
         offsets, end = [], 0
         for shard in [*partitions, *(r.shard for r in relays)]:
             offsets.append(end)
@@ -164,7 +165,7 @@ class ParameterServer:
         self.relay_ends = {min(group): ObjectStoreServerEnd(server_index, min(group))
                            for groups in node_sums.values() for group in groups}
         # Each worker's end of its transport; the object store until it attaches on this node.
-        self.ends: dict[int, SharedMemoryServerEnd | ObjectStoreServerEnd] = {
+        self.ends: dict[int, SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd] = {
             w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
         self.changed = threading.Condition()  # guards everything that changes below
         self.aborted = False
@@ -207,19 +208,32 @@ class ParameterServer:
         buffers and a signal channel: ``{"input": address, "mean": address,
         "signal": address, "offsets": {partition: byte offset}, "slots": [byte
         offset of each slot of the mean buffer]}`` (addresses for
-        ``shared_memory.attach`` and ``signals.Channel``). Any other
-        worker, or ``node_id=None`` (a worker that could not map them), pushes
-        through the object store: ``None``.
+        ``shared_memory.attach`` and ``signals.Channel``). A worker on another
+        node gets an input buffer here and a stream: ``{"stream": address,
+        "slots": 1}`` (for ``streams.Stream``), except with backup workers (a
+        worker catching up reads closed steps' means from ``begin``'s reply).
+        Those, and ``node_id=None`` (a worker that could not map the buffers
+        or reach the stream), push through the object store: ``None``.
         """
         with self.changed:
             self.ends[worker_index].close()  # a re-attach after a recovery: an old buffer goes with its fd
+            relayed = [j for j, p in self.partitions.items() if p.home is not None]
+            if node_id is not None and node_id != self.node_id and self.slots == 1:
+                end = self.ends[worker_index] = StreamServerEnd(
+                    self.server_index, worker_index, self.host, self.nbytes,
+                    {j: [(p.offset + start * p.shard.wire_dtype.itemsize, size * p.shard.wire_dtype.itemsize)
+                         for start, size in p.segments] for j, p in self.partitions.items()},
+                    lambda step_id, partition: self.push(step_id, worker_index, partition),
+                    lambda step_id, partition: self.partitions[partition].mean(step_id), self.step_timeout_s,
+                    relayed=relayed)
+                return {**end.address(), "slots": self.slots}
             if not self.shared or node_id != self.node_id:
                 self.ends[worker_index] = ObjectStoreServerEnd(self.server_index, worker_index)
                 return None
             end = self.ends[worker_index] = SharedMemoryServerEnd(
                 self.server_index, worker_index, self.nbytes,
                 lambda step_id, partition: self.push(step_id, worker_index, partition), self.step_timeout_s,
-                relayed=[j for j, p in self.partitions.items() if p.home is not None])
+                relayed=relayed)
             return {**end.address(), "mean": self.mean_buffer.address(),
                     "offsets": {j: p.offset for j, p in self.partitions.items()},
                     "slots": [k * self.nbytes for k in range(self.slots)]}
@@ -376,13 +390,13 @@ class ParameterServer:
                              f"not from worker {worker_index}")
         if worker_index in p.waiting:
             raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
-        if stored is not None:
-            p.pushed_through_store += 1
+        if self._end(p, worker_index).crosses_nodes:
+            p.pushed_from_elsewhere += 1
         # A node's partial sum travels in float32 (the sum of its workers' 16-bit copies, not rounded again).
         shard = replace(p.shard, compression=None) if worker_index in p.relay_keys else p.shard
         return self._end(p, worker_index).read(shard, p.offset, p.segments, stored)
 
-    def _end(self, p: _Partition, key: int) -> SharedMemoryServerEnd | ObjectStoreServerEnd:
+    def _end(self, p: _Partition, key: int) -> SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd:
         """The transport end a push of ``p`` by ``key`` comes through: a relay's partial sum always crosses the
         object store (its key, the node's lowest worker, may have its own shared buffer here)."""
         return self.relay_ends[key] if key in p.relay_keys else self.ends[key]
@@ -437,10 +451,10 @@ class ParameterServer:
         return ref, tuple(averaged)
 
     def traffic(self) -> dict[int, int]:
-        """Partition -> how many pushes of it carried their data through the object store (from another node),
-        since the start; a relayed partition is not counted here but at its server."""
+        """Partition -> how many pushes of it brought their data from another node (down a stream or through the
+        object store), since the start; a relayed partition is not counted here but at its server."""
         with self.changed:
-            return {j: p.pushed_through_store for j, p in self.partitions.items() if p.home is None}
+            return {j: p.pushed_from_elsewhere for j, p in self.partitions.items() if p.home is None}
 
     # ---- control -----------------------------------------------------------
 

@@ -3,12 +3,13 @@
 A worker sends each partition of its averaged gradients to the server that
 sums it and reads back the mean. ``connect`` attaches to every server and
 picks the transport of each worker-server pair (``dsgd.transport``): shared
-memory with a server on the worker's own node, the object store with one
-elsewhere.
+memory with a server on the worker's own node, a stream with one elsewhere
+(the object store where a stream cannot be used).
 
 Per partition and step the worker pushes once and waits (bounded) for the
 answer, through its transport end: with shared memory, a message on the
-pair's signal channel each way and no Ray call at all; with the object store,
+pair's signal channel each way; with a stream, the partition's bytes one way
+and the mean's the other; neither makes a Ray call. With the object store,
 an actor call (``push``) and a wait for its reply. With backup workers, a
 step starts with ``begin``: one call per server, which says which partitions
 of the step are closed already.
@@ -20,7 +21,7 @@ No TensorFlow here: the worker's exchanges (``dsgd.ps_exchanges``) call
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
 import ray
@@ -28,8 +29,9 @@ import ray
 from dsgd import shared_memory, signals, timeline
 from dsgd.errors import ActorFailure, DSGDTimeoutError
 from dsgd.shards import Shard, segments
-from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd
+from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd
 
+WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
 EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
 
 
@@ -52,8 +54,8 @@ class ParameterServerClient:
         self.segments = [segments(shard) for shard in self.layout]
         self.sent_bytes = sum(seg.wire_nbytes for parts in self.segments for seg in parts)  # per step
         self.servers: list[Any] = []
-        self.server_ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per server: its transport
-        self.ends: list[SharedMemoryWorkerEnd | ObjectStoreWorkerEnd] = []  # per partition: its route's transport
+        self.server_ends: list[WorkerEnd] = []  # per server: its transport
+        self.ends: list[WorkerEnd] = []  # per partition: its route's transport
         self.routes = list(self.placement)  # partition -> the server it is pushed to (``connect``)
 
     def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None) -> int:
@@ -81,15 +83,20 @@ class ParameterServerClient:
             end.close()
         self.server_ends, self.ends, self.servers = [], [], []
 
-    def _end(self, j: int, server: Any, info: dict | None) -> SharedMemoryWorkerEnd | ObjectStoreWorkerEnd:
-        """Server ``j``'s transport: the shared buffers it offered (``info``), else the object store."""
+    def _end(self, j: int, server: Any, info: dict | None) -> WorkerEnd:
+        """Server ``j``'s transport: the shared buffers or the stream it offered (``info``), else the object
+        store."""
         if info is not None:
             try:
+                if "stream" in info:
+                    return StreamWorkerEnd(info["stream"], info["slots"],
+                                           [s for s, k in zip(self.layout, self.routes) if k == j],
+                                           self.startup_timeout_s, self.step_timeout_s)
                 return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                              shared_memory.attach(info["mean"], writable=False), info["offsets"],
                                              info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],
                                              signals.Channel(info["signal"], self.step_timeout_s))
-            except OSError:  # same node, but another PID or network namespace: use the object store
+            except OSError:  # same node but another PID or network namespace, or no route to the stream
                 self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
                            self.startup_timeout_s)
         return ObjectStoreWorkerEnd()

@@ -11,9 +11,19 @@ A worker and a server pick one transport per pair when the worker attaches
   "the mean is ready" and reads the mean in place. No Ray call per
   partition: the server's end answers each announcement with
   ``ParameterServer.push`` on the channel's thread.
-- **object store**, any other worker: a push is an actor call carrying the
-  worker's segments as one object (``dsgd.object_store.put``), its reply the
-  reference of the mean, which the server puts once per partition and step.
+- **stream**, a worker on another node (``dsgd.streams``): the server
+  gives the worker an input buffer and a TCP stream of the pair's own; every
+  step the worker sends each partition's segments down the stream, straight
+  from its arrays, the server receives them into the input buffer, sums as
+  for a worker on its node and sends the mean back, into a buffer of the
+  worker's. No Ray call and no object per partition.
+- **object store**, a worker that can reach neither (the stream's connection
+  failed, e.g. a firewall between the nodes) and, with backup workers, any
+  worker on another node (a worker catching up reads the means of closed
+  steps from the server's reply to ``begin``): a push is an actor call
+  carrying the worker's segments as one object (``dsgd.object_store.put``),
+  its reply the reference of the mean, which the server puts once per
+  partition and step.
 
 The worker's end (``SharedMemoryWorkerEnd``, ``ObjectStoreWorkerEnd``)
 writes a partition, pushes it (``push``), waits for the server's answer
@@ -35,7 +45,7 @@ from typing import Any, Callable, Collection, Sequence
 import numpy as np
 import ray
 
-from dsgd import object_store, shared_memory, signals
+from dsgd import object_store, shared_memory, signals, streams
 from dsgd.shards import Segment, Shard, pack, segment_arrays
 
 
@@ -88,11 +98,69 @@ class SharedMemoryWorkerEnd:
         return self.means[step_id % len(self.means)][shard.index]
 
 
+class _Segments:
+    """A partition's segments of a worker's gradients: large pieces as views, runs of small ones packed into
+    buffers kept for the next step."""
+
+    def __init__(self):
+        self._pack_buffers: dict[int, list[np.ndarray | None]] = {}  # partition -> buffers its small runs pack into
+
+    def of(self, shard: Shard, parts: Sequence[Segment], grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        buffers = self._pack_buffers.get(shard.index)
+        if buffers is None:
+            buffers = self._pack_buffers[shard.index] = [None if seg.view else np.zeros(seg.size, seg.wire_dtype)
+                                                         for seg in parts]
+        return segment_arrays(grads, parts, buffers)
+
+
+class StreamWorkerEnd:
+    """A worker's partitions go down the pair's stream, straight from its arrays; means come back into buffers
+    of its own, one per partition and slot of the server's mean buffer."""
+
+    def __init__(self, address: tuple[str, int, bytes], slots: int, shards: Sequence[Shard],
+                 connect_timeout_s: float, send_timeout_s: float):
+        """Connect to the server's stream (``StreamServerEnd.address``); OSError if it cannot be reached."""
+        self.means = [{s.index: np.empty(s.size, s.wire_dtype) for s in shards} for _ in range(slots)]
+        self.stream = streams.Stream(address, lambda step, partition: self.means[step % slots][partition],
+                                     connect_timeout_s, send_timeout_s)
+        self.segments = _Segments()
+
+    def write(self, shard: Shard, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+        """``arrays`` (one per segment, in the wire dtype) as they are: the push sends them."""
+        return arrays
+
+    def write_gradients(self, shard: Shard, parts: Sequence[Segment],
+                        grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``shard``'s segments of ``grads``, for the push to send."""
+        return self.segments.of(shard, parts, grads)
+
+    def push(self, server: Any, worker_index: int, shard: Shard, step_id: int, stored: Sequence[np.ndarray]) -> None:
+        """Send the partition's segments (``stored``) down the stream."""
+        self.stream.send(step_id, shard.index, stored)
+
+    def answer(self, shard: Shard, step_id: int, timeout_s: float) -> tuple[list, tuple[int, ...]]:
+        """The server's answer to the push (the workers its mean averages, or what it raised), the mean read
+        into this end's buffer; TimeoutError after ``timeout_s``, ConnectionError if the server died."""
+        return [], self.stream.wait(step_id, shard.index, timeout_s)
+
+    def forget(self) -> None:
+        """Drop the answers to the pushes so far (a failed step's)."""
+        self.stream.forget()
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def read_mean(self, shard: Shard, step_id: int, reply: list,
+                  wait: Callable[[ray.ObjectRef, str], list]) -> np.ndarray:
+        """The mean in the wire dtype, in this end's buffer (valid until the next step's push)."""
+        return self.means[step_id % len(self.means)][shard.index]
+
+
 class ObjectStoreWorkerEnd:
     """A worker's partitions travel as one object per push; the mean comes back as one object."""
 
     def __init__(self):
-        self._pack_buffers: dict[int, list[np.ndarray | None]] = {}  # partition -> buffers its small runs pack into
+        self.segments = _Segments()
         self._pushes: dict[int, ray.ObjectRef] = {}  # partition -> this step's push call
 
     def write(self, shard: Shard, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> ray.ObjectRef:
@@ -101,11 +169,7 @@ class ObjectStoreWorkerEnd:
 
     def write_gradients(self, shard: Shard, parts: Sequence[Segment], grads: Sequence[np.ndarray]) -> ray.ObjectRef:
         """``shard``'s segments of ``grads`` (small pieces packed, large ones as views) as one object."""
-        buffers = self._pack_buffers.get(shard.index)
-        if buffers is None:
-            buffers = self._pack_buffers[shard.index] = [None if seg.view else np.zeros(seg.size, seg.wire_dtype)
-                                                         for seg in parts]
-        return object_store.put(segment_arrays(grads, parts, buffers))
+        return object_store.put(self.segments.of(shard, parts, grads))
 
     def push(self, server: Any, worker_index: int, shard: Shard, step_id: int, stored: ray.ObjectRef) -> None:
         """The push call, carrying the reference of the partition's object (``stored``)."""
@@ -131,10 +195,22 @@ class ObjectStoreWorkerEnd:
 
 # ---- the server's end ------------------------------------------------------
 
+def _input_views(memory, shard: Shard, offset: int, parts: Sequence[tuple[int, int]], stored: list | None,
+                 where: str, worker_index: int) -> list[np.ndarray]:
+    """A worker's segments of ``shard``, views of its input buffer ``memory`` at ``offset`` (a push through it
+    carries no data: ``stored`` must be None)."""
+    if stored is not None:
+        raise ValueError(f"worker {worker_index} pushed partition {shard.index} with data, but it "
+                         f"writes into its input buffer on {where}")
+    flat = np.frombuffer(memory, shard.wire_dtype, shard.size, offset)
+    return [flat[start:start + size] for start, size in parts]
+
+
 class SharedMemoryServerEnd:
     """The server's end for a worker on its node: the worker's input buffer and the pair's signal channel."""
 
     remote = False  # answers without a reference to the mean
+    crosses_nodes = False
 
     def __init__(self, server_index: int, worker_index: int, nbytes: int,
                  push: Callable[[int, int], tuple[list, tuple[int, ...]]], connect_timeout_s: float,
@@ -155,11 +231,8 @@ class SharedMemoryServerEnd:
 
     def read(self, shard: Shard, offset: int, parts: Sequence[tuple[int, int]], stored: list | None) -> list[np.ndarray]:
         """The worker's segments of ``shard``, views of its input buffer at ``offset``."""
-        if stored is not None:
-            raise ValueError(f"worker {self.worker_index} pushed partition {shard.index} with data, but it "
-                             f"writes into its shared input buffer on parameter server {self.server_index}")
-        flat = np.frombuffer(self.buffer.memory, shard.wire_dtype, shard.size, offset)
-        return [flat[start:start + size] for start, size in parts]
+        return _input_views(self.buffer.memory, shard, offset, parts, stored,
+                            f"parameter server {self.server_index}", self.worker_index)
 
     def reply(self, mean: ray.ObjectRef | None) -> list:
         return []
@@ -169,10 +242,64 @@ class SharedMemoryServerEnd:
         self.signals.close()
 
 
+class StreamServerEnd:
+    """The server's end for a worker on another node: the worker's input buffer (this process's memory) and the
+    pair's stream, which fills it and carries each answer with its mean."""
+
+    remote = False  # the mean goes down the stream, not through the object store
+    crosses_nodes = True
+
+    def __init__(self, server_index: int, worker_index: int, host: str, nbytes: int,
+                 places: dict[int, list[tuple[int, int]]], push: Callable[[int, int], tuple[list, tuple[int, ...]]],
+                 mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = ()):
+        """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
+        byte count) each, in order; ``push`` as for ``SharedMemoryServerEnd``, ``mean(step_id, partition)`` the
+        mean it answered with (sent after it); ``host``: this node's address, where the stream listens."""
+        self.buffer = bytearray(nbytes)
+        self.places = places
+        relayed = frozenset(relayed)
+        self.server_index, self.worker_index = server_index, worker_index
+        self.listener = streams.StreamListener(
+            f"ps{server_index}-w{worker_index}", host, self._target,
+            lambda step_id, partition: (push(step_id, partition)[1], mean(step_id, partition)),
+            connect_timeout_s, apart=lambda step_id, partition: partition in relayed)
+
+    def _target(self, partition: int, nbytes: int) -> list[memoryview]:
+        """Where the segments of a push of ``partition`` (``nbytes`` in all) go; ValueError for one this server
+        does not expect."""
+        where = f"parameter server {self.server_index}"
+        if partition not in self.places:
+            raise ValueError(f"{where} does not serve partition {partition} (worker {self.worker_index} pushed "
+                             f"it); it serves {sorted(self.places)}")
+        places = self.places[partition]
+        expected = sum(n for _, n in places)
+        if nbytes != expected:
+            raise ValueError(f"{where} expects {expected} bytes of partition {partition} from worker "
+                             f"{self.worker_index}, it sent {nbytes}")
+        memory = memoryview(self.buffer)
+        return [memory[offset:offset + n] for offset, n in places]
+
+    def address(self) -> dict:
+        """How the worker reaches this end: its stream (``streams.Stream``)."""
+        return {"stream": self.listener.address}
+
+    def read(self, shard: Shard, offset: int, parts: Sequence[tuple[int, int]], stored: list | None) -> list[np.ndarray]:
+        """The worker's segments of ``shard``, views of its input buffer at ``offset``."""
+        return _input_views(self.buffer, shard, offset, parts, stored,
+                            f"parameter server {self.server_index}", self.worker_index)
+
+    def reply(self, mean: ray.ObjectRef | None) -> list:
+        return []
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 class ObjectStoreServerEnd:
     """The server's end for a worker elsewhere (or one that could not map shared memory)."""
 
     remote = True  # answers with the reference of the mean, put once for all remote workers
+    crosses_nodes = True
 
     def __init__(self, server_index: int, worker_index: int):
         self.server_index, self.worker_index = server_index, worker_index

@@ -56,10 +56,8 @@ def run() -> dict:
             "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
             "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
             "ps_nodes": [actor_node(ps) for ps in ps_actors(sgd)],
-            # per engine, worker and partition: read through shared memory (its server's node) or the object store
-            "shared": {name: e.foreach_worker(lambda w: [type(end).__name__ == "SharedMemoryWorkerEnd"
-                                                         for end in w.client.ends])
-                       for name, e in engines.items()},
+            # per engine, worker and partition: its transport (shared memory with its server's node, a stream)
+            "transports": {name: _transports(e) for name, e in engines.items()},
             "placement": server_group(sgd).placement,
             "start": _listed(record[0]["before"]),
             "replicas": [_listed(r) for r in record[-1]["replicas"][FLOAT32]],
@@ -83,7 +81,13 @@ def run_with_backup() -> dict:
         dropped = [sgd.step(fetch_stats=True)["dropped_gradients"] for _ in range(STEPS)]
         replicas = replica_weights(sgd)
         return {"start": {k: v.tolist() for k, v in start.items()}, "dropped": dropped,
-                "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas]}
+                "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
+                "transports": _transports(sgd)}
+
+
+def _transports(sgd) -> list:
+    """Per worker, per partition: the class name of the transport end it pushes through."""
+    return sgd.foreach_worker(lambda w: [type(end).__name__ for end in w.client.ends])
 
 
 def run_node_local() -> dict:
@@ -101,7 +105,7 @@ def run_node_local() -> dict:
             "partition_bytes": [s.wire_nbytes for s in group.layout],
             "relays": _relays(group),
             "routes": [group.routes(w) for w in range(4)],
-            # per server: partition -> pushes that came through the object store
+            # per server: partition -> pushes that came from another node
             "traffic": [{str(j): n for j, n in t.items()} for t in ray.get([a.traffic.remote() for a in group.actors])],
             "node_sent_bytes": [s["node_sent_bytes"] for s in stats],
             "sent_bytes": [s["sent_bytes"] for s in stats]}

@@ -43,12 +43,14 @@ def test_workers_run_on_both_nodes(job):
     assert sorted(job["ps_nodes"]) == job["nodes"]
 
 
-def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_rest_from_the_store(job):
+def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_rest_down_a_stream(job):
     ps_nodes, placement = job["ps_nodes"], job["placement"]
     assert len(placement) == 3 and set(placement) == {0, 1}
-    for worker_node, shared in zip(job["worker_nodes"], job["shared"]["float32"]):
-        assert shared == [ps_nodes[server] == worker_node for server in placement]
-        assert any(shared) and not all(shared)  # both transports are exercised
+    for name, transports in job["transports"].items():
+        for worker_node, ends in zip(job["worker_nodes"], transports):
+            assert ends == ["SharedMemoryWorkerEnd" if ps_nodes[server] == worker_node else "StreamWorkerEnd"
+                            for server in placement], name
+            assert len(set(ends)) == 2  # both transports are exercised
 
 
 def test_replicas_are_identical_and_equal_the_numpy_reference(job):
@@ -62,9 +64,9 @@ def test_replicas_are_identical_and_equal_the_numpy_reference(job):
     assert_weights_close(replicas[0], expected)
 
 
-def test_compressed_partitions_cross_object_stores_within_16_bit_rounding_of_float32(job):
-    for name, shared in job["shared"].items():
-        assert any(not s for worker in shared for s in worker), f"{name}: no partition went through the store"
+def test_compressed_partitions_cross_nodes_within_16_bit_rounding_of_float32(job):
+    for name, transports in job["transports"].items():
+        assert any("StreamWorkerEnd" in ends for ends in transports), f"{name}: no partition crossed the nodes"
     record = [{"before": weights_from_json(e["before"]), "sent_bytes": e["sent_bytes"],
                "replicas": {n: [weights_from_json(r) for r in rs] for n, rs in e["replicas"].items()}}
               for e in job["record"]]
@@ -75,6 +77,9 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
     """Worker 1 sleeps in every get_feed_dict; with backup_workers=1 each step is worker 0's gradient alone,
     over both transports, and worker 1 catches up to bit-identical weights."""
     run = job["backup"]
+    # a worker catching up reads closed steps' means from the servers' replies: no streams with backup workers
+    assert all(set(ends) <= {"SharedMemoryWorkerEnd", "ObjectStoreWorkerEnd"} and "ObjectStoreWorkerEnd" in ends
+               for ends in run["transports"])
     replicas = [weights_from_json(r) for r in run["replicas"]]
     for name in replicas[0]:
         assert np.array_equal(replicas[1][name], replicas[0][name]), name
@@ -104,7 +109,7 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
             assert run["routes"][w][j] == run["ps_nodes"].index(other)
         for w in workers_on[home_node]:
             assert run["routes"][w][j] == home
-        # One push through the object store per step: the relay's partial sum (2 without relays).
+        # One push from the other node per step: the relay's partial sum, through the object store (2 without relays).
         assert run["traffic"][home][str(j)] == job["steps"]
         sent[other] += run["partition_bytes"][j]
     gradient_bytes = sum(run["partition_bytes"])

@@ -12,6 +12,7 @@ from dsgd import object_store, ps_actor, wire
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
+from dsgd.transport import StreamWorkerEnd
 from dsgd_test_models import pushes_waiting, wait_until
 
 # Two partitions: one of two small variables (packed together), one of a large one (its own segment).
@@ -25,10 +26,10 @@ def _server(num_workers, timeout_s=30.0):
     return ps_actor.start(0, num_workers, LAYOUT, timeout_s)
 
 
-def _data(rng):
+def _data(rng, layout=LAYOUT):
     """One worker's flat copy of every partition (alignment gaps zero)."""
     out = []
-    for shard in LAYOUT:
+    for shard in layout:
         flat = np.zeros(shard.size, np.float32)
         for p in shard.pieces:
             flat[p.shard_offset:p.shard_offset + p.size] = rng.standard_normal(p.size)
@@ -56,7 +57,7 @@ def _local_worker(server, worker_index):
 def _expected(parts):
     """The "simple" strategy's order: ((w0 + w1) + w2) / 3."""
     out = []
-    for k in range(len(LAYOUT)):
+    for k in range(len(parts[0])):
         total = parts[0][k] + parts[1][k]
         for more in parts[2:]:
             total += more[k]
@@ -91,6 +92,67 @@ def test_one_server_sums_many_partitions_in_worker_order_over_both_transports(ra
                 np.testing.assert_array_equal(mean, expected[shard.index])
             assert replies[0] == replies[2]  # one object of the mean, shared by the remote workers
     ray.kill(server)
+
+
+def _remote_worker(server, worker_index, layout=LAYOUT):
+    """This process as a worker on another node: the server offers it a stream (the node id is made up)."""
+    info = ray.get(server.attach.remote(worker_index, "another node"), timeout=30)
+    assert set(info) == {"stream", "slots"}
+    return StreamWorkerEnd(info["stream"], info["slots"], layout, connect_timeout_s=30, send_timeout_s=30)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, plan_shards(SPECS, 1_000_000)], ids=["2 partitions", "2 segments"])
+def test_a_worker_on_another_node_pushes_down_a_stream_and_reads_the_same_mean(ray_session, layout):
+    """Workers 0 and 2 on another node, worker 1 on the server's; one partition of two segments (with an
+    alignment gap between them) lands in place as well."""
+    rng = np.random.default_rng(11)
+    server = ps_actor.start(0, 3, layout, 30.0)
+    local = ParameterServerClient(1, layout, [0] * len(layout), step_timeout_s=30, startup_timeout_s=30)
+    assert local.connect([server]) == 1
+    streams = {0: _remote_worker(server, 0, layout), 2: _remote_worker(server, 2, layout)}
+    for step in range(3):
+        parts = [_data(rng, layout) for _ in range(3)]
+        expected = _expected(parts)
+        for shard in layout:
+            for w, end in streams.items():
+                end.push(server, w, shard, step, end.write(shard, segments(shard), _segments_of(shard, parts[w][shard.index])))
+            local.send(shard, step, _segments_of(shard, parts[1][shard.index]))
+            np.testing.assert_array_equal(local.receive(shard, step), expected[shard.index])  # bit for bit
+            for w, end in streams.items():
+                reply, averaged = end.answer(shard, step, timeout_s=30)
+                assert reply == [] and averaged == (0, 1, 2)
+                np.testing.assert_array_equal(end.read_mean(shard, step, reply, None), expected[shard.index])
+    # The remote workers' pushes came down their streams, counted as from another node.
+    assert ray.get(server.traffic.remote(), timeout=30) == {s.index: 2 * 3 for s in layout}
+    ray.kill(server)
+
+
+def test_a_stream_push_of_the_wrong_size_fails_the_step_and_the_stream_goes_on(ray_session):
+    server = _server(2)
+    shard = LAYOUT[1]
+    end = _remote_worker(server, 0)
+    end.stream.send(0, shard.index, [np.zeros(7, np.float32)])
+    with pytest.raises(ValueError, match=f"expects {shard.wire_nbytes} bytes of partition 1 from worker 0, it sent 28"):
+        end.answer(shard, 0, timeout_s=30)
+    end.stream.send(0, 5, [np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match=r"does not serve partition 5 \(worker 0 pushed it\); it serves \[0, 1\]"):
+        end.stream.wait(0, 5, timeout_s=30)
+    ray.kill(server)
+
+
+def test_a_stream_sees_its_server_die_at_once_and_refuses_a_wrong_token(ray_session):
+    server = _server(2)
+    info = ray.get(server.attach.remote(0, "another node"), timeout=30)
+    host, port, token = info["stream"]
+    with pytest.raises(ConnectionError):  # the listener closes a connection without its token
+        wrong = StreamWorkerEnd((host, port, bytes(len(token))), 1, LAYOUT, 30, 30)
+        wrong.answer(LAYOUT[0], 0, timeout_s=30)
+    end = StreamWorkerEnd(info["stream"], 1, LAYOUT, 30, 30)  # the right one still gets in
+    shard = LAYOUT[0]
+    end.push(server, 0, shard, 0, _segments_of(shard, _data(np.random.default_rng(4))[0]))
+    ray.kill(server)  # worker 1 never pushes: the wait ends with the server, not at the timeout
+    with pytest.raises(ConnectionError):
+        end.answer(shard, 0, timeout_s=60)
 
 
 def test_a_push_waits_for_every_worker(ray_session):

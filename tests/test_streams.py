@@ -1,0 +1,129 @@
+"""A worker's stream to a parameter server on another node (dsgd.streams), both ends in this process."""
+
+import itertools
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dsgd import streams
+
+SIZE = 10  # float32 elements of the one partition (0) in these tests
+_names = itertools.count()
+
+
+class Server:
+    """A listener whose partition 0 arrives into ``inputs`` and is answered with ``mean`` (its input doubled),
+    or with the exception ``fail`` holds."""
+
+    def __init__(self, accept_timeout_s=30.0):
+        self.inputs = np.zeros(SIZE, np.float32)
+        self.mean = np.zeros(SIZE, np.float32)
+        self.fail: Exception | None = None
+        self.release = threading.Event()
+        self.release.set()
+        self.name = f"test{next(_names)}"
+        self.listener = streams.StreamListener(self.name, "127.0.0.1", self._target, self._answer, accept_timeout_s)
+
+    def _target(self, partition, nbytes):
+        if partition != 0 or nbytes != self.inputs.nbytes:
+            raise ValueError(f"unexpected push of partition {partition}, {nbytes} bytes")
+        view = memoryview(self.inputs).cast("B")
+        return [view[:8], view[8:]]  # two segments, filled in turn
+
+    def _answer(self, step, partition):
+        self.release.wait(30)
+        if self.fail is not None:
+            raise self.fail
+        np.multiply(self.inputs, 2, out=self.mean)
+        return ("averaged", step), self.mean
+
+
+def _threads(server):
+    return [t for t in threading.enumerate() if t.name.startswith(f"dsgd stream {server.name}")]
+
+
+def _connect(server, means=None):
+    means = np.zeros(SIZE, np.float32) if means is None else means
+    return streams.Stream(server.listener.address, lambda step, partition: means, 10, 10), means
+
+
+def test_a_push_lands_in_its_segments_and_the_mean_comes_back_into_the_workers_buffer():
+    server = Server()
+    stream, means = _connect(server)
+    for step in range(3):
+        data = np.arange(SIZE, dtype=np.float32) + step
+        stream.send(step, 0, [data[:2], data[2:]])  # the worker's segments, sent as they are
+        assert stream.wait(step, 0, 10) == ("averaged", step)
+        np.testing.assert_array_equal(server.inputs, data)
+        np.testing.assert_array_equal(means, 2 * data)
+    stream.close()
+
+
+def test_the_servers_exception_is_raised_in_the_worker_and_the_stream_goes_on():
+    server = Server()
+    stream, _ = _connect(server)
+    server.fail = RuntimeError("step 0 was aborted")
+    stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    with pytest.raises(RuntimeError, match="step 0 was aborted"):
+        stream.wait(0, 0, 10)
+    stream.send(0, 1, [np.ones(3, np.float32)])  # a partition the server does not expect: its error, in order
+    with pytest.raises(ValueError, match="unexpected push of partition 1, 12 bytes"):
+        stream.wait(0, 1, 10)
+    server.fail = None
+    stream.send(1, 0, [np.ones(SIZE, np.float32)])
+    assert stream.wait(1, 0, 10) == ("averaged", 1)
+
+
+def test_answers_to_a_forgotten_step_are_dropped_and_waits_are_bounded():
+    server = Server()
+    stream, _ = _connect(server)
+    server.release.clear()
+    stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    with pytest.raises(TimeoutError, match="no answer to the push of partition 0, step 0 within 0s"):
+        stream.wait(0, 0, 0.2)
+    stream.forget()  # the step failed: its late answer must not pass for the re-run's
+    server.release.set()
+    stream.send(0, 0, [np.full(SIZE, 3, np.float32)])
+    assert stream.wait(0, 0, 10) == ("averaged", 0)
+    with pytest.raises(TimeoutError):  # exactly one answer counted: the re-run's
+        stream.wait(0, 0, 0.2)
+
+
+def test_the_worker_sees_the_server_close_at_once():
+    server = Server()
+    stream, _ = _connect(server)
+    server.release.clear()
+    stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    threading.Timer(0.2, server.listener.close).start()
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        stream.wait(0, 0, 30)
+    assert time.monotonic() - start < 5
+    server.release.set()
+
+
+def test_only_the_holder_of_the_token_gets_in():
+    server = Server()
+    host, port, token = server.listener.address
+    with socket.create_connection((host, port), timeout=10) as intruder:
+        intruder.sendall(bytes(len(token)))
+        intruder.settimeout(10)
+        assert intruder.recv(1) == b""  # closed on it
+    stream, means = _connect(server)  # the listener still takes the worker
+    stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    assert stream.wait(0, 0, 10) == ("averaged", 0)
+
+
+def test_closing_a_listener_nobody_joined_ends_its_threads_at_once():
+    server = Server(accept_timeout_s=60)
+    assert len(_threads(server)) == 2  # the reader (accepting) and the answerer
+    server.listener.close()
+    deadline = time.monotonic() + 5
+    while _threads(server) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _threads(server)
+    with pytest.raises(OSError):
+        _connect(server)
