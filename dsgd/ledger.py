@@ -44,6 +44,7 @@ from dsgd import strategies, timeline
 from dsgd.calls import sending
 from dsgd.cluster import Cluster
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+from dsgd.stopwatch import Phases
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,19 @@ def warn_if_skipped(results: Sequence[dict]) -> None:
     skipped = [r["skipped"] for r in results if isinstance(r, dict) and "skipped" in r]
     if skipped:
         logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
+
+
+def _log_resize(old: int, n: int, phases: Phases) -> None:
+    """A resize's log line (INFO for a grow, WARNING for a shrink) with its phases' times, also in the record:
+    ``resize_phases`` (``{phase: seconds}``, one after the other) and ``resize_meanwhile`` (``{work: seconds}``,
+    done within one of them)."""
+    if n > old:
+        what = f"grew from {old} to {n} workers: started workers {list(range(old, n))}"
+    else:
+        what = f"shrank from {old} to {n} workers: stopped workers {list(range(n, old))}"
+    logger.log(logging.INFO if n > old else logging.WARNING, "%s in %.2f s (%s)", what, phases.total(),
+               phases.describe(), extra={"resize_phases": dict(phases.seconds),
+                      "resize_meanwhile": {name: seconds for name, (_, seconds) in phases.meanwhile.items()}})
 
 
 class StepLedger:
@@ -72,6 +86,9 @@ class StepLedger:
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self._last_look = time.monotonic()  # an elastic engine last looked for room to grow
         self._joining: set[int] | None = None  # a resize not finished: the new workers, not yet given the state
+        self._resize_phases = Phases()  # the last resize's, for its log line
+        self._resize_from = 0  # the last resize's old count
+        self._fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
 
@@ -135,6 +152,7 @@ class StepLedger:
             self._guarded(self._collect_behind)  # a worker behind that failed is replaced before the next step
         step_id = self.num_steps
         self.num_steps += 1
+        self._fetch_stats = fetch_stats
 
         def submit() -> None:
             with self.span("submit"):
@@ -263,12 +281,15 @@ class StepLedger:
         failed step.
         """
         with self.call():
-            self.drain()
+            phases = self._resize_phases = Phases()
+            with phases("settle"):
+                self.drain()
             if n == len(self.cluster.workers):
                 return
+            self._resize_from = len(self.cluster.workers)
             self._joining = set()  # until _finish_resize is done, the next call finishes the resize
             try:
-                self._joining = self.cluster.resize(n)
+                self._joining = self.cluster.resize(n, phases, self._fetch_stats)
             except BaseException as e:
                 if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
                     self._joining = None
@@ -302,11 +323,14 @@ class StepLedger:
     def _finish_resize(self) -> None:
         """Every worker on the new count's exchange, the new workers (``_joining``) given the survivors' state."""
         self._strategy = strategies.make(self.cluster.options.exchange, self.cluster.calls.call, self.span)
+        phases = self._resize_phases
         while True:
             try:
-                self.cluster.connect_exchange()
-                self.num_steps = self._resynchronize(self._joining)
+                self.cluster.connect_exchange(phases)
+                with phases("resynchronize"):
+                    self.num_steps = self._resynchronize(self._joining)
                 self._joining = None
+                _log_resize(self._resize_from, self.cluster.options.num_workers, phases)
                 return
             except ActorFailure as e:
                 self._count_failure(e)
