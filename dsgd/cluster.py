@@ -68,6 +68,7 @@ class Cluster:
         self.workers: list[Any] = []
         self.servers: ServerGroup | None = None
         self._next_servers: ServerGroup | None = None  # a grow's, started while its new workers build
+        self._kept_servers: ServerGroup | None = None  # the servers of the count before the last resize, idle
         self.signature: WorkerSignature | None = None  # what every worker built
         self.calls = Calls(options.timeout_s, options.startup_timeout_s)
         self._model_creator = model_creator
@@ -235,8 +236,11 @@ class Cluster:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
         phases = phases or Phases()
         with phases("start servers"):
-            self.servers = plan_group(self.options, self.signature.exchange, worker_nodes)
-            self.calls.identify(self.servers.start())
+            planned = plan_group(self.options, self.signature.exchange, worker_nodes)
+            self.servers = self._take_kept_servers(planned)
+            if self.servers is None:
+                self.servers = planned
+                self.calls.identify(planned.start())
         with phases("connect"):
             self.connect_parameter_servers()
 
@@ -464,24 +468,46 @@ class Cluster:
     def connect_exchange(self, phases: Phases | None = None) -> None:
         """Every worker combines gradients as the engine's count asks; the parameter servers planned anew.
 
-        After a resize: the servers of the old count are killed; with "ps"
-        and several workers, new ones are planned (how many, where, the
-        partitions) from the workers' nodes as at start, and every worker
-        connects to them. Safe to call again after a failure.
+        After a resize: with "ps" and several workers, the servers are
+        planned (how many, where, the partitions) from the workers' nodes as
+        at start, and every worker connects to them: those a grow started
+        meanwhile (``_grow``), the servers kept from before the last resize if
+        they are what the plan asks (a resize back), else new ones. The
+        servers of the old count are kept, idle, for a resize back (the group
+        kept before is killed). Safe to call again after a failure.
         """
         phases = phases or Phases()
-        if self.servers:
-            self.servers.kill()
-            self.servers = None
-        with phases("set exchange"):
-            self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
-                                    "the workers to change their exchange")
-        if self._next_servers is not None:  # started while a grow's new workers built
-            self.servers, self._next_servers = self._next_servers, None
-            with phases("connect"):
-                self.connect_parameter_servers()
-        elif self.options.uses_ps:
-            self._start_parameter_servers(self._worker_nodes, phases)
+        previous, self.servers = self.servers, None
+        try:
+            with phases("set exchange"):
+                self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
+                                        "the workers to change their exchange")
+            if self._next_servers is not None:  # started while a grow's new workers built
+                self.servers, self._next_servers = self._next_servers, None
+                with phases("connect"):
+                    self.connect_parameter_servers()
+            elif self.options.uses_ps:
+                self._start_parameter_servers(self._worker_nodes, phases)
+        finally:
+            self._keep_servers(previous)
+
+    def _keep_servers(self, group: ServerGroup | None) -> None:
+        """Keep ``group``, the servers of the count before a resize, for a resize back (``_take_kept_servers``);
+        the group kept before is killed."""
+        if self._kept_servers is not None and self._kept_servers is not self.servers:
+            self._kept_servers.kill()
+        self._kept_servers = group if group is not self.servers else None
+
+    def _take_kept_servers(self, planned: ServerGroup) -> ServerGroup | None:
+        """The kept servers if they are what ``planned`` plans and all answer (a resize back), else None (and
+        they are killed)."""
+        kept, self._kept_servers = self._kept_servers, None
+        if kept is None:
+            return None
+        if kept.plan() == planned.plan() and not self.calls.unresponsive(kept.actors):
+            return kept
+        kept.kill()
+        return None
 
     def abort_servers(self) -> None:
         """Make every waiting and future push fail until ``reset_servers`` (no-op without servers)."""
@@ -503,6 +529,7 @@ class Cluster:
             if self.servers:
                 self.servers.kill()
             self._kill_next_servers()
+            self._keep_servers(None)
             self.stop_datasets()
         self.workers, self.servers = [], None
 

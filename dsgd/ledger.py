@@ -89,6 +89,7 @@ class StepLedger:
         self._resize_phases = Phases()  # the last resize's, for its log line
         self._resize_from = 0  # the last resize's old count
         self._fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
+        self._early_state: tuple | None = None  # (a survivor, its get_state call) made as a grow began
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
 
@@ -287,12 +288,15 @@ class StepLedger:
             if n == len(self.cluster.workers):
                 return
             self._resize_from = len(self.cluster.workers)
+            if n > self._resize_from:  # worker 0's state, read while the new workers build (no step runs meanwhile)
+                source = self.cluster.workers[0]
+                self._early_state = source, source.get_state.remote()
             self._joining = set()  # until _finish_resize is done, the next call finishes the resize
             try:
                 self._joining = self.cluster.resize(n, phases, self._fetch_stats)
             except BaseException as e:
                 if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
-                    self._joining = None
+                    self._joining = self._early_state = None
                     raise
                 if not isinstance(e, ActorFailure):
                     raise
@@ -329,7 +333,7 @@ class StepLedger:
                 self.cluster.connect_exchange(phases)
                 with phases("resynchronize"):
                     self.num_steps = self._resynchronize(self._joining)
-                self._joining = None
+                self._joining = self._early_state = None
                 _log_resize(self._resize_from, self.cluster.options.num_workers, phases)
                 return
             except ActorFailure as e:
@@ -385,7 +389,8 @@ class StepLedger:
         applied = counts[source]
         behind = [w for i, w in enumerate(workers) if i in fresh or counts[i] < applied]
         if behind:
-            state = workers[source].get_state.remote()
+            early = self._early_state  # a grow's: taken before any step could change it
+            state = early[1] if early and early[0] is workers[source] else workers[source].get_state.remote()
             calls.call([w.set_state.remote(state) for w in behind], f"worker {source}'s state to be copied")
         self.cluster.reset_servers(applied)
         return applied

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -24,6 +25,8 @@ from dsgd.errors import DSGDError
 from dsgd.model import Model
 from dsgd.ps_client import ParameterServerClient
 from dsgd.step_runner import StepRunner
+
+logger = logging.getLogger(__name__)
 
 
 class SGDWorker:
@@ -153,15 +156,19 @@ class SGDWorker:
         A survivor of a grow does this while the new workers build their
         models; ``set_exchange`` and ``connect`` then take the exchange up,
         and its first step runs the planned run. Before any step (no feeds
-        seen yet) only the exchange is built.
+        seen yet) only the exchange is built. A plan that fails is dropped:
+        the step then runs as it would have.
         """
         if kind == "ps":
             exchange = self._ps_exchange(layout, placement)[1]
         else:
             exchange = self._local_exchange(kind)
-        if exchange is not None and self.runner.feed_names:
-            with self.runner.default_session():
-                exchange.prepare(fetch_stats, self.runner.feed_names)
+        if exchange is None or self.runner.feed_names is None:
+            return
+        try:
+            exchange.prepare(fetch_stats, self.runner.feed_names)
+        except (KeyError, ValueError, TypeError, tf.errors.OpError) as e:
+            logger.debug("worker %d dropped the plan of its next step: %s", self.worker_index, e)
 
     # ---- stepping -----------------------------------------------------------
 

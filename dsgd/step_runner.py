@@ -46,7 +46,7 @@ class StepRunner:
         self.applied_steps = 0
         self.trace: timeline.Recorder | None = None  # set while a timeline is recorded
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
-        self.feed_names: tuple[str, ...] = ()  # the tensors the last step's feeds went to, sorted
+        self.feed_names: tuple[str, ...] | None = None  # the tensors the last step's feeds went to, sorted
         # One thread per replica to ask for batches, with Ray Data input: a
         # streaming split starts an epoch only once every replica has asked.
         self._feeders = (ThreadPoolExecutor(config.devices_per_worker, thread_name_prefix="dsgd-feed")
