@@ -115,7 +115,9 @@ class ElasticRun:
 
     def _timed_change(self, change: Callable[[], Any]) -> dict[str, float]:
         """``change`` then two steps, each timed: {"call", "first_step", "steady_step"}."""
-        step = functools.partial(self.sgd.step, fetch_stats=True)
+        def step() -> None:
+            self.sgd.step(fetch_stats=True)  # of the engine after the change (a restart builds a new one)
+
         return {"call": timed(change), "first_step": timed(step), "steady_step": timed(step)}
 
     def grow_and_shrink(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:

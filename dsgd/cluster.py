@@ -11,10 +11,11 @@ worker on a node with room for it beside the surviving workers (else an
 error names what is missing), a new parameter server beside the workers.
 
 ``resize`` starts or stops workers between steps (``DistributedSGD.resize``):
-new workers are built before anything else changes, so a size the cluster
-cannot hold, or a new worker that fails to build, leaves the engine as it
-was; ``connect_exchange`` then gives every worker the exchange of the new
-count and re-plans the parameter servers as at start.
+new workers are built before anything else changes (meanwhile the servers
+of the new count start and the survivors prepare its exchange), so a size
+the cluster cannot hold, or a new worker that fails to build, leaves the
+engine as it was; ``connect_exchange`` then gives every worker the exchange
+of the new count and its parameter servers, planned as at start.
 """
 
 from __future__ import annotations
