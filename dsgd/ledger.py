@@ -57,16 +57,14 @@ def warn_if_skipped(results: Sequence[dict]) -> None:
 
 
 def _log_resize(old: int, n: int, phases: Phases) -> None:
-    """A resize's log line (INFO for a grow, WARNING for a shrink) with its phases' times, also in the record:
-    ``resize_phases`` (``{phase: seconds}``, one after the other) and ``resize_meanwhile`` (``{work: seconds}``,
-    done within one of them)."""
+    """A resize's log line (INFO for a grow, WARNING for a shrink) with its phases' times, which the record
+    also holds as ``resize_phases`` (``{phase: seconds}``)."""
     if n > old:
         what = f"grew from {old} to {n} workers: started workers {list(range(old, n))}"
     else:
         what = f"shrank from {old} to {n} workers: stopped workers {list(range(n, old))}"
     logger.log(logging.INFO if n > old else logging.WARNING, "%s in %.2f s (%s)", what, phases.total(),
-               phases.describe(), extra={"resize_phases": dict(phases.seconds),
-                      "resize_meanwhile": {name: seconds for name, (_, seconds) in phases.meanwhile.items()}})
+               phases.describe(), extra={"resize_phases": dict(phases.seconds)})
 
 
 class StepLedger:

@@ -20,7 +20,6 @@ import contextlib
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-
 from typing import Sequence
 
 import numpy as np
@@ -101,9 +100,7 @@ class StepRunner:
 
     def names_of(self, feed_dict: dict) -> tuple[str, ...]:
         """The names of the tensors ``feed_dict`` feeds (its keys are tensors or names), sorted."""
-        graph = self.sess.graph
-        return tuple(sorted(k.name if isinstance(k, tf.Tensor) else graph.as_graph_element(k).name
-                            for k in feed_dict))
+        return tuple(sorted(_tensor_name(self.sess.graph, key) for key in feed_dict))
 
     # ---- feeding ------------------------------------------------------------
 
@@ -202,15 +199,18 @@ class PreparedRun:
 
     def __init__(self, runner: StepRunner, feeds: list[tf.Tensor], handler, call):
         self.runner = runner
-        self.feeds = feeds
-        self.feed_names = tuple(t.name for t in feeds)
-        self.handler = handler
+        self.feed_names = tuple(t.name for t in feeds)  # the order ``call`` takes their values in
+        self.handler = handler  # the fetches' structure
         self.call = call
         self._dtypes = [t.dtype.as_numpy_dtype for t in feeds]
 
     def __call__(self, feed_dict: dict):
         graph = self.runner.sess.graph
-        by_name = {(k.name if isinstance(k, tf.Tensor) else graph.as_graph_element(k).name): v
-                   for k, v in feed_dict.items()}
+        by_name = {_tensor_name(graph, key): value for key, value in feed_dict.items()}
         values = [np.asarray(by_name[name], dtype=dtype) for name, dtype in zip(self.feed_names, self._dtypes)]
         return self.handler.build_results(self.runner.sess, self.call(*values))
+
+
+def _tensor_name(graph: tf.Graph, key) -> str:
+    """The name of the tensor a feed dict's ``key`` (a tensor or a name) feeds."""
+    return key.name if isinstance(key, tf.Tensor) else graph.as_graph_element(key).name
