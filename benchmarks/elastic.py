@@ -10,18 +10,21 @@ in an order rotated every round:
 - `restart`: what a restarting trainer does (Ray Train's resize): `save` is
   taken first (not timed), then the engine is shut down, a new one of n + 1
   workers built and the checkpoint restored. The new engine is then
-  resized back to n (not timed) and goes on as the engine.
+  resized back to n (not timed) and goes on as the engine;
+- `one worker`: a new engine of one worker, built beside it and shut down
+  after (not timed): what one worker costs from nothing to stepping, the
+  "building one worker" SPEC bounds the grow by.
 
-Each of them is timed in three parts: the call itself, the first step after
-it and the second (a steady step at the new size). The first step pays what
-the change left for later (TensorFlow's first run of a new step, a new
-worker's first allocations), so a change's cost is the call plus the first
-step's excess over the steady one; the totals of earlier records (the call
-plus the first step) are kept too. A grow's log line (logger `dsgd`) gives
-its phases; "building one worker", which SPEC bounds the grow by, is the new
-worker's two phases: starting its process and building its model. Survivors'
-process ids are checked after every grow and shrink. Prints every round and,
-per model, the means and the ratios. From the repository root:
+Each of them is timed in three parts: the call itself (the resize, the
+restart, the construction), the first step after it and the second (a
+steady step at the new size). The first step pays what the change left for
+later (TensorFlow's first run of a new step, a new worker's first
+allocations), so a change's cost is the call plus the first step's excess
+over the steady one; the totals of earlier records (the call plus the first
+step) are kept too. A grow's log line (logger `dsgd`) gives its phases,
+recorded per round. Survivors' process ids are checked after every grow and
+shrink. Prints every round and, per model, the means and the ratios. From
+the repository root:
 
     python benchmarks/elastic.py                                  # both models, 3 rounds
     python -m benchmarks.elastic --models mnist --rounds 1        # a smoke run
@@ -142,15 +145,29 @@ class ElasticRun:
         self.sgd.resize(self.n)
         return times
 
+    def one_worker(self) -> dict[str, float]:
+        """A new engine of one worker beside this one, built and stepped twice (``_timed_change``'s three
+        parts), then shut down: what one worker costs from nothing to stepping."""
+        engine: list[dsgd.DistributedSGD] = []
+
+        def step() -> None:
+            engine[0].step(fetch_stats=True)
+
+        try:
+            return {"call": timed(lambda: engine.append(self._engine(1))), "first_step": timed(step),
+                    "steady_step": timed(step)}
+        finally:
+            if engine:
+                engine[0].shutdown()
+
 
 def resize_cost(t: dict[str, float]) -> float:
     """What a change costs beyond steady training: the call, plus the first step's excess over a steady one."""
     return t["call"] + t["first_step"] - t["steady_step"]
 
 
-def building_one_worker(phases: dict[str, float]) -> float:
-    """From a grow's phases: starting the new worker's process and building its model (what SPEC's "building
-    one worker" bounds the grow by)."""
+def new_worker_build(phases: dict[str, float]) -> float:
+    """From a grow's phases: starting the new worker's process and building its model."""
     return phases.get("start workers", 0.0) + phases.get("build models", 0.0)
 
 
@@ -158,46 +175,49 @@ def run_model(model: str, args: argparse.Namespace, checkpoint_dir: str) -> dict
     """Interleaved rounds of grow-and-shrink and restart on one model; the record."""
     run = ElasticRun(model, args, checkpoint_dir)
     times: dict[str, list[float]] = {"grow": [], "shrink": [], "restart": []}  # each with the first step after it
-    split: dict[str, list[dict[str, float]]] = {"grow": [], "shrink": [], "restart": []}
+    split: dict[str, list[dict[str, float]]] = {"grow": [], "shrink": [], "restart": [], "one worker": []}
     grow_phases: list[dict[str, float]] = []
 
     def keep(name: str, t: dict[str, float]) -> float:
         split[name].append(t)
-        times[name].append(t["call"] + t["first_step"])
-        print(f"  {name:<7} call {t['call']:7.2f} s, first step {t['first_step']:7.2f} s, steady step "
+        if name in times:
+            times[name].append(t["call"] + t["first_step"])
+        print(f"  {name:<10} call {t['call']:7.2f} s, first step {t['first_step']:7.2f} s, steady step "
               f"{t['steady_step']:7.2f} s: cost {resize_cost(t):7.2f} s", flush=True)
-        return times[name][-1]
+        return t["call"] + t["first_step"]
 
     def grow_and_shrink() -> float:
         grow, shrink, phases = run.grow_and_shrink()
         grow_phases.append(phases)
-        print(f"  grow's phases: {', '.join(f'{k} {v:.2f} s' for k, v in phases.items())}; "
-              f"building one worker {building_one_worker(phases):.2f} s", flush=True)
+        print(f"  grow's phases: {', '.join(f'{k} {v:.2f} s' for k, v in phases.items())}", flush=True)
         return keep("grow", grow) + keep("shrink", shrink)
 
     def restart() -> float:
         return keep("restart", run.restart())
 
+    def one_worker() -> float:
+        return keep("one worker", run.one_worker())
+
     try:
-        _, _, interrupted = common.run_rounds({"grow+shrink": grow_and_shrink, "restart": restart}, args.rounds,
+        _, _, interrupted = common.run_rounds({"grow+shrink": grow_and_shrink, "restart": restart,
+                                               "one worker": one_worker}, args.rounds,
                                               describe=lambda s: f"{s:7.2f} s")
     finally:
         run.close()
     means = {name: statistics.fmean(t) if t else None for name, t in times.items()}
     costs = {name: [resize_cost(t) for t in ts] for name, ts in split.items()}
     mean_costs = {name: statistics.fmean(c) if c else None for name, c in costs.items()}
-    builds = [building_one_worker(p) for p in grow_phases]
     record = {"model": model, "num_workers": args.num_workers, "strategy": args.strategy, "times_s": times,
               "mean_s": means, "split_s": split, "cost_s": costs, "mean_cost_s": mean_costs,
-              "grow_phases_s": grow_phases, "building_one_worker_s": builds,
-              "mean_building_one_worker_s": statistics.fmean(builds) if builds else None,
+              "grow_phases_s": grow_phases, "new_worker_build_s": [new_worker_build(p) for p in grow_phases],
               "survivors_kept": run.survivors_kept, "interrupted": interrupted}
     if means["restart"] and means["grow"] is not None:
         record["grow_over_restart"] = means["grow"] / means["restart"]
         record["shrink_over_restart"] = means["shrink"] / means["restart"]
     if mean_costs["restart"] and mean_costs["grow"] is not None:
         record["grow_cost_over_restart_cost"] = mean_costs["grow"] / mean_costs["restart"]
-        record["grow_cost_over_building_one_worker_s"] = mean_costs["grow"] - record["mean_building_one_worker_s"]
+    if mean_costs["one worker"] is not None and mean_costs["grow"] is not None:
+        record["grow_cost_beyond_one_worker_s"] = mean_costs["grow"] - mean_costs["one worker"]
     return record
 
 
@@ -224,9 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"shrink/restart {r.get('shrink_over_restart', float('nan')):.2f}")
         print(f"{r['model']}: cost (call + first step - steady step), grow {cost['grow']:.2f} s, shrink "
               f"{cost['shrink']:.2f} s, restart {cost['restart']:.2f} s; grow/restart "
-              f"{r.get('grow_cost_over_restart_cost', float('nan')):.2f}; building one worker "
-              f"{r['mean_building_one_worker_s']:.2f} s, the grow "
-              f"{r.get('grow_cost_over_building_one_worker_s', float('nan')):+.2f} s beyond it; "
+              f"{r.get('grow_cost_over_restart_cost', float('nan')):.2f}; one worker {cost['one worker']:.2f} s, "
+              f"the grow {r.get('grow_cost_beyond_one_worker_s', float('nan')):+.2f} s beyond it; "
               f"survivors kept their processes: {r['survivors_kept']}")
     out = common.write_json({"command": command, "machine": common.machine(), "records": records},
                             args.out or common.RESULTS_DIR / "elastic.json")
