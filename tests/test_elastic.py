@@ -29,6 +29,16 @@ def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[i
          [(w, d) for w in range(workers) for d in range(devices_per_worker)]) for steps, workers in stages])
 
 
+def _count_prepared_runs(worker) -> None:
+    """Count the runs of each step the worker's exchange has planned ahead (in ``PreparedRun.runs``)."""
+    for prepared in worker.exchange._prepared.values():
+        def counted(*values, _prepared=prepared, _call=prepared.call):
+            _prepared.runs += 1
+            return _call(*values)
+
+        prepared.runs, prepared.call = 0, counted
+
+
 def engine(num_workers=2, strategy="ps", **kwargs) -> dsgd.DistributedSGD:
     kwargs = {"timeout_s": 60, "startup_timeout_s": 60, **kwargs}
     return dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=num_workers, strategy=strategy, **kwargs)
@@ -56,9 +66,12 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
         grew = [r for r in caplog.records if "grew from 2 to 3 workers" in r.message]
         assert len(grew) == 1 and {"start workers", "build models", "resynchronize"} <= set(grew[0].resize_phases)
         assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [2, 2, 2]
-        assert run_steps(sgd, 2)["num_replicas"] == 3
-        if strategy == "ps":  # the survivors' first step at 3 ran the run TensorFlow planned during the grow
+        if strategy == "ps":  # the survivors planned the step of 3 during the grow (the new worker could not)
             assert sgd.foreach_worker(lambda w: set(w.exchange._prepared)) == [{True}, {True}, set()]
+            sgd.foreach_worker(_count_prepared_runs)
+        assert run_steps(sgd, 2)["num_replicas"] == 3
+        if strategy == "ps":  # and their steps ran it
+            assert sgd.foreach_worker(lambda w: [p.runs for p in w.exchange._prepared.values()]) == [[2], [2], []]
 
         sgd.resize(1)
         assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == pids[:1]
