@@ -11,10 +11,11 @@ worker on a node with room for it beside the surviving workers (else an
 error names what is missing), a new parameter server beside the workers.
 
 ``resize`` starts or stops workers between steps (``DistributedSGD.resize``):
-new workers are built before anything else changes, so a size the cluster
-cannot hold, or a new worker that fails to build, leaves the engine as it
-was; ``connect_exchange`` then gives every worker the exchange of the new
-count and re-plans the parameter servers as at start.
+new workers are built before anything else changes (meanwhile the servers
+of the new count start and the survivors prepare its exchange), so a size
+the cluster cannot hold, or a new worker that fails to build, leaves the
+engine as it was; ``connect_exchange`` then gives every worker the exchange
+of the new count and its parameter servers, planned as at start.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dsgd.model import Model
 from dsgd.placement import actor_placement, live_node_resources, place_new_workers
 from dsgd.server_group import ServerGroup, plan_group
 from dsgd.sgd_worker import SGDWorker
+from dsgd.stopwatch import Phases
 from dsgd.worker_graph import WorkerSignature
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class Cluster:
         self.worker_config = worker_config
         self.workers: list[Any] = []
         self.servers: ServerGroup | None = None
+        self._next_servers: ServerGroup | None = None  # a grow's, started while its new workers build
+        self._kept_servers: ServerGroup | None = None  # the servers of the count before the last resize, idle
         self.signature: WorkerSignature | None = None  # what every worker built
         self.calls = Calls(options.timeout_s, options.startup_timeout_s)
         self._model_creator = model_creator
@@ -199,9 +203,16 @@ class Cluster:
 
     def _build_models(self, indices) -> None:
         """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
+        self._check_models(indices, self.calls.call_startup(self._setup_calls(indices),
+                                                            "the workers to build their models"))
+
+    def _setup_calls(self, indices) -> list[ray.ObjectRef]:
+        """Workers ``indices`` start building their models (``_check_models`` checks what they built)."""
         creators = [data.ShardedModelCreator(self._model_creator, self.splits.for_worker(i)) for i in indices]
-        signatures = self.calls.call_startup([self.workers[i].setup.remote(c) for i, c in zip(indices, creators)],
-                                             "the workers to build their models")
+        return [self.workers[i].setup.remote(c) for i, c in zip(indices, creators)]
+
+    def _check_models(self, indices, signatures: list[WorkerSignature]) -> None:
+        """Every worker of ``indices`` built what the first (or the engine so far) built, else WorkerMismatchError."""
         expected = self.signature or signatures[0]
         for i, sig in zip(indices, signatures):
             if sig != expected:
@@ -222,11 +233,17 @@ class Cluster:
         """Stop the dataset splits: every read waiting on one fails now (no-op without datasets)."""
         self.splits.stop()
 
-    def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
+    def _start_parameter_servers(self, worker_nodes: list[str], phases: Phases | None = None) -> None:
         """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
-        self.servers = plan_group(self.options, self.signature.exchange, worker_nodes)
-        self.calls.identify(self.servers.start())
-        self.connect_parameter_servers()
+        phases = phases or Phases()
+        with phases("start servers"):
+            planned = plan_group(self.options, self.signature.exchange, worker_nodes)
+            self.servers = self._take_kept_servers(planned)
+            if self.servers is None:
+                self.servers = planned
+                self.calls.identify(planned.start())
+        with phases("connect"):
+            self.connect_parameter_servers()
 
     def connect_parameter_servers(self) -> None:
         group = self.servers
@@ -366,18 +383,23 @@ class Cluster:
 
     # ---- resizing --------------------------------------------------------
 
-    def resize(self, n: int) -> set[int]:
+    def resize(self, n: int, phases: Phases | None = None, fetch_stats: bool = True) -> set[int]:
         """Start or stop workers so that ``n`` run; the indices of the new workers (their state not loaded yet).
 
         Growing, the new workers start on nodes with room (a DSGDError names
-        what is missing, before any starts) and build their models first; if
-        that fails (or is interrupted), they are killed and the engine is as
-        it was (with datasets, the survivors get splits for the old count
-        again). Shrinking stops the highest-indexed workers (with datasets,
-        the survivors then get new splits). Once ``num_workers`` is ``n``
-        (also if an error comes later), call ``connect_exchange`` before
-        the next step.
+        what is missing, before any starts) and build their models; meanwhile
+        the parameter servers of the new count start and the survivors build
+        its exchange and have TensorFlow plan its step (``fetch_stats``: as
+        the last step fetched stats or not; ``SGDWorker.prepare_exchange``),
+        without taking it up. If that fails (or is interrupted), the new
+        workers and servers are killed and the engine is as it was (with
+        datasets, the survivors get splits for the old count again). Shrinking
+        stops the highest-indexed workers (with datasets, the survivors then
+        get new splits). Once ``num_workers`` is ``n`` (also if an error comes
+        later), call ``connect_exchange`` before the next step. ``phases``
+        times each part.
         """
+        phases = phases or Phases()
         old = self.options.num_workers
         resized = dataclasses.replace(self.options, num_workers=n)
         if n > old:
@@ -386,24 +408,57 @@ class Cluster:
             if resized.uses_ps:
                 self.check_object_store(n)
             try:
-                self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
-                identities = self.calls.identify(self.workers[old:], f"new workers {new} to start")
-                self._worker_nodes += [i.node_id for i in identities]
-                self._build_models(range(n) if self._split_datasets(self._worker_nodes) else new)
+                self._grow(new, nodes, resized, phases, fetch_stats)
             except BaseException:
+                self._kill_next_servers()
                 self._stop_workers(old)
                 if self._split_datasets(self._worker_nodes):
                     self._build_models(range(old))
                 raise
-            logger.info("grew from %d to %d workers: started workers %s", old, n, new)
             self.options = resized
             return set(new)
-        self._stop_workers(n)
+        with phases("stop workers"):
+            self._stop_workers(n)
         self.options = resized
-        logger.warning("shrank from %d to %d workers: stopped workers %s", old, n, list(range(n, old)))
         if self._split_datasets(self._worker_nodes):
-            self._build_models(range(n))
+            with phases("build models"):
+                self._build_models(range(n))
         return set()
+
+    def _grow(self, new: list[int], nodes: list[str], resized: Options, phases: Phases, fetch_stats: bool) -> None:
+        """Start workers ``new`` on ``nodes`` and build their models; meanwhile, with "ps", the servers of
+        ``resized`` start (``_next_servers``, taken up by ``connect_exchange``) and the survivors prepare its
+        exchange. With datasets every worker builds its model again (new splits): nothing is prepared."""
+        survivors = self.workers[:new[0]]
+        preparing, group = [], None
+        with phases("start workers"):
+            self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
+            if resized.uses_ps and not self.splits.datasets:
+                # The new workers run on ``nodes`` (hard node affinity), so the servers are planned as at start.
+                group = self._next_servers = plan_group(resized, self.signature.exchange, self._worker_nodes + nodes)
+                group.start()
+                preparing = [w.prepare_exchange.remote("ps", fetch_stats, group.layout, group.placement)
+                             for w in survivors]
+            identities = self.calls.identify(self.workers[len(survivors):], f"new workers {new} to start")
+        self._worker_nodes += [i.node_id for i in identities]
+        with phases("build models"):
+            self._build_models(range(len(self.workers)) if self._split_datasets(self._worker_nodes) else new)
+        if group is not None:
+            with phases("start servers"):
+                self.calls.identify(group.actors, "the parameter servers to start")
+        if not preparing:
+            return
+        with phases("prepare survivors"):
+            try:
+                self.calls.call_startup(preparing, f"the survivors to prepare the exchange of "
+                                                   f"{resized.num_workers} workers")
+            except ActorFailure as e:  # a dead survivor is replaced once the new workers are in (connect_exchange)
+                logger.warning("%s; the grow goes on", e)
+
+    def _kill_next_servers(self) -> None:
+        if self._next_servers is not None:
+            self._next_servers.kill()
+            self._next_servers = None
 
     def _stop_workers(self, keep: int) -> None:
         """Kill the workers from index ``keep`` on."""
@@ -411,21 +466,49 @@ class Cluster:
             ray.kill(worker)
         del self.workers[keep:], self._worker_nodes[keep:]
 
-    def connect_exchange(self) -> None:
+    def connect_exchange(self, phases: Phases | None = None) -> None:
         """Every worker combines gradients as the engine's count asks; the parameter servers planned anew.
 
-        After a resize: the servers of the old count are killed; with "ps"
-        and several workers, new ones are planned (how many, where, the
-        partitions) from the workers' nodes as at start, and every worker
-        connects to them. Safe to call again after a failure.
+        After a resize: with "ps" and several workers, the servers are
+        planned (how many, where, the partitions) from the workers' nodes as
+        at start, and every worker connects to them: those a grow started
+        meanwhile (``_grow``), the servers kept from before the last resize if
+        they are what the plan asks (a resize back), else new ones. The
+        servers of the old count are kept, idle, for a resize back (the group
+        kept before is killed). Safe to call again after a failure.
         """
-        if self.servers:
-            self.servers.kill()
-            self.servers = None
-        self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
-                                "the workers to change their exchange")
-        if self.options.uses_ps:
-            self._start_parameter_servers(self._worker_nodes)
+        phases = phases or Phases()
+        previous, self.servers = self.servers, None
+        try:
+            with phases("set exchange"):
+                self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
+                                        "the workers to change their exchange")
+            if self._next_servers is not None:  # started while a grow's new workers built
+                self.servers, self._next_servers = self._next_servers, None
+                with phases("connect"):
+                    self.connect_parameter_servers()
+            elif self.options.uses_ps:
+                self._start_parameter_servers(self._worker_nodes, phases)
+        finally:
+            self._keep_servers(previous)
+
+    def _keep_servers(self, group: ServerGroup | None) -> None:
+        """Keep ``group``, the servers of the count before a resize, for a resize back (``_take_kept_servers``);
+        the group kept before is killed."""
+        if self._kept_servers is not None and self._kept_servers is not self.servers:
+            self._kept_servers.kill()
+        self._kept_servers = group if group is not self.servers else None
+
+    def _take_kept_servers(self, planned: ServerGroup) -> ServerGroup | None:
+        """The kept servers if they are what ``planned`` plans and all answer (a resize back), else None (and
+        they are killed)."""
+        kept, self._kept_servers = self._kept_servers, None
+        if kept is None:
+            return None
+        if kept.plan() == planned.plan() and not self.calls.unresponsive(kept.actors):
+            return kept
+        kept.kill()
+        return None
 
     def abort_servers(self) -> None:
         """Make every waiting and future push fail until ``reset_servers`` (no-op without servers)."""
@@ -446,6 +529,8 @@ class Cluster:
                 ray.kill(actor)
             if self.servers:
                 self.servers.kill()
+            self._kill_next_servers()
+            self._keep_servers(None)
             self.stop_datasets()
         self.workers, self.servers = [], None
 

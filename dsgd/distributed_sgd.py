@@ -389,7 +389,8 @@ class DistributedSGD:
         weights, optimizer state and step count; the highest-indexed
         workers are the ones stopped. The parameter servers and the
         partitions are planned for ``n`` workers as at start, and every
-        survivor reconnects to them (with one worker, "ps" has none). With
+        survivor reconnects to them (with one worker, "ps" has none); the
+        servers of the count before stay, idle, for a resize back to it. With
         ``datasets=``, every replica gets a new split. A step then averages
         the ``n x devices_per_worker`` replicas; the effective batch changes
         with it, so scale the learning rate yourself if you want.

@@ -34,14 +34,40 @@ from typing import Sequence
 import numpy as np
 
 from dsgd import worker_graph
-from dsgd.step_runner import StepRunner
+from dsgd.step_runner import PreparedRun, StepRunner
 
 
 class Exchange:
-    """How one worker's step combines its gradients with the other workers'."""
+    """How one worker's step combines its gradients with the other workers'.
+
+    An exchange whose step is a run of its own graph ops (``_step_fetches``)
+    can have TensorFlow plan that run ahead (``prepare``), for a worker that
+    takes it up after a resize.
+    """
 
     def __init__(self, runner: StepRunner):
         self.runner = runner
+        self._prepared: dict[bool, PreparedRun] = {}  # by fetch_stats
+
+    def prepare(self, fetch_stats: bool, feed_names: Sequence[str]) -> None:
+        """Plan the step's run for the model's feeds ``feed_names`` now (``StepRunner.plan``), unless planned.
+
+        No-op for an exchange whose runs every count shares (TensorFlow planned them at their first step).
+        """
+        fetches = self._step_fetches(fetch_stats)
+        if fetches is None:
+            return
+        names = tuple(sorted([*feed_names, *self._own_feeds()]))
+        if fetch_stats not in self._prepared or self._prepared[fetch_stats].feed_names != names:
+            self._prepared[fetch_stats] = self.runner.plan(fetches, names)
+
+    def _step_fetches(self, fetch_stats: bool) -> dict | None:
+        """What the step's run of this exchange's own ops fetches; None if it has none."""
+        return None
+
+    def _own_feeds(self) -> list[str]:
+        """The tensors the exchange feeds in its step's run, besides the model's."""
+        return []
 
     def step(self, step_id: int, fetch_stats: bool,
              means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
@@ -60,9 +86,12 @@ class Alone(Exchange):
 
     def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
         runner = self.runner
-        out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)},
-                           runner.feed_dict(), "compute and apply")
+        out = runner.apply(self._step_fetches(fetch_stats), runner.feed_dict(), "compute and apply",
+                           self._prepared.get(fetch_stats))
         return runner.result(out.get("stats", {}), out, sent_bytes=0)
+
+    def _step_fetches(self, fetch_stats: bool) -> dict:
+        return {"apply": self.apply, "stats": self.runner.stats_fetches(fetch_stats)}
 
 
 class DriverAverage(Exchange):
@@ -89,9 +118,8 @@ class DriverAverage(Exchange):
         return {**self._stats, **runner.result({}, applied, sent_bytes=0)}
 
 
-def without_servers(runner: StepRunner) -> Exchange | None:
-    """The worker's exchange if it needs no parameter server (``WorkerConfig.exchange``); None for "ps"."""
-    kind = runner.config.exchange
+def without_servers(runner: StepRunner, kind: str) -> Exchange | None:
+    """The worker's exchange of ``kind`` (``WorkerConfig.exchange``) if it needs no parameter server; None for "ps"."""
     if kind == "ps":
         return None  # made by SGDWorker.connect (dsgd.ps_exchanges), once the servers exist
     return Alone(runner) if kind == "alone" else DriverAverage(runner)

@@ -44,6 +44,7 @@ from dsgd import strategies, timeline
 from dsgd.calls import sending
 from dsgd.cluster import Cluster
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+from dsgd.stopwatch import Phases
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,17 @@ def warn_if_skipped(results: Sequence[dict]) -> None:
     skipped = [r["skipped"] for r in results if isinstance(r, dict) and "skipped" in r]
     if skipped:
         logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
+
+
+def _log_resize(old: int, n: int, phases: Phases) -> None:
+    """A resize's log line (INFO for a grow, WARNING for a shrink) with its phases' times, which the record
+    also holds as ``resize_phases`` (``{phase: seconds}``)."""
+    if n > old:
+        what = f"grew from {old} to {n} workers: started workers {list(range(old, n))}"
+    else:
+        what = f"shrank from {old} to {n} workers: stopped workers {list(range(n, old))}"
+    logger.log(logging.INFO if n > old else logging.WARNING, "%s in %.2f s (%s)", what, phases.total(),
+               phases.describe(), extra={"resize_phases": dict(phases.seconds)})
 
 
 class StepLedger:
@@ -72,6 +84,10 @@ class StepLedger:
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self._last_look = time.monotonic()  # an elastic engine last looked for room to grow
         self._joining: set[int] | None = None  # a resize not finished: the new workers, not yet given the state
+        self._resize_phases = Phases()  # the last resize's, for its log line
+        self._resize_from = 0  # the last resize's old count
+        self._fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
+        self._early_state: tuple | None = None  # (a survivor, its get_state call) made as a grow began
         self._trace: timeline.Recorder | None = None
         self._strategy = strategies.make(cluster.options.exchange, cluster.calls.call, self.span)
 
@@ -135,6 +151,7 @@ class StepLedger:
             self._guarded(self._collect_behind)  # a worker behind that failed is replaced before the next step
         step_id = self.num_steps
         self.num_steps += 1
+        self._fetch_stats = fetch_stats
 
         def submit() -> None:
             with self.span("submit"):
@@ -263,15 +280,21 @@ class StepLedger:
         failed step.
         """
         with self.call():
-            self.drain()
+            phases = self._resize_phases = Phases()
+            with phases("settle"):
+                self.drain()
             if n == len(self.cluster.workers):
                 return
+            self._resize_from = len(self.cluster.workers)
+            if n > self._resize_from:  # worker 0's state, read while the new workers build (no step runs meanwhile)
+                source = self.cluster.workers[0]
+                self._early_state = source, source.get_state.remote()
             self._joining = set()  # until _finish_resize is done, the next call finishes the resize
             try:
-                self._joining = self.cluster.resize(n)
+                self._joining = self.cluster.resize(n, phases, self._fetch_stats)
             except BaseException as e:
                 if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
-                    self._joining = None
+                    self._joining = self._early_state = None
                     raise
                 if not isinstance(e, ActorFailure):
                     raise
@@ -302,11 +325,14 @@ class StepLedger:
     def _finish_resize(self) -> None:
         """Every worker on the new count's exchange, the new workers (``_joining``) given the survivors' state."""
         self._strategy = strategies.make(self.cluster.options.exchange, self.cluster.calls.call, self.span)
+        phases = self._resize_phases
         while True:
             try:
-                self.cluster.connect_exchange()
-                self.num_steps = self._resynchronize(self._joining)
-                self._joining = None
+                self.cluster.connect_exchange(phases)
+                with phases("resynchronize"):
+                    self.num_steps = self._resynchronize(self._joining)
+                self._joining = self._early_state = None
+                _log_resize(self._resize_from, self.cluster.options.num_workers, phases)
                 return
             except ActorFailure as e:
                 self._count_failure(e)
@@ -361,7 +387,8 @@ class StepLedger:
         applied = counts[source]
         behind = [w for i, w in enumerate(workers) if i in fresh or counts[i] < applied]
         if behind:
-            state = workers[source].get_state.remote()
+            early = self._early_state  # a grow's: taken before any step could change it
+            state = early[1] if early and early[0] is workers[source] else workers[source].get_state.remote()
             calls.call([w.set_state.remote(state) for w in behind], f"worker {source}'s state to be copied")
         self.cluster.reset_servers(applied)
         return applied

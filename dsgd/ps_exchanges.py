@@ -137,6 +137,12 @@ class OpsParameterServers(_ServerExchange):
         with self._callback(f"receive partition {shard.index}"):
             return self.client.receive(shard, int(step), self.runner.trace)
 
+    def _step_fetches(self, fetch_stats: bool) -> dict:
+        return {"apply": self.apply, "stats": self.runner.stats_fetches(fetch_stats)}
+
+    def _own_feeds(self) -> list[str]:
+        return [self.step_input.name]
+
     def _compute(self, step_id: int, fetch_stats: bool) -> dict:
         from dsgd import ops
 
@@ -145,8 +151,8 @@ class OpsParameterServers(_ServerExchange):
         feed[self.step_input] = step_id
         self._callback_error = None
         try:
-            out = runner.apply({"apply": self.apply, "stats": runner.stats_fetches(fetch_stats)}, feed,
-                               "compute, exchange and apply")
+            out = runner.apply(self._step_fetches(fetch_stats), feed, "compute, exchange and apply",
+                               self._prepared.get(fetch_stats))
         except tf.errors.OpError:
             ops.discard_unclaimed()
             self.client.forget_pushes()

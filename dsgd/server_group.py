@@ -132,6 +132,12 @@ class ServerGroup:
         self.actors: list[Any] = [None] * len(self.nodes)
         self.relays = self._plan_relays(worker_nodes)
 
+    def plan(self) -> tuple:
+        """What the group was planned as: two groups of one plan are interchangeable (a server holds nothing
+        across steps)."""
+        return (self.layout, self.nodes, self.placement, self.relays, self.num_workers, self.step_timeout_s,
+                self.backup_workers)
+
     def _plan_relays(self, worker_nodes: Sequence[str] | None) -> dict[int, dict[int, tuple[int, ...]]]:
         """``plan_relays``, where node-local aggregation applies: without backup workers (a node's partial sum
         would wait for its slowest worker)."""

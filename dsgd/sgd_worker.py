@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -24,6 +25,8 @@ from dsgd.errors import DSGDError
 from dsgd.model import Model
 from dsgd.ps_client import ParameterServerClient
 from dsgd.step_runner import StepRunner
+
+logger = logging.getLogger(__name__)
 
 
 class SGDWorker:
@@ -97,23 +100,28 @@ class SGDWorker:
         replaced, only re-attach. Returns how many servers are reached
         through shared memory.
         """
-        key = self.worker_index, tuple(layout), tuple(placement)  # what a "ps" exchange is built for
         if self.client is None:
-            self.client, self.exchange = self._ps_exchanges.get(key) or (
-                ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
-                                      self.config.startup_timeout_s), None)
+            self.client, self.exchange = self._ps_exchange(layout, placement)
         elif [s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
-        if self.exchange is None:
-            self.exchange = ps_exchanges.with_servers(self.runner, self.client)
-            self._ps_exchanges[key] = (self.client, self.exchange)
         return self.client.connect(servers, routes)
 
-    def _local_exchange(self) -> exchanges.Exchange | None:
-        """The exchange of ``WorkerConfig.exchange`` if it needs no servers (None for "ps"), built once."""
-        kind = self.config.exchange
+    def _ps_exchange(self, layout: list[shards.Shard],
+                     placement: list[int]) -> tuple[ParameterServerClient, exchanges.Exchange]:
+        """The "ps" exchange of ``layout`` and ``placement`` for this index and its client, built once."""
+        key = self.worker_index, tuple(layout), tuple(placement)  # what a "ps" exchange is built for
+        if key not in self._ps_exchanges:
+            client = ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
+                                           self.config.startup_timeout_s)
+            self._ps_exchanges[key] = client, ps_exchanges.with_servers(self.runner, client)
+        return self._ps_exchanges[key]
+
+    def _local_exchange(self, kind: str | None = None) -> exchanges.Exchange | None:
+        """The exchange of ``kind`` (default ``WorkerConfig.exchange``) if it needs no servers (None for "ps"),
+        built once."""
+        kind = kind or self.config.exchange
         if kind not in self._local_exchanges:
-            self._local_exchanges[kind] = exchanges.without_servers(self.runner)
+            self._local_exchanges[kind] = exchanges.without_servers(self.runner, kind)
         return self._local_exchanges[kind]
 
     def renumber(self, worker_index: int) -> None:
@@ -139,6 +147,28 @@ class SGDWorker:
             self.client.close()
         self.client = None
         self.exchange = self._local_exchange()
+
+    def prepare_exchange(self, kind: str, fetch_stats: bool, layout: list[shards.Shard] | None = None,
+                         placement: list[int] | None = None) -> None:
+        """Build the exchange of ``kind`` (for "ps": of ``layout`` and ``placement``) without taking it up, and
+        have TensorFlow plan its step (stats fetched or not) for the feeds of this worker's last step.
+
+        A survivor of a grow does this while the new workers build their
+        models; ``set_exchange`` and ``connect`` then take the exchange up,
+        and its first step runs the planned run. Before any step (no feeds
+        seen yet) only the exchange is built. A plan that fails is dropped:
+        the step then runs as it would have.
+        """
+        if kind == "ps":
+            exchange = self._ps_exchange(layout, placement)[1]
+        else:
+            exchange = self._local_exchange(kind)
+        if exchange is None or self.runner.feed_names is None:
+            return
+        try:
+            exchange.prepare(fetch_stats, self.runner.feed_names)
+        except (KeyError, ValueError, TypeError, tf.errors.OpError) as e:
+            logger.debug("worker %d dropped the plan of its next step: %s", self.worker_index, e)
 
     # ---- stepping -----------------------------------------------------------
 

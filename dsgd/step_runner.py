@@ -5,6 +5,13 @@ body from: ``feed_dict`` asks every replica for its batch, ``run`` is
 ``session.run`` timed as a phase of the step (and traced while a timeline is
 recorded), ``apply`` runs an apply and turns a non-finite mean into a raised
 error or a skipped step, ``result`` reduces the replicas' stats.
+
+TensorFlow plans a run the first time it sees its fetches and feeds
+(optimizes and partitions the graph: seconds for a large model). ``plan``
+does that ahead of time, off the step's path (a resize has the survivors
+plan the new exchange's step while a new worker builds its model): a
+``PreparedRun``, TensorFlow's callable (``Session::MakeCallable``), which
+``run`` takes in place of ``session.run`` when the feeds are the planned ones.
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ import contextlib
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.client import session as session_lib
 
 from dsgd import timeline, user_model, worker_graph
 from dsgd.config import WorkerConfig
@@ -35,6 +45,7 @@ class StepRunner:
         self.applied_steps = 0
         self.trace: timeline.Recorder | None = None  # set while a timeline is recorded
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+        self.feed_names: tuple[str, ...] | None = None  # the tensors the last step's feeds went to, sorted
         # One thread per replica to ask for batches, with Ray Data input: a
         # streaming split starts an epoch only once every replica has asked.
         self._feeders = (ThreadPoolExecutor(config.devices_per_worker, thread_name_prefix="dsgd-feed")
@@ -58,9 +69,16 @@ class StepRunner:
             key = name.replace(",", "").replace(" ", "_") + "_s"
             self._phase_s[key] = self._phase_s.get(key, 0.0) + time.perf_counter() - start
 
-    def run(self, fetches, feed_dict: dict, phase: str):
-        """session.run; while tracing, with TensorFlow's per-op step stats."""
+    def run(self, fetches, feed_dict: dict, phase: str, prepared: PreparedRun | None = None):
+        """session.run; while tracing, with TensorFlow's per-op step stats.
+
+        ``prepared``: ``plan``'s run of these ``fetches``, used instead if it
+        was planned for the tensors ``feed_dict`` feeds (and no trace is recorded).
+        """
         trace = self.trace
+        if prepared is not None and not trace and prepared.feed_names == self.names_of(feed_dict):
+            with self.phase(phase):
+                return prepared(feed_dict)
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE) if trace else None
         metadata = tf.compat.v1.RunMetadata() if trace else None
         try:
@@ -69,6 +87,20 @@ class StepRunner:
         finally:
             if trace:
                 trace.events += timeline.from_step_stats(metadata.step_stats)
+
+    def plan(self, fetches, feed_names: Sequence[str]) -> PreparedRun:
+        """Have TensorFlow plan a run of ``fetches`` fed the tensors ``feed_names`` now; for ``run``'s ``prepared``."""
+        graph = self.sess.graph
+        feeds = [graph.as_graph_element(name) for name in sorted(feed_names)]
+        handler = session_lib._FetchHandler(graph, fetches, {})
+        options = config_pb2.CallableOptions(feed=[t.name for t in feeds],
+                                             fetch=[t.name for t in handler.fetches()],
+                                             target=[op.name for op in handler.targets()])
+        return PreparedRun(self, feeds, handler, self.sess._make_callable_from_options(options))
+
+    def names_of(self, feed_dict: dict) -> tuple[str, ...]:
+        """The names of the tensors ``feed_dict`` feeds (its keys are tensors or names), sorted."""
+        return tuple(sorted(_tensor_name(self.sess.graph, key) for key in feed_dict))
 
     # ---- feeding ------------------------------------------------------------
 
@@ -82,6 +114,7 @@ class StepRunner:
             feed: dict = {}
             for part in parts:
                 feed.update(part)
+            self.feed_names = self.names_of(feed)
             return feed
 
     def _replica_feed(self, replica: worker_graph.Replica) -> dict:
@@ -130,7 +163,7 @@ class StepRunner:
         stats.update({k: float(np.mean(v)) for k, v in fetched["metrics"].items()})
         return {**stats, **self._phase_s, "sent_bytes": float(sent_bytes)}
 
-    def apply(self, fetches: dict, feed_dict: dict, phase: str = "apply") -> dict:
+    def apply(self, fetches: dict, feed_dict: dict, phase: str = "apply", prepared: PreparedRun | None = None) -> dict:
         """Run an apply; a non-finite mean raises or skips the step on every replica.
 
         Every worker applies the same global mean, so every worker makes the
@@ -138,7 +171,7 @@ class StepRunner:
         and, under "skipped", the variable that made the step skip.
         """
         try:
-            out = self.run(fetches, feed_dict, phase)
+            out = self.run(fetches, feed_dict, phase, prepared)
         except tf.errors.InvalidArgumentError as e:
             found = _NONFINITE.search(e.message)
             if not found:
@@ -158,3 +191,26 @@ class StepRunner:
         if "skipped" in applied:
             result["skipped"] = applied["skipped"]
         return result
+
+
+class PreparedRun:
+    """A run TensorFlow planned ahead (``StepRunner.plan``); called with a feed dict, it returns what
+    ``session.run`` would."""
+
+    def __init__(self, runner: StepRunner, feeds: list[tf.Tensor], handler, call):
+        self.runner = runner
+        self.feed_names = tuple(t.name for t in feeds)  # the order ``call`` takes their values in
+        self.handler = handler  # the fetches' structure
+        self.call = call
+        self._dtypes = [t.dtype.as_numpy_dtype for t in feeds]
+
+    def __call__(self, feed_dict: dict):
+        graph = self.runner.sess.graph
+        by_name = {_tensor_name(graph, key): value for key, value in feed_dict.items()}
+        values = [np.asarray(by_name[name], dtype=dtype) for name, dtype in zip(self.feed_names, self._dtypes)]
+        return self.handler.build_results(self.runner.sess, self.call(*values))
+
+
+def _tensor_name(graph: tf.Graph, key) -> str:
+    """The name of the tensor a feed dict's ``key`` (a tensor or a name) feeds."""
+    return key.name if isinstance(key, tf.Tensor) else graph.as_graph_element(key).name

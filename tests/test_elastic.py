@@ -13,8 +13,8 @@ import ray
 import data_test_models as dm
 import dsgd
 from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
-                              assert_replicas_identical, assert_weights_close, fails_to_build_from_worker_2,
-                              known_actors, numpy_momentum_stages, run_job, set_start_weights, wait_until,
+                              assert_replicas_identical, assert_weights_close, fails_to_build_from_worker_2, is_dead,
+                              known_actors, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
                               weights_from_json)
 
 
@@ -27,6 +27,16 @@ def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[i
     return numpy_momentum_stages(weights, [
         (steps, workers if isinstance(workers, list) else
          [(w, d) for w in range(workers) for d in range(devices_per_worker)]) for steps, workers in stages])
+
+
+def _count_prepared_runs(worker) -> None:
+    """Count the runs of each step the worker's exchange has planned ahead (in ``PreparedRun.runs``)."""
+    for prepared in worker.exchange._prepared.values():
+        def counted(*values, _prepared=prepared, _call=prepared.call):
+            _prepared.runs += 1
+            return _call(*values)
+
+        prepared.runs, prepared.call = 0, counted
 
 
 def engine(num_workers=2, strategy="ps", **kwargs) -> dsgd.DistributedSGD:
@@ -53,9 +63,15 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
         assert sgd.num_workers == 3 and len(sgd.workers) == 3
         assert actor_pids(*sgd.workers[:2]) == pids
         assert_replicas_identical(sgd, 3)
-        assert "grew from 2 to 3 workers" in caplog.text
+        grew = [r for r in caplog.records if "grew from 2 to 3 workers" in r.message]
+        assert len(grew) == 1 and {"start workers", "build models", "resynchronize"} <= set(grew[0].resize_phases)
         assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [2, 2, 2]
+        if strategy == "ps":  # the survivors planned the step of 3 during the grow (the new worker could not)
+            assert sgd.foreach_worker(lambda w: set(w.exchange._prepared)) == [{True}, {True}, set()]
+            sgd.foreach_worker(_count_prepared_runs)
         assert run_steps(sgd, 2)["num_replicas"] == 3
+        if strategy == "ps":  # and their steps ran it
+            assert sgd.foreach_worker(lambda w: [p.runs for p in w.exchange._prepared.values()]) == [[2], [2], []]
 
         sgd.resize(1)
         assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == pids[:1]
@@ -120,13 +136,18 @@ def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was
         start = set_start_weights(sgd)
         pids = actor_pids(*sgd.workers)
         run_steps(sgd, 1)
+        exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
+        servers = actor_pids(*ps_actors(sgd))
         before = known_actors()
         with pytest.raises(dsgd.DSGDError, match="no model for worker 2"):
             sgd.resize(3)
         assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
-        new_worker = [a for a in actors_started_since(before) if a[0] == "SGDWorker"]
-        assert len(new_worker) == 1
+        started = actors_started_since(before)  # the new worker, and the servers of 3 started meanwhile
+        assert [a[0] for a in started if a[0] == "SGDWorker"] == ["SGDWorker"]
+        assert any(a[0] == "ParameterServer" for a in started)
         wait_until(lambda: all(state == "DEAD" for _, state in actors_started_since(before)))
+        assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges  # still the exchange of 2
+        assert actor_pids(*ps_actors(sgd)) == servers
         assert run_steps(sgd, 2)["num_replicas"] == 2
         assert_replicas_identical(sgd, 2)
         assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
@@ -284,19 +305,28 @@ def _mapped_server_buffers(worker) -> int:
         return sum("memfd:dsgd-ps" in line for line in maps)
 
 
-def test_a_resize_back_reuses_the_exchange_and_unmaps_the_old_servers_buffers(ray_session):
-    """The servers of the old count are gone after a resize; the survivors map only the new ones' buffers. Back
-    at a count seen before, each survivor takes up the exchange it built for it (graph ops and all)."""
+def test_a_resize_back_reuses_the_exchange_and_the_servers_and_unmaps_the_old_servers_buffers(ray_session):
+    """The survivors map only the current servers' buffers. Back at a count seen before, each survivor takes up
+    the exchange it built for it (graph ops and all), and the servers of that count, kept idle since, are taken
+    up again; only the servers of the last count before are kept."""
     with engine(2, "ps") as sgd:
         start = set_start_weights(sgd)
         sgd.step()
         mapped = sgd.foreach_worker(_mapped_server_buffers)
         exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
+        servers = ps_actors(sgd)
+        server_pids = actor_pids(*servers)
         assert mapped[0] > 0
-        for n in (3, 2):
-            sgd.resize(n)
-            sgd.step()
+        sgd.resize(3)
+        servers_of_3 = ps_actors(sgd)
+        sgd.step()
+        sgd.resize(2)
+        sgd.step()
         assert sgd.foreach_worker(_mapped_server_buffers) == mapped
         assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges
+        assert actor_pids(*ps_actors(sgd)) == server_pids
         assert_replicas_identical(sgd, 2)
         assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (1, 3), (1, 2)]))
+        sgd.resize(1)  # now 2 is the last count before: the servers of 3 go
+        wait_until(lambda: all(map(is_dead, servers_of_3)))
+        assert not any(map(is_dead, servers))
