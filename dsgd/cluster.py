@@ -94,6 +94,20 @@ class Cluster:
             self.check_object_store()
             self._start_parameter_servers(self._worker_nodes)
 
+    def match_initial_weights(self) -> dict[int, list[str]]:
+        """Every replica starts from worker 0's replica 0's weights; per worker, the variables it was given.
+
+        Worker 0 reads its weights while the others read theirs; each then
+        assigns only the variables that differ (``SGDWorker.match_weights``).
+        Worker 0 takes part only for its other replicas.
+        """
+        reference = self.workers[0].get_weights.remote()
+        indices = range(self.options.num_workers) if self.options.devices_per_worker > 1 else \
+            range(1, self.options.num_workers)
+        assigned = self.calls.call_startup([self.workers[i].match_weights.remote([reference]) for i in indices],
+                                           "the workers to start from worker 0's weights")
+        return dict(zip(indices, assigned))
+
     def check_resources(self) -> None:
         """Fail fast, naming what is missing, instead of waiting forever."""
         total = ray.cluster_resources()
