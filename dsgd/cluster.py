@@ -237,17 +237,31 @@ class Cluster:
         self.splits.stop()
 
     def _start_parameter_servers(self, worker_nodes: list[str]) -> None:
-        """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
+        """Plan the servers and the partitions from the workers' nodes, start them, connect the workers.
+
+        The workers are asked to connect as soon as the servers are asked to
+        start: each builds its exchange's graph while the server processes
+        start, then attaches to them (a bounded wait in the worker).
+        """
         self.servers = plan_group(self.options, self.signature.exchange, worker_nodes)
-        self.calls.identify(self.servers.start())
-        self.connect_parameter_servers()
+        started = self.servers.start()
+        connecting = self._connect_workers()
+        self.calls.identify(started)
+        self._link_servers()
+        self.calls.call_startup(connecting, "the workers to connect to the parameter servers")
 
     def connect_parameter_servers(self) -> None:
+        self._link_servers()
+        self.calls.call_startup(self._connect_workers(), "the workers to connect to the parameter servers")
+
+    def _link_servers(self) -> None:
+        self.calls.call_startup(self.servers.link(), "the parameter servers that relay to learn the others")
+
+    def _connect_workers(self) -> list:
+        """Refs of every worker's ``connect`` to the parameter servers."""
         group = self.servers
-        self.calls.call_startup(group.link(), "the parameter servers that relay to learn the others")
-        self.calls.call_startup([w.connect.remote(group.layout, group.placement, group.actors, group.routes(i))
-                                 for i, w in enumerate(self.workers)],
-                                "the workers to connect to the parameter servers")
+        return [w.connect.remote(group.layout, group.placement, group.actors, group.routes(i))
+                for i, w in enumerate(self.workers)]
 
     def node_sent_bytes(self) -> int:
         """The most gradient bytes one node pushes to parameter servers on other nodes per step ("ps")."""
