@@ -101,9 +101,11 @@ class Cluster:
         assigns only the variables that differ (``SGDWorker.match_weights``).
         Worker 0 takes part only for its other replicas.
         """
-        reference = self.workers[0].get_weights.remote()
         indices = range(self.options.num_workers) if self.options.devices_per_worker > 1 else \
             range(1, self.options.num_workers)
+        if not indices:
+            return {}  # one replica in all
+        reference = self.workers[0].get_weights.remote()
         assigned = self.calls.call_startup([self.workers[i].match_weights.remote([reference]) for i in indices],
                                            "the workers to start from worker 0's weights")
         return dict(zip(indices, assigned))
