@@ -15,7 +15,8 @@ systems run in rounds, in an order rotated by the round:
   dsgd    DistributedSGD(model, num_workers=--num-workers) at its defaults,
           then its first step(fetch_stats=True), each timed in the driver;
           its phases (workers up, models built, parameter servers started
-          and connected, initial weights broadcast) read by timing the
+          and connected, the workers building their exchange meanwhile,
+          initial weights matched to worker 0's) read by timing the
           engine's Cluster methods
 
 Every system starts fresh processes each round, so none reuses another's

@@ -98,6 +98,22 @@ class Cluster:
             self.check_object_store()
             self._start_parameter_servers(self._worker_nodes)
 
+    def match_initial_weights(self) -> dict[int, list[str]]:
+        """Every replica starts from worker 0's replica 0's weights; per worker, the variables it was given.
+
+        Worker 0 reads its weights while the others read theirs; each then
+        assigns only the variables that differ (``SGDWorker.match_weights``).
+        Worker 0 takes part only for its other replicas.
+        """
+        indices = range(self.options.num_workers) if self.options.devices_per_worker > 1 else \
+            range(1, self.options.num_workers)
+        if not indices:
+            return {}  # one replica in all
+        reference = self.workers[0].get_weights.remote()
+        assigned = self.calls.call_startup([self.workers[i].match_weights.remote([reference]) for i in indices],
+                                           "the workers to start from worker 0's weights")
+        return dict(zip(indices, assigned))
+
     def check_resources(self) -> None:
         """Fail fast, naming what is missing, instead of waiting forever."""
         total = ray.cluster_resources()
@@ -234,23 +250,41 @@ class Cluster:
         self.splits.stop()
 
     def _start_parameter_servers(self, worker_nodes: list[str], phases: Phases | None = None) -> None:
-        """Plan the servers and the partitions from the workers' nodes, start them, connect the workers."""
+        """Plan the servers and the partitions from the workers' nodes, start them (or take up the kept servers
+        of that plan, ``_take_kept_servers``), connect the workers.
+
+        The workers are asked to connect as soon as the servers are asked to
+        start: each builds its exchange's graph while the server processes
+        start, then attaches to them (a bounded wait in the worker). So
+        "connect" includes the wait for new servers to start.
+        """
         phases = phases or Phases()
         with phases("start servers"):
             planned = plan_group(self.options, self.signature.exchange, worker_nodes)
             self.servers = self._take_kept_servers(planned)
+            started = None
             if self.servers is None:
                 self.servers = planned
-                self.calls.identify(planned.start())
+                started = planned.start()
         with phases("connect"):
-            self.connect_parameter_servers()
+            connecting = self._connect_workers()
+            if started is not None:
+                self.calls.identify(started)
+            self._link_servers()
+            self.calls.call_startup(connecting, "the workers to connect to the parameter servers")
 
     def connect_parameter_servers(self) -> None:
+        self._link_servers()
+        self.calls.call_startup(self._connect_workers(), "the workers to connect to the parameter servers")
+
+    def _link_servers(self) -> None:
+        self.calls.call_startup(self.servers.link(), "the parameter servers that relay to learn the others")
+
+    def _connect_workers(self) -> list:
+        """Refs of every worker's ``connect`` to the parameter servers."""
         group = self.servers
-        self.calls.call_startup(group.link(), "the parameter servers that relay to learn the others")
-        self.calls.call_startup([w.connect.remote(group.layout, group.placement, group.actors, group.routes(i))
-                                 for i, w in enumerate(self.workers)],
-                                "the workers to connect to the parameter servers")
+        return [w.connect.remote(group.layout, group.placement, group.actors, group.routes(i))
+                for i, w in enumerate(self.workers)]
 
     def node_sent_bytes(self) -> int:
         """The most gradient bytes one node pushes to parameter servers on other nodes per step ("ps")."""

@@ -186,8 +186,7 @@ class DistributedSGD:
         self._ledger = StepLedger(self._cluster, opts.max_failures)
         try:
             self._cluster.start()
-            self.set_weights(self._cluster.calls.call_startup(self.workers[0].get_weights.remote(),
-                                                              "worker 0's initial weights"))
+            self._cluster.match_initial_weights()
         except BaseException:
             self.shutdown()
             raise

@@ -17,11 +17,12 @@ import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import ray
 import tensorflow as tf
 
 from dsgd import actor_identity, exchanges, ps_exchanges, shards, tf_logs, timeline, worker_graph
 from dsgd.config import WorkerConfig
-from dsgd.errors import DSGDError
+from dsgd.errors import DSGDError, DSGDTimeoutError
 from dsgd.model import Model
 from dsgd.ps_client import ParameterServerClient
 from dsgd.step_runner import StepRunner
@@ -198,10 +199,29 @@ class SGDWorker:
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self._set_state("weights", weights)
 
+    def match_weights(self, reference: list) -> list[str]:
+        """Make every replica's weights bit-identical to ``reference[0]``; the names of the variables assigned.
+
+        ``reference[0]`` is a Ray reference to worker 0's ``get_weights()``
+        (the engine's initial weights), awaited only once this worker has
+        read its own, so both reads overlap. Only the variables that differ
+        on some replica are assigned (all of them when the initializers are
+        random; none when they are deterministic): bytes are compared, so a
+        variable left unassigned holds exactly the reference's bits.
+        """
+        own = self.sess.run([dict(r.weights) for r in self.built.replicas])
+        try:
+            weights = ray.get(reference[0], timeout=self.config.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise DSGDTimeoutError(f"worker {self.worker_index} waited more than "
+                                   f"{self.config.startup_timeout_s:.0f}s for worker 0's initial weights") from e
+        differ = sorted(name for name, value in weights.items()
+                        if not all(_same_bits(value, replica[name]) for replica in own))
+        self._set_state("weights", {name: weights[name] for name in differ})
+        return differ
+
     def _set_state(self, group: str, values: dict[str, np.ndarray]) -> None:
-        inputs = self.built.state_inputs[group]
-        if inputs:
-            self.sess.run(self.built.set_state[group], feed_dict={inputs[k]: v for k, v in values.items()})
+        self.built.state_assigns.run(self.sess, group, values)
 
     def get_state(self) -> dict:
         """Weights, optimizer state and step count: all a replica needs to go on."""
@@ -232,3 +252,10 @@ class SGDWorker:
         """``fn(model)`` on every replica, device order, with the worker's session as the default."""
         with self.runner.default_session():
             return [fn(m) for m in self.models]
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` hold the same dtype, shape and bytes (object arrays, e.g. strings: never)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (a.dtype == b.dtype and a.shape == b.shape and a.dtype != object
+            and a.tobytes() == b.tobytes())

@@ -3,10 +3,10 @@
 ``build`` runs the user's ``model_creator`` once per device, each call under
 its own ``tf.device`` and ``variable_scope("device_<i>")``, checks what it
 returns, and adds: every replica's gradients, their mean over the worker's
-devices (the local allreduce), an apply of means fed from Python (which
-makes the optimizer's slots), and the ops that read and write the weights
-and optimizer state. It returns a frozen ``WorkerGraph``. An exchange that
-applies another way (``dsgd.exchanges``) adds its own apply with
+devices (the local allreduce) and an apply of means fed from Python (which
+makes the optimizer's slots). It returns a frozen ``WorkerGraph``; the ops
+that write the weights and optimizer state (``StateAssigns``) are built on
+first use. An exchange that applies another way (``dsgd.exchanges``) adds its own apply with
 ``build_apply``; the worker actor (``dsgd.sgd_worker``) runs them.
 
 What is exchanged between workers is the list of *exchange tensors*: the
@@ -123,8 +123,7 @@ class WorkerGraph:
     mean_inputs: tuple[tf.Tensor, ...]  # placeholders for the global means ("simple", Python "ps")
     apply_fed: tf.Operation  # applies mean_inputs on every replica
     state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]  # group -> per replica, name -> variable
-    state_inputs: dict[str, dict[str, tf.Tensor]]  # group -> name -> placeholder
-    set_state: dict[str, tf.Operation]  # group -> assigns its inputs on every replica
+    state_assigns: StateAssigns  # writes a group's variables on every replica (built on first use)
 
     @property
     def models(self) -> list[Model]:
@@ -143,6 +142,12 @@ def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
         intra_op_parallelism_threads=threads,
         inter_op_parallelism_threads=max(2, threads) + RECEIVE_THREADS,
         allow_soft_placement=False)
+    # Place (and optimize) only the subgraph a run needs, not the whole graph: a worker's graph
+    # holds ops no single run uses (state assigns, other exchanges' applies), and without this
+    # the first run of every new subgraph (initializer, weights, step) costs in proportion to
+    # the whole graph (seconds at 2000 variables). TensorFlow keeps stateful ops' placement
+    # fixed across subgraphs.
+    proto.graph_options.place_pruned_graph = True
     if config.gpu:
         proto.gpu_options.allow_growth = True
     else:
@@ -171,7 +176,6 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     # The optimizer's slots exist once its apply ops do; later applies (``build_apply``) reuse them.
     optimizer_vars = tuple(_optimizer_state(r) for r in replicas)
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
-    state_inputs, set_state = _state_io(state_vars)
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
     _initialize(session, graph)
     replicas = tuple(replace(r, metrics=user_model.ask_metrics(graph, session, r.model, worker_index, r.index))
@@ -184,8 +188,7 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
         mean_inputs=mean_inputs,
         apply_fed=apply_fed,
         state_vars=state_vars,
-        state_inputs=state_inputs,
-        set_state=set_state)
+        state_assigns=StateAssigns(graph, state_vars))
 
 
 def _initialize(session: tf.compat.v1.Session, graph: tf.Graph) -> None:
@@ -304,8 +307,11 @@ def _finite(tensors: Sequence[tf.Tensor], names: Sequence[str], what: str, confi
     """Checks that fail the run, naming the variable, unless nan_policy is "ignore"."""
     if config.nan_policy == "ignore":
         return []
-    return [tf.debugging.assert_all_finite(t, f"dsgd: non-finite {what} of '{name}'").op
-            for t, name in zip(tensors, names)]
+    checks = []
+    for t, name in zip(tensors, names):
+        with tf.compat.v1.colocate_with(t.op):  # one CheckNumerics op, beside the tensor; no identity after it
+            checks.append(tf.debugging.check_numerics(t, f"dsgd: non-finite {what} of '{name}'").op)
+    return checks
 
 
 def _apply_ops(replicas: Sequence[Replica], means_per_replica: Sequence[Sequence[tf.Tensor]],
@@ -337,15 +343,40 @@ def _optimizer_state(r: Replica) -> dict[str, tf.Variable]:
     return state
 
 
-def _state_io(state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]):
-    """Placeholders per group and name, and per group one op assigning them on every replica."""
-    inputs, assign = {}, {}
-    for group, per_replica in state_vars.items():
-        inputs[group] = {name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"set_{group}_{k}")
-                         for k, (name, v) in enumerate(sorted(per_replica[0].items()))}
-        assign[group] = tf.group(*[v.assign(inputs[group][name])
-                                   for variables in per_replica for name, v in variables.items()])
-    return inputs, assign
+class StateAssigns:
+    """Writes state groups onto every replica: per variable, a placeholder and its assigns, built on first use.
+
+    Only loading state runs them (``set_weights``, a restore, a recovery's
+    copy, a new worker's initial weights when they differ), never a step, so
+    they are not built with the graph; a worker that never loads state never
+    builds them.
+    """
+
+    def __init__(self, graph: tf.Graph, state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]):
+        self._graph = graph
+        self._state_vars = state_vars
+        self._built: dict[tuple[str, str], tuple[tf.Tensor, list[tf.Operation]]] = {}  # (group, name) -> ...
+
+    def run(self, session: tf.compat.v1.Session, group: str, values: dict[str, np.ndarray]) -> None:
+        """Assign ``values`` (name -> array) of ``group`` on every replica, in one session run."""
+        if not values:
+            return
+        feeds, targets = {}, []
+        for name, value in values.items():
+            placeholder, assigns = self._assigns(group, name)
+            feeds[placeholder] = value
+            targets += assigns
+        session.run(targets, feed_dict=feeds)
+
+    def _assigns(self, group: str, name: str) -> tuple[tf.Tensor, list[tf.Operation]]:
+        key = group, name
+        if key not in self._built:
+            per_replica = self._state_vars[group]
+            first = per_replica[0][name]
+            with self._graph.as_default(), tf.compat.v1.name_scope(f"set_{group}/"):  # the one scope, reentered
+                placeholder = tf.compat.v1.placeholder(first.dtype.base_dtype, first.shape)
+                self._built[key] = placeholder, [variables[name].assign(placeholder).op for variables in per_replica]
+        return self._built[key]
 
 
 def build_apply(built: WorkerGraph, means_per_replica: Sequence[Sequence[tf.Tensor]],

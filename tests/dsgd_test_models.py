@@ -32,12 +32,16 @@ class TanhNet(dsgd.Model):
         self.worker_index, self.device_index, self.step = worker_index, device_index, 0
         self.x = tf.compat.v1.placeholder(tf.float32, [None, IN])
         self.y = tf.compat.v1.placeholder(tf.float32, [None])
-        w = tf.compat.v1.get_variable("layer/w", [IN, HIDDEN])
-        b = tf.compat.v1.get_variable("layer/b", [HIDDEN], initializer=tf.compat.v1.random_normal_initializer())
-        v = tf.compat.v1.get_variable("out/v", [HIDDEN])
+        w = tf.compat.v1.get_variable("layer/w", [IN, HIDDEN], initializer=self.initializer("layer/w"))
+        b = tf.compat.v1.get_variable("layer/b", [HIDDEN], initializer=self.initializer("layer/b"))
+        v = tf.compat.v1.get_variable("out/v", [HIDDEN], initializer=self.initializer("out/v"))
         pred = tf.linalg.matvec(tf.tanh(tf.matmul(self.x, w) + b), v)
         self.loss = tf.reduce_mean(tf.square(pred - self.y))
         self.abs_error = tf.reduce_mean(tf.abs(pred - self.y))
+
+    def initializer(self, name: str):
+        """Variable ``name``'s initializer (None: TensorFlow's default, random)."""
+        return tf.compat.v1.random_normal_initializer() if name == "layer/b" else None
 
     def get_loss(self):
         return self.loss
@@ -52,6 +56,15 @@ class TanhNet(dsgd.Model):
         x, y = batch(self.worker_index, self.device_index, self.step)
         self.step += 1
         return {self.x: x, self.y: y}
+
+
+class PerReplicaInitNet(TanhNet):
+    """TanhNet whose 'layer/w' starts at a value of its replica's own (worker + device / 10), the rest at 0.5 everywhere."""
+
+    def initializer(self, name: str):
+        if name == "layer/w":
+            return tf.compat.v1.constant_initializer(self.worker_index + self.device_index / 10)
+        return tf.compat.v1.constant_initializer(0.5)
 
 
 def reset_data(model: TanhNet) -> None:

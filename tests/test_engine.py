@@ -8,7 +8,7 @@ import ray
 
 import dsgd
 from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
-from dsgd_test_models import (BatchNormNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
+from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
                               assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
                               set_start_weights)
 
@@ -43,6 +43,31 @@ def engines(ray_session):
     finally:
         for sgd in built.values():
             sgd.shutdown()
+
+
+def test_initial_weights_are_assigned_only_where_a_replica_differs(ray_session):
+    """Replicas start identical; a worker builds and runs assigns only for the variables that differed.
+
+    Runs before ``engines`` holds its workers' CPUs.
+    """
+    sgd = dsgd.DistributedSGD(PerReplicaInitNet, num_workers=WORKERS, devices_per_worker=DEVICES)
+    try:
+        replicas = replica_weights(sgd)
+        assert_all_identical(replicas)
+        assert np.all(replicas[0]["layer/w"] == 0) and np.all(replicas[0]["out/v"] == 0.5)  # worker 0, replica 0's
+
+        def assigned(worker):  # the state ops are built on first use, one placeholder per variable written
+            return sorted(op.name for op in worker.graph.get_operations()
+                          if op.type == "Placeholder" and op.name.startswith("set_weights/"))
+        assert [len(names) for names in sgd.foreach_worker(assigned)] == [1, 1]  # 'layer/w' alone
+        # Built on first use, they write any weights bit for bit (every variable's ops now).
+        weights = set_start_weights(sgd)
+        got = sgd.get_weights()
+        assert all(np.array_equal(got[name], value) for name, value in weights.items())
+        assert_all_four_identical(sgd)
+        assert [len(names) for names in sgd.foreach_worker(assigned)] == [3, 3]
+    finally:
+        sgd.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
