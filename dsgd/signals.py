@@ -48,6 +48,15 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+def shut_down(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways, which wakes a thread blocked on it (in recv, or in accept on Linux);
+    nothing if it is closed already."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def available() -> bool:
     """Whether this host has what a channel needs (Linux: abstract Unix sockets, peer credentials)."""
     return hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "SOCK_SEQPACKET")
@@ -122,10 +131,7 @@ class Listener:
             self._closed = True
             connection = self._connection
         if connection is not None:
-            try:
-                connection.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv
-            except OSError:
-                pass
+            shut_down(connection)  # wakes the thread blocked in recv
             return
         try:  # the thread may still be in accept, which nothing but a connection wakes: connect, it sees closed
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as wake:

@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dsgd.signals import shut_down
+
 PUSH = struct.Struct("<qqqQ")  # epoch, step, partition, bytes that follow
 ANSWER = struct.Struct("<qqqQQ")  # epoch, step, partition, answer bytes, mean bytes
 TOKEN_BYTES = 16
@@ -176,16 +178,10 @@ class StreamListener:
             self._closed = True
             connection = self._connection
         if connection is not None:
-            try:
-                connection.shutdown(socket.SHUT_RDWR)  # wakes the reader blocked in recv
-            except OSError:
-                pass
+            shut_down(connection)  # wakes the reader blocked in recv
             connection.close()
         else:  # still accepting: shutting the listening socket down wakes the thread blocked in accept
-            try:
-                self._server.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut_down(self._server)
             self._server.close()
 
 
@@ -281,10 +277,7 @@ class Stream:
             self._answers.clear()
 
     def close(self) -> None:
-        try:
-            self._socket.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut_down(self._socket)
         self._socket.close()
 
 
