@@ -33,6 +33,9 @@ from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWo
 
 WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
 EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
+# A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
+# takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
+STREAM_CONNECT_TIMEOUT_S = 10.0
 
 
 class ParameterServerClient:
@@ -91,7 +94,7 @@ class ParameterServerClient:
                 if "stream" in info:
                     return StreamWorkerEnd(info["stream"], info["slots"],
                                            [s for s, k in zip(self.layout, self.routes) if k == j],
-                                           self.startup_timeout_s, self.step_timeout_s)
+                                           min(self.startup_timeout_s, STREAM_CONNECT_TIMEOUT_S), self.step_timeout_s)
                 return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                              shared_memory.attach(info["mean"], writable=False), info["offsets"],
                                              info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],
