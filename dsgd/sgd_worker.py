@@ -83,6 +83,9 @@ class SGDWorker:
         self.models = runner.built.models
         self._local_exchanges.clear()  # their ops were in the old graph
         self._ps_exchanges.clear()
+        if self.client is not None:  # its exchange went with the old graph: ``connect`` makes a new one
+            self.client.close()
+            self.client = None
         self.exchange = self._local_exchange()
         if state is not None:
             self.set_state(state)
