@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 ELASTIC_PLACEMENTS = 5  # an elastic engine places replacements this often before a lost node's failure is raised
 ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
+KILL_WAIT_S = 10.0  # how long kill waits for killed workers to be gone before it stops their datasets
 
 # The workers' environment, each variable unless the driver's environment sets it:
 # - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
@@ -565,6 +566,12 @@ class Cluster:
                 self.servers.kill()
             self._kill_next_servers()
             self._keep_servers(None)
+            if self.splits.datasets and self.workers:
+                # ray.kill returns before the process is gone: a worker still reading could start a new epoch
+                # on a split coordinator being stopped, whose progress bars would then be left open. A call on
+                # a killed actor fails once it is dead; wait for that (bounded).
+                ray.wait([w.identity.remote() for w in self.workers], num_returns=len(self.workers),
+                         timeout=KILL_WAIT_S)
             self.stop_datasets()
         self.workers, self.servers = [], None
 
