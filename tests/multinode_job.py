@@ -28,7 +28,7 @@ import json
 import ray
 
 import dsgd
-from cluster_jobs import actor_node, local_cluster
+from cluster_jobs import actor_node, local_cluster, wait_until_idle
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,
                               set_start_weights, ps_actors, server_group)
@@ -81,6 +81,7 @@ def run_with_backup() -> dict:
         dropped = [sgd.step(fetch_stats=True)["dropped_gradients"] for _ in range(STEPS)]
         replicas = replica_weights(sgd)
         return {"start": {k: v.tolist() for k, v in start.items()}, "dropped": dropped,
+                "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
                 "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
                 "transports": _transports(sgd)}
 
@@ -124,7 +125,9 @@ def _relays(group) -> list:
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
+        wait_until_idle()
         result["backup"] = run_with_backup()
+        wait_until_idle()
         result["node_local"] = run_node_local()
     print(RESULT_PREFIX + json.dumps(result))
 

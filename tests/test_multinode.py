@@ -77,6 +77,7 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
     """Worker 1 sleeps in every get_feed_dict; with backup_workers=1 each step is worker 0's gradient alone,
     over both transports, and worker 1 catches up to bit-identical weights."""
     run = job["backup"]
+    assert len(set(run["worker_nodes"])) == 2, "the two workers were not spread over the two nodes"
     # a worker catching up reads closed steps' means from the servers' replies: no streams with backup workers
     assert all(set(ends) <= {"SharedMemoryWorkerEnd", "ObjectStoreWorkerEnd"} and "ObjectStoreWorkerEnd" in ends
                for ends in run["transports"])
