@@ -224,6 +224,9 @@ class Stream:
         self._answers: dict[tuple[int, int], Any] = {}  # (step, partition) -> its answer, arrived, not yet taken
         self._reading = False  # a waiting thread is reading the stream for all of them
         self._gone = False
+        self._wakeup = socket.socketpair()  # ``forget`` wakes the reading thread out of its poll
+        for end in self._wakeup:
+            end.setblocking(False)
 
     def send(self, step: int, partition: int, arrays: Sequence[np.ndarray]) -> int:
         """Push ``arrays`` (one partition's segments, in the wire dtype) as ``(step, partition)``; the push's epoch
@@ -274,7 +277,11 @@ class Stream:
         try:
             poller = select.poll()
             poller.register(self._socket, select.POLLIN)
-            if poller.poll(timeout_s * 1000):
+            poller.register(self._wakeup[0], select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
+            if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
+                _drain(self._wakeup[0])
+            elif ready:
                 epoch, step, partition, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
                 value = pickle.loads(_receive(self._socket, meta_bytes))
                 if mean_bytes:
@@ -296,11 +303,26 @@ class Stream:
         with self._changed:
             self._epoch += 1
             self._answers.clear()
+            try:
+                self._wakeup[1].send(b"\0")
+            except BlockingIOError:  # it is awake already
+                pass
             self._changed.notify_all()  # waits for those pushes fail
 
     def close(self) -> None:
         shut_down(self._socket)
         self._socket.close()
+        for end in self._wakeup:
+            end.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read whatever is waiting on non-blocking ``sock``."""
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _bytes_of(array: np.ndarray, nbytes: int) -> memoryview:

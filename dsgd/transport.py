@@ -1,4 +1,4 @@
-"""How one worker and one parameter server move a partition: the two transports, both ends of each.
+"""How one worker and one parameter server move a partition: the three transports, both ends of each.
 
 A worker and a server pick one transport per pair when the worker attaches
 (``ParameterServer.attach``, ``ParameterServerClient.connect``):
@@ -18,14 +18,15 @@ A worker and a server pick one transport per pair when the worker attaches
   for a worker on its node and sends the mean back, into a buffer of the
   worker's. No Ray call and no object per partition. A relaying server's
   partial sums (node-local aggregation, ``dsgd.ps_actor``) travel the same
-  way to the partition's server on another node (``ParameterServer.attach_relay``
-  gives it a ``StreamServerEnd`` and the relaying server a ``streams.Stream``),
-  in float32 under compression, their means coming back in the wire dtype.
+  way to the partition's server on another node (its
+  ``ParameterServer.attach_relay`` makes a ``StreamServerEnd``, the relaying
+  server holds a ``streams.Stream``), in float32 under compression, their
+  means coming back in the wire dtype.
 - **object store**, a worker that can reach neither (the stream's connection
   failed, e.g. a firewall between the nodes) and, with backup workers, any
   worker on another node (a worker catching up reads the means of closed
   steps from the server's reply to ``begin``); likewise a relaying server
-  whose stream failed, and one on the server's node: a push is an actor call
+  whose stream could not connect: a push is an actor call
   carrying the worker's segments as one object (``dsgd.object_store.put``),
   its reply the reference of the mean, which the server puts once per
   partition and step.
