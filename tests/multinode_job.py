@@ -94,7 +94,7 @@ def _transports(sgd) -> list:
 
 def run_node_local() -> dict:
     """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions; then
-    worker 3 is killed and ``STEPS`` more steps run through the recovery."""
+    worker 3 is killed and ``STEPS`` more steps run through the recovery, then server 0 and ``STEPS`` more."""
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=4, devices_per_worker=1, strategy="ps",
                              grad_shard_bytes=SHARD_BYTES) as sgd:
         start = set_start_weights(sgd)
@@ -115,8 +115,14 @@ def run_node_local() -> dict:
         kill(sgd.workers[3])
         for _ in range(STEPS):
             sgd.step()
-        return {**result, "failures": sgd.failures, "relays_after": _relays(server_group(sgd)),
-                "relay_transports_after": _relay_transports(server_group(sgd)),
+        result.update(failures=sgd.failures, relays_after=_relays(server_group(sgd)),
+                      relay_transports_after=_relay_transports(server_group(sgd)))
+        kill(server_group(sgd).actors[0])  # the server the other node's relay streams its partial sums to
+        for _ in range(STEPS):
+            sgd.step()
+        return {**result, "failures_after_server": sgd.failures,
+                "relays_after_server": _relays(server_group(sgd)),
+                "relay_transports_after_server": _relay_transports(server_group(sgd)),
                 "start": _listed(start), "replicas": [_listed(r) for r in replica_weights(sgd)]}
 
 

@@ -95,7 +95,7 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
 def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across(job):
     """Node-local aggregation: per partition summed on the other node, each node's relay (its server) sums its
     two workers' copies and pushes one partial sum; the result matches the numpy reference of 4 replicas,
-    also through the recovery from a killed worker."""
+    also through the recoveries from a killed worker and from a killed server that a relay streamed to."""
     run = job["node_local"]
     nodes = sorted(set(run["worker_nodes"]))
     assert len(nodes) == 2 and sorted(run["worker_nodes"].count(n) for n in nodes) == [2, 2]
@@ -120,16 +120,21 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
     assert max(sent.values()) <= gradient_bytes
     assert run["sent_bytes"] == [float(gradient_bytes)] * job["steps"]  # what one worker pushes, as before
     # Worker 3 killed after those steps: one recovery, relays planned from the new worker's node, and the
-    # steps after it still equal the numpy reference, on 4 bit-identical replicas.
+    # steps after it (and after the server's below) still equal the numpy reference, on 4 bit-identical replicas.
     assert run["failures"] == 1 and any(run["relays_after"])
     # the streams to the servers of the recovered engine were opened anew (as new streams, or to new servers)
     _assert_relays_push_down_streams(run["relays_after"], run["relay_transports_after"], run["placement"])
+    # Server 0 killed: the relay streaming to it saw the stream end, one more recovery, and the relays stream to
+    # the new server.
+    assert run["failures_after_server"] == 2 and any(run["relays_after_server"])
+    _assert_relays_push_down_streams(run["relays_after_server"], run["relay_transports_after_server"],
+                                     run["placement"])
     replicas = [weights_from_json(r) for r in run["replicas"]]
     assert len(replicas) == 4
     for replica in replicas[1:]:
         for name in replicas[0]:
             assert np.array_equal(replica[name], replicas[0][name]), name
-    expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 2 * job["steps"])
+    expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 3 * job["steps"])
     assert_weights_close(replicas[0], expected)
 
 
