@@ -24,9 +24,12 @@ Node-local aggregation (``Relay``, planned by ``dsgd.server_group.plan_relays``)
 on a node without partition j's server that holds several workers, one server
 there relays j. Its local workers push j to it through shared memory as to any
 local server; once all have, it sums their copies (float32, worker order) and
-pushes the node's partial sum to j's server through the object store as one
-push standing for those workers (keyed by the lowest of them), waits for the
-mean, and writes it into its mean buffer for them. j's server sums its own
+pushes the node's partial sum to j's server as one push standing for those
+workers (keyed by the lowest of them), waits for the mean, and has it in its
+mean buffer for them. The push goes down a stream to j's server
+(``set_peers`` -> ``attach_relay``: one stream per relaying server and
+server it pushes to, the mean read straight into the mean buffer), or, where
+the stream cannot connect, through the object store. j's server sums its own
 workers' copies and the nodes' partial sums (lowest worker first) and divides
 by the number of workers they stand for. So one copy of j per node crosses
 each way per step, whatever the node's number of workers.
@@ -52,9 +55,13 @@ The actor is threaded (``start``): a push blocks its thread while it waits
 for the other workers, so there is a thread for every worker's push of every
 partition (a worker's ``begin`` comes before its pushes and uses one of
 them), and ``CONTROL_THREADS`` more for ``abort``, ``reset``, ``excuse``,
-``trace``, ``attach`` and ``identity``. A local worker's pushes run on its
-channel's thread instead, one after another in the order it sends them
-(layout order, the same on every worker, so none waits behind another).
+``trace``, ``attach``, ``set_peers``, ``attach_relay`` and ``identity``
+(before steps: ``set_peers`` waits for the other servers' ``attach_relay``
+while they wait for ours). A local worker's pushes run on its channel's
+thread instead, one after another in the order it sends them (layout order,
+the same on every worker, so none waits behind another); a stream's, on its
+answering thread likewise, and a relay's partial sums each on a thread of
+its own.
 
 This module must not import TensorFlow: a parameter server is a light process.
 """
@@ -68,10 +75,12 @@ from typing import Sequence
 import numpy as np
 import ray
 
-from dsgd import actor_identity, arrays, object_store, shared_memory, signals, timeline, wire
+from dsgd import actor_identity, arrays, object_store, shared_memory, signals, streams, timeline, wire
 from dsgd.errors import DSGDError, DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
-from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd
+from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places
+
+ServerEnd = SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd
 
 CONTROL_THREADS = 3
 
@@ -112,7 +121,9 @@ class _Partition:
     # step -> (the mean's ref for remote readers, the workers averaged), for the steps whose means are kept
     done: dict[int, tuple[ray.ObjectRef | None, tuple[int, ...]]] = field(default_factory=dict)
     failures: dict[int, Exception] = field(default_factory=dict)
-    relay_keys: frozenset[int] = frozenset()  # the contributors that are relays (a node's lowest worker)
+    # the contributors that are relays (a node's lowest worker) -> the end their partial sums come through
+    relay_ends: dict[int, StreamServerEnd | ObjectStoreServerEnd] = field(default_factory=dict)
+    relay_offset: int = 0  # bytes into a relay stream's input buffer (``attach_relay``): where its partial sum goes
     pushed_from_elsewhere: int = 0  # pushes whose data came from another node (stream or object store), so far
 
     def workers_in(self, keys) -> list[int]:
@@ -121,6 +132,11 @@ class _Partition:
 
     def mean(self, step_id: int) -> np.ndarray:
         return self.means[step_id % len(self.means)]
+
+    def partial_sum(self) -> Shard:
+        """The shard as a node's partial sum of it travels: uncompressed (the sum of its workers' 16-bit copies
+        in float32, not rounded again)."""
+        return replace(self.shard, compression=None)
 
 
 class ParameterServer:
@@ -161,12 +177,16 @@ class ParameterServer:
                            for shard, offset in zip(partitions, offsets)}
         for relay, offset in zip(relays, offsets[len(partitions):]):
             self.partitions[relay.shard.index] = self._place(relay.shard, memory, offset, (), relay)
+        self.relay_nbytes = 0  # the input buffer of a relay's stream: every partial sum pushed here, in float32
+        for p in self.partitions.values():
+            if p.relay_ends:
+                p.relay_offset = self.relay_nbytes
+                self.relay_nbytes = shared_memory.aligned(self.relay_nbytes + p.partial_sum().wire_nbytes)
+        self.relay_sources: dict[int, StreamServerEnd] = {}  # relaying server -> the stream it pushes here down
         self.peers: list = []  # every server's actor, for the relays' pushes (``set_peers``)
-        self.relay_ends = {min(group): ObjectStoreServerEnd(server_index, min(group))
-                           for groups in node_sums.values() for group in groups}
+        self.relay_streams: dict[int, streams.Stream] = {}  # server -> the stream this one's relays push to it down
         # Each worker's end of its transport; the object store until it attaches on this node.
-        self.ends: dict[int, SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd] = {
-            w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
+        self.ends: dict[int, ServerEnd] = {w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
         self.changed = threading.Condition()  # guards everything that changes below
         self.aborted = False
         self.resets = 0  # a push that waited across a reset fails as aborted
@@ -192,12 +212,53 @@ class ParameterServer:
         quorum = len(relay.workers) if relay is not None else self.quorum
         return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], means, total,
                           dict(sorted(contributors.items())), quorum, None if relay is None else relay.home,
-                          relay_keys=frozenset(min(group) for group in node_sums))
+                          relay_ends={min(group): ObjectStoreServerEnd(self.server_index, min(group))
+                                      for group in node_sums})
 
     def set_peers(self, servers: Sequence) -> None:
-        """Every server's actor (index = server index): the relays push their partial sums to them."""
+        """Every server's actor (index = server index): the relays push their partial sums to them, each server's
+        down a stream of this server's (``attach_relay``), or through the object store if the stream cannot
+        connect. Streams to the servers before (replaced by a recovery) are closed."""
+        homes: dict[int, list[int]] = {}  # server -> the partitions relayed to it
+        for j, p in self.partitions.items():
+            if p.home is not None:
+                homes.setdefault(p.home, []).append(j)
         with self.changed:
             self.peers = list(servers)
+            old, self.relay_streams = self.relay_streams, {}
+        for stream in old.values():
+            stream.close()
+        # One key per server pushed to: a server relays for its own node's workers only.
+        keys = {home: min(self.partitions[partitions[0]].contributors) for home, partitions in homes.items()}
+        calls = {home: servers[home].attach_relay.remote(self.server_index, keys[home], self.node_id, partitions)
+                 for home, partitions in homes.items()}
+        for home, call in calls.items():
+            address = self._answer_of(call, home)
+            if address is None:
+                continue
+            try:
+                stream = streams.Stream(address, lambda step_id, partition: self.partitions[partition].mean(step_id),
+                                        min(self.step_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
+            except OSError:  # no route to it: the object store, as for a worker (``ParameterServerClient._end``)
+                self._answer_of(servers[home].attach_relay.remote(self.server_index, keys[home], None, homes[home]),
+                                home)
+                continue
+            with self.changed:
+                self.relay_streams[home] = stream
+
+    def _answer_of(self, call: ray.ObjectRef, home: int):
+        """``call``'s (to server ``home``) answer, waited for at most the step timeout."""
+        try:
+            return ray.get(call, timeout=self.step_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise DSGDTimeoutError(f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s "
+                                   f"for parameter server {home} to take its relays") from None
+
+    def relay_transports(self) -> dict[int, str]:
+        """Server -> how this server's relays push to it: "stream" or "object store" (``set_peers``)."""
+        with self.changed:
+            return {p.home: "stream" if p.home in self.relay_streams else "object store"
+                    for p in self.partitions.values() if p.home is not None}
 
     # ---- connection --------------------------------------------------------
 
@@ -221,8 +282,7 @@ class ParameterServer:
             if node_id is not None and node_id != self.node_id and self.slots == 1:
                 end = self.ends[worker_index] = StreamServerEnd(
                     self.server_index, worker_index, self.host, self.nbytes,
-                    {j: [(p.offset + start * p.shard.wire_dtype.itemsize, size * p.shard.wire_dtype.itemsize)
-                         for start, size in p.segments] for j, p in self.partitions.items()},
+                    {j: byte_places(p.shard, p.offset, p.segments) for j, p in self.partitions.items()},
                     lambda step_id, partition: self.push(step_id, worker_index, partition),
                     lambda step_id, partition: self.partitions[partition].mean(step_id), self.step_timeout_s,
                     relayed=relayed)
@@ -237,6 +297,40 @@ class ParameterServer:
             return {**end.address(), "mean": self.mean_buffer.address(),
                     "offsets": {j: p.offset for j, p in self.partitions.items()},
                     "slots": [k * self.nbytes for k in range(self.slots)]}
+
+    def attach_relay(self, relay: int, key: int, node_id: str | None,
+                     partitions: Sequence[int]) -> tuple[str, int, bytes] | None:
+        """Connect server ``relay``, which pushes its node's partial sums of ``partitions`` as ``key`` (the node's
+        lowest worker), and pick their transport; how it reaches this server.
+
+        A relay on another node (``node_id``) gets an input buffer here (every
+        partial sum pushed here, in float32) and a stream: its address, for
+        ``streams.Stream``; the stream it had before is closed. Else (same
+        node, backup workers, or ``node_id=None``: it could not reach the
+        stream) the object store: ``None``.
+        """
+        with self.changed:
+            for j in partitions:
+                if j not in self.partitions or key not in self.partitions[j].relay_ends:
+                    raise ValueError(f"parameter server {self.server_index} expects no partial sum of partition {j} "
+                                     f"as worker {key}'s (from parameter server {relay})")
+            old = self.relay_sources.pop(relay, None)
+            if old is not None:
+                old.close()
+            end: StreamServerEnd | ObjectStoreServerEnd
+            if node_id is not None and node_id != self.node_id and self.slots == 1:
+                end = self.relay_sources[relay] = StreamServerEnd(
+                    self.server_index, key, self.host, self.relay_nbytes,
+                    {j: byte_places(self.partitions[j].partial_sum(), self.partitions[j].relay_offset,
+                                    self.partitions[j].segments) for j in partitions},
+                    lambda step_id, partition: self.push(step_id, key, partition),
+                    lambda step_id, partition: self.partitions[partition].mean(step_id), self.step_timeout_s,
+                    relayed=partitions)  # each answered on a thread of its own: it waits for this node's workers
+            else:
+                end = ObjectStoreServerEnd(self.server_index, key)
+            for j in partitions:
+                self.partitions[j].relay_ends[key] = end
+            return end.address()["stream"] if isinstance(end, StreamServerEnd) else None
 
     # ---- pushes ------------------------------------------------------------
 
@@ -390,16 +484,17 @@ class ParameterServer:
                              f"not from worker {worker_index}")
         if worker_index in p.waiting:
             raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
-        if self._end(p, worker_index).crosses_nodes:
+        end = self._end(p, worker_index)
+        if end.crosses_nodes:
             p.pushed_from_elsewhere += 1
-        # A node's partial sum travels in float32 (the sum of its workers' 16-bit copies, not rounded again).
-        shard = replace(p.shard, compression=None) if worker_index in p.relay_keys else p.shard
-        return self._end(p, worker_index).read(shard, p.offset, p.segments, stored)
+        if worker_index in p.relay_ends:
+            return end.read(p.partial_sum(), p.relay_offset, p.segments, stored)
+        return end.read(p.shard, p.offset, p.segments, stored)
 
-    def _end(self, p: _Partition, key: int) -> SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd:
-        """The transport end a push of ``p`` by ``key`` comes through: a relay's partial sum always crosses the
-        object store (its key, the node's lowest worker, may have its own shared buffer here)."""
-        return self.relay_ends[key] if key in p.relay_keys else self.ends[key]
+    def _end(self, p: _Partition, key: int) -> ServerEnd:
+        """The transport end a push of ``p`` by ``key`` comes through: a relay's partial sum its own (``key``, the
+        node's lowest worker, may have a worker's end here too)."""
+        return p.relay_ends[key] if key in p.relay_ends else self.ends[key]
 
     def _sum(self, p: _Partition, step_id: int, inputs: list[list[np.ndarray]], averaged: tuple[int, ...],
              recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
@@ -416,35 +511,50 @@ class ParameterServer:
                 if p.total is not None and p.home is None:
                     wire.convert_into(mean[start:start + size], total[start:start + size])
         if p.home is not None:
-            return self._relay(p, step_id, averaged, recorder)
-        if not p.relay_keys and not any(end.remote for end in self.ends.values()):
+            ref, averaged = self._relay(p, step_id, averaged, recorder)
+            if ref is not None:  # through the object store: its server's mean, for workers here on it
+                return ref, averaged
+        if not any(end.remote for end in [*p.relay_ends.values(), *self.ends.values()]):
             return None, averaged
         with recorder.span(f"put the mean of partition {p.shard.index} for remote workers", "sum"):
             return object_store.put([mean]), averaged
 
     def _relay(self, p: _Partition, step_id: int, summed: tuple[int, ...],
-               recorder: timeline.Recorder) -> tuple[ray.ObjectRef, tuple[int, ...]]:
+               recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
         """Push the node's partial sum of ``p`` (in its mean slot, or its float32 sum if compressed) to its server
-        as workers ``summed``, wait for the mean (bounded) and write it into the slot; the mean's ref (for
-        workers here on the object store) and the workers it averages."""
+        as workers ``summed`` and wait (bounded) for the mean in the slot: down the stream to that server, which
+        sends the mean straight into the slot, else through the object store. The mean's ref if it came through
+        the object store (for workers here on it), and the workers it averages."""
         mean = p.mean(step_id)
         home = p.home
         partial = mean if p.total is None else p.total
+        parts = [partial[start:start + size] for start, size in p.segments]
+        stream = self.relay_streams.get(home)
+        timed_out = (f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
+                     f"parameter server {home}'s mean of partition {p.shard.index}, step {step_id} (it relays "
+                     f"workers {list(summed)}' partial sum)")
+        died = (f"parameter server {self.server_index}: parameter server {home}, which sums partition "
+                f"{p.shard.index}, died in step {step_id}")
         with recorder.span(f"push the node's partial sum of partition {p.shard.index} (workers {list(summed)}, "
                            f"{partial.nbytes} bytes) to parameter server {home}", "relay"):
-            stored = object_store.put([partial[start:start + size] for start, size in p.segments])
-            call = self.peers[home].push.remote(step_id, min(summed), p.shard.index, stored)
+            if stream is not None:
+                try:
+                    epoch = stream.send(step_id, p.shard.index, parts)
+                    return None, tuple(stream.wait(step_id, p.shard.index, self.step_timeout_s, epoch))
+                except TimeoutError:  # the send's or the wait's; the server's own errors come as they are
+                    raise DSGDTimeoutError(timed_out) from None
+                except OSError:  # end of file: the server died (or was replaced)
+                    raise StepAborted(died) from None
+                except streams.Forgotten:
+                    raise StepAborted(f"parameter server {self.server_index}: step {step_id} was reset") from None
+            call = self.peers[home].push.remote(step_id, min(summed), p.shard.index, object_store.put(parts))
             try:
                 [ref], averaged = ray.get(call, timeout=self.step_timeout_s)
                 [got] = object_store.join(ray.get(ref, timeout=self.step_timeout_s), [p.shard.size])
             except ray.exceptions.GetTimeoutError:
-                raise DSGDTimeoutError(
-                    f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
-                    f"parameter server {home}'s mean of partition {p.shard.index}, step {step_id} (it relays "
-                    f"workers {list(summed)}' partial sum)") from None
+                raise DSGDTimeoutError(timed_out) from None
             except ray.exceptions.RayActorError:
-                raise StepAborted(f"parameter server {self.server_index}: parameter server {home}, which sums "
-                                  f"partition {p.shard.index}, died in step {step_id}") from None
+                raise StepAborted(died) from None
             except ray.exceptions.RayTaskError as e:  # the server's own error (aborted, a bad push): as it is
                 raise (e.cause if isinstance(e.cause, (DSGDError, StepAborted, ValueError)) else e) from None
             np.copyto(mean, got)
@@ -478,6 +588,8 @@ class ParameterServer:
                 p.failures.clear()
                 p.step_id = step_id
             self.begun = {w: step_id - 1 for w in range(self.num_workers)}
+            for stream in self.relay_streams.values():  # the failed step's answers are dropped, its waits fail
+                stream.forget()
             self.aborted = False
             self.changed.notify_all()
 

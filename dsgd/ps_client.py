@@ -26,16 +26,13 @@ from typing import Any, Iterator, Sequence, Union
 import numpy as np
 import ray
 
-from dsgd import shared_memory, signals, timeline
+from dsgd import shared_memory, signals, streams, timeline
 from dsgd.errors import ActorFailure, DSGDTimeoutError
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd
 
 WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
 EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
-# A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
-# takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
-STREAM_CONNECT_TIMEOUT_S = 10.0
 
 
 class ParameterServerClient:
@@ -94,7 +91,7 @@ class ParameterServerClient:
                 if "stream" in info:
                     return StreamWorkerEnd(info["stream"], info["slots"],
                                            [s for s, k in zip(self.layout, self.routes) if k == j],
-                                           min(self.startup_timeout_s, STREAM_CONNECT_TIMEOUT_S), self.step_timeout_s)
+                                           min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
                 return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                              shared_memory.attach(info["mean"], writable=False), info["offsets"],
                                              info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],

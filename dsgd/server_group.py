@@ -8,10 +8,11 @@ workers placed there (``plan_servers``), and picks the partition size from
 the model and the server count (``dsgd.shards.default_partition_bytes``);
 partitions are spread over the servers by bytes (``assign_partitions``).
 Workers reach a server on their own node through shared memory, others
-through the object store (``dsgd.ps_client``). Node-local aggregation
+down a stream (``dsgd.ps_client``). Node-local aggregation
 (``plan_relays``): on a node with several workers, a server there sums their
 copies of each partition summed elsewhere and pushes one partial sum per
-partition and step across (``dsgd.ps_actor.Relay``).
+partition and step across (``dsgd.ps_actor.Relay``), down a stream of its own
+to the partition's server (``link``).
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ class ServerGroup:
         return [self.actors[j] for j in indices]
 
     def link(self) -> list:
-        """Refs of giving every relaying server the actors it pushes to (after any start, before workers push)."""
+        """Refs of giving every relaying server the actors it pushes to (after any start, before workers push): it
+        opens its streams to them (``ParameterServer.set_peers``), closing those to the servers before."""
         return [actor.set_peers.remote(self.actors) for j, actor in enumerate(self.actors) if self.relays_of(j)]
 
     def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:

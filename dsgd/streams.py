@@ -1,5 +1,9 @@
 """Partitions and their means between a worker and a parameter server on another node: a TCP stream per pair.
 
+The same stream carries a relaying server's partial sums to the partition's
+server on another node (node-local aggregation, ``dsgd.ps_actor``): the
+relaying server is then the stream's pushing end, as a worker is.
+
 Across nodes, the object store moves each push and each mean through Ray's
 object manager: a ``ray.put`` into the sender's store, a pull into the
 receiver's, and an actor call per push. On this project's 2-core machine the
@@ -19,7 +23,9 @@ back from its mean buffer into the worker's.
 - **Who talks.** The server listens on its node's address (the one Ray knows
   it by) on a port the kernel picks, for ``accept_timeout_s``, and accepts
   the connection that first sends the 16-byte token it gave the worker in
-  its ``attach`` reply (an authenticated Ray call). Anything else is closed.
+  its ``attach`` reply (a relaying server: ``attach_relay``; an
+  authenticated Ray call). Anything else is closed. A pushing end that
+  cannot connect within ``CONNECT_TIMEOUT_S`` goes through the object store.
 - **Order.** One thread per stream on the server reads pushes as they come
   (so a worker's next partition is never held up behind a sum that waits for
   other workers) and queues them; another answers them in order, except
@@ -28,7 +34,7 @@ back from its mean buffer into the worker's.
 - **Failures.** Either side's death closes the stream: the other reads
   end-of-file at once. A wait for an answer is bounded by its caller, a send
   by ``send_timeout_s``. Answers to a failed step's pushes (an earlier
-  epoch) are read and dropped.
+  epoch) are read and dropped, and a wait for one fails (``Forgotten``).
 
 No TensorFlow here: the parameter servers import it.
 """
@@ -53,6 +59,13 @@ from dsgd.signals import shut_down
 PUSH = struct.Struct("<qqqQ")  # epoch, step, partition, bytes that follow
 ANSWER = struct.Struct("<qqqQQ")  # epoch, step, partition, answer bytes, mean bytes
 TOKEN_BYTES = 16
+# A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
+# takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
+CONNECT_TIMEOUT_S = 10.0
+
+
+class Forgotten(Exception):
+    """The push a wait was for was dropped by ``Stream.forget`` (a failed step's) while it waited."""
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -75,7 +88,8 @@ def _receive(sock: socket.socket, size: int) -> bytes:
 
 
 class StreamListener:
-    """The server's end: accepts one worker's stream, takes its pushes and answers them."""
+    """The server's end: accepts one pushing end's stream (a worker's or a relaying server's), takes its pushes
+    and answers them."""
 
     def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
                  answer: Callable[[int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
@@ -186,8 +200,8 @@ class StreamListener:
 
 
 class Stream:
-    """The worker's end: sends pushes, and waits, from any thread, for each answer, its mean read into
-    ``means(step, partition)``."""
+    """The pushing end (a worker, or a relaying server): sends pushes, and waits, from any thread, for each
+    answer, its mean read into ``means(step, partition)``."""
 
     def __init__(self, address: tuple[str, int, bytes], means: Callable[[int, int], np.ndarray],
                  connect_timeout_s: float, send_timeout_s: float):
@@ -210,23 +224,33 @@ class Stream:
         self._answers: dict[tuple[int, int], Any] = {}  # (step, partition) -> its answer, arrived, not yet taken
         self._reading = False  # a waiting thread is reading the stream for all of them
         self._gone = False
+        self._wakeup = socket.socketpair()  # ``forget`` wakes the reading thread out of its poll
+        for end in self._wakeup:
+            end.setblocking(False)
 
-    def send(self, step: int, partition: int, arrays: Sequence[np.ndarray]) -> None:
-        """Push ``arrays`` (one partition's segments, in the wire dtype) as ``(step, partition)``; OSError (a
-        ConnectionError if the server is gone, TimeoutError if it stopped reading)."""
+    def send(self, step: int, partition: int, arrays: Sequence[np.ndarray]) -> int:
+        """Push ``arrays`` (one partition's segments, in the wire dtype) as ``(step, partition)``; the push's epoch
+        (for ``wait``). OSError: a ConnectionError if the server is gone, TimeoutError if it stopped reading."""
         views = [_bytes(a) for a in arrays]
         with self._sending:
-            self._socket.sendall(PUSH.pack(self._epoch, step, partition, sum(v.nbytes for v in views)))
+            epoch = self._epoch
+            self._socket.sendall(PUSH.pack(epoch, step, partition, sum(v.nbytes for v in views)))
             for view in views:
                 self._socket.sendall(view)
+        return epoch
 
-    def wait(self, step: int, partition: int, timeout_s: float) -> Any:
+    def wait(self, step: int, partition: int, timeout_s: float, epoch: int | None = None) -> Any:
         """The answer to push ``(step, partition)``, raised if it is an exception (its mean is in
-        ``means(step, partition)``); TimeoutError after ``timeout_s``, ConnectionError if the stream ended."""
+        ``means(step, partition)``); TimeoutError after ``timeout_s``, ConnectionError if the stream ended,
+        ``Forgotten`` if the push (sent in ``epoch``, as ``send`` returned) was forgotten meanwhile."""
         deadline = time.monotonic() + timeout_s
         key = (step, partition)
         with self._changed:
-            while key not in self._answers:
+            while True:
+                if epoch is not None and epoch != self._epoch:
+                    raise Forgotten(f"the push of partition {partition}, step {step} was dropped (its step failed)")
+                if key in self._answers:
+                    break
                 remaining = deadline - time.monotonic()
                 if self._gone:
                     raise ConnectionResetError("the parameter server closed the stream (it died or was replaced)")
@@ -253,7 +277,11 @@ class Stream:
         try:
             poller = select.poll()
             poller.register(self._socket, select.POLLIN)
-            if poller.poll(timeout_s * 1000):
+            poller.register(self._wakeup[0], select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
+            if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
+                _drain(self._wakeup[0])
+            elif ready:
                 epoch, step, partition, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
                 value = pickle.loads(_receive(self._socket, meta_bytes))
                 if mean_bytes:
@@ -275,10 +303,26 @@ class Stream:
         with self._changed:
             self._epoch += 1
             self._answers.clear()
+            try:
+                self._wakeup[1].send(b"\0")
+            except BlockingIOError:  # it is awake already
+                pass
+            self._changed.notify_all()  # waits for those pushes fail
 
     def close(self) -> None:
         shut_down(self._socket)
         self._socket.close()
+        for end in self._wakeup:
+            end.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read whatever is waiting on non-blocking ``sock``."""
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _bytes_of(array: np.ndarray, nbytes: int) -> memoryview:

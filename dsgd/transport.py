@@ -1,4 +1,4 @@
-"""How one worker and one parameter server move a partition: the two transports, both ends of each.
+"""How one worker and one parameter server move a partition: the three transports, both ends of each.
 
 A worker and a server pick one transport per pair when the worker attaches
 (``ParameterServer.attach``, ``ParameterServerClient.connect``):
@@ -16,11 +16,17 @@ A worker and a server pick one transport per pair when the worker attaches
   step the worker sends each partition's segments down the stream, straight
   from its arrays, the server receives them into the input buffer, sums as
   for a worker on its node and sends the mean back, into a buffer of the
-  worker's. No Ray call and no object per partition.
+  worker's. No Ray call and no object per partition. A relaying server's
+  partial sums (node-local aggregation, ``dsgd.ps_actor``) travel the same
+  way to the partition's server on another node (its
+  ``ParameterServer.attach_relay`` makes a ``StreamServerEnd``, the relaying
+  server holds a ``streams.Stream``), in float32 under compression, their
+  means coming back in the wire dtype.
 - **object store**, a worker that can reach neither (the stream's connection
   failed, e.g. a firewall between the nodes) and, with backup workers, any
   worker on another node (a worker catching up reads the means of closed
-  steps from the server's reply to ``begin``): a push is an actor call
+  steps from the server's reply to ``begin``); likewise a relaying server
+  whose stream could not connect: a push is an actor call
   carrying the worker's segments as one object (``dsgd.object_store.put``),
   its reply the reference of the mean, which the server puts once per
   partition and step.
@@ -195,15 +201,23 @@ class ObjectStoreWorkerEnd:
 
 # ---- the server's end ------------------------------------------------------
 
+def byte_places(shard: Shard, offset: int, parts: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Where ``shard``'s segments ``parts`` ((start, size) in elements) are in an input buffer that holds the
+    partition at byte ``offset`` in its wire dtype: (byte offset, byte count) of each, in order."""
+    itemsize = shard.wire_dtype.itemsize
+    return [(offset + start * itemsize, size * itemsize) for start, size in parts]
+
+
 def _input_views(memory, shard: Shard, offset: int, parts: Sequence[tuple[int, int]], stored: list | None,
                  where: str, worker_index: int) -> list[np.ndarray]:
-    """A worker's segments of ``shard``, views of its input buffer ``memory`` at ``offset`` (a push through it
-    carries no data: ``stored`` must be None)."""
+    """A worker's segments of ``shard``, views of its input buffer ``memory`` at ``offset`` (``byte_places``; a
+    push through it carries no data: ``stored`` must be None)."""
     if stored is not None:
         raise ValueError(f"worker {worker_index} pushed partition {shard.index} with data, but it "
                          f"writes into its input buffer on {where}")
-    flat = np.frombuffer(memory, shard.wire_dtype, shard.size, offset)
-    return [flat[start:start + size] for start, size in parts]
+    itemsize = shard.wire_dtype.itemsize
+    return [np.frombuffer(memory, shard.wire_dtype, nbytes // itemsize, place)
+            for place, nbytes in byte_places(shard, offset, parts)]
 
 
 class SharedMemoryServerEnd:
@@ -253,7 +267,7 @@ class StreamServerEnd:
                  places: dict[int, list[tuple[int, int]]], push: Callable[[int, int], tuple[list, tuple[int, ...]]],
                  mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = ()):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
-        byte count) each, in order; ``push`` as for ``SharedMemoryServerEnd``, ``mean(step_id, partition)`` the
+        byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for ``SharedMemoryServerEnd``, ``mean(step_id, partition)`` the
         mean it answered with (sent after it); ``host``: this node's address, where the stream listens."""
         self.buffer = bytearray(nbytes)
         self.places = places

@@ -17,7 +17,8 @@ memory, the start weights, every replica's final weights and the lockstep
 record, weights as nested lists; under "backup", the same for a run with a
 straggler and one backup worker (``run_with_backup``); under "node_local",
 2 workers per node, whose partitions cross through each node's relay
-(``run_node_local``).
+(``run_node_local``), and under "node_local_bf16" the same under bf16
+compression, each step's weights before and after (``run_node_local_bf16``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _transports(sgd) -> list:
 
 def run_node_local() -> dict:
     """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions; then
-    worker 3 is killed and ``STEPS`` more steps run through the recovery."""
+    worker 3 is killed and ``STEPS`` more steps run through the recovery, then server 0 and ``STEPS`` more."""
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=4, devices_per_worker=1, strategy="ps",
                              grad_shard_bytes=SHARD_BYTES) as sgd:
         start = set_start_weights(sgd)
@@ -108,13 +109,44 @@ def run_node_local() -> dict:
             "routes": [group.routes(w) for w in range(4)],
             # per server: partition -> pushes that came from another node
             "traffic": [{str(j): n for j, n in t.items()} for t in ray.get([a.traffic.remote() for a in group.actors])],
+            "relay_transports": _relay_transports(group),
             "node_sent_bytes": [s["node_sent_bytes"] for s in stats],
             "sent_bytes": [s["sent_bytes"] for s in stats]}
         kill(sgd.workers[3])
         for _ in range(STEPS):
             sgd.step()
-        return {**result, "failures": sgd.failures, "relays_after": _relays(server_group(sgd)),
+        result.update(failures=sgd.failures, relays_after=_relays(server_group(sgd)),
+                      relay_transports_after=_relay_transports(server_group(sgd)))
+        kill(server_group(sgd).actors[0])  # the server the other node's relay streams its partial sums to
+        for _ in range(STEPS):
+            sgd.step()
+        return {**result, "failures_after_server": sgd.failures,
+                "relays_after_server": _relays(server_group(sgd)),
+                "relay_transports_after_server": _relay_transports(server_group(sgd)),
                 "start": _listed(start), "replicas": [_listed(r) for r in replica_weights(sgd)]}
+
+
+def run_node_local_bf16() -> dict:
+    """2 nodes x 2 workers under bf16 (op path): the relays' float32 partial sums cross, their 16-bit means come
+    back; ``STEPS`` steps, each's weights before it and every replica's after it."""
+    with dsgd.DistributedSGD(TanhNet, num_workers=4, devices_per_worker=1, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                             compression="bf16", use_ops=True) as sgd:
+        set_start_weights(sgd)
+        steps = []
+        for _ in range(STEPS):
+            before = sgd.get_weights()
+            sgd.step()
+            steps.append({"before": _listed(before), "replicas": [_listed(r) for r in replica_weights(sgd)]})
+        group = server_group(sgd)
+        return {"steps": steps, "relays": _relays(group), "relay_transports": _relay_transports(group),
+                "placement": group.placement,
+                "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])]}
+
+
+def _relay_transports(group) -> list:
+    """Per server: the server it relays partitions to -> how its partial sums go there ("stream", "object store")."""
+    return [{str(home): how for home, how in transports.items()}
+            for transports in ray.get([a.relay_transports.remote() for a in group.actors], timeout=60)]
 
 
 def _relays(group) -> list:
@@ -129,6 +161,8 @@ def main() -> None:
         result["backup"] = run_with_backup()
         wait_until_idle()
         result["node_local"] = run_node_local()
+        wait_until_idle()
+        result["node_local_bf16"] = run_node_local_bf16()
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -8,7 +8,8 @@ ran and the final weights; beside it, compressed engines (bf16 through the
 op library, fp16 through Python) step in lockstep, their 16-bit partitions
 crossing the object stores (tests/test_compression.py has the one-node runs);
 then the same cluster runs 2 workers with one backup worker and a straggler,
-and 2 nodes x 2 workers with node-local aggregation.
+and 2 nodes x 2 workers with node-local aggregation (float32, then bf16),
+the relays' partial sums crossing down streams.
 """
 
 import os
@@ -16,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from compression_runs import check_lockstep
+from compression_runs import check_lockstep, tolerance
 from dsgd_test_models import (REPLICAS_2x1, assert_weights_close, numpy_momentum_run, numpy_step, run_job,
                               weights_from_json)
 
@@ -94,7 +95,7 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
 def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across(job):
     """Node-local aggregation: per partition summed on the other node, each node's relay (its server) sums its
     two workers' copies and pushes one partial sum; the result matches the numpy reference of 4 replicas,
-    also through the recovery from a killed worker."""
+    also through the recoveries from a killed worker and from a killed server that a relay streamed to."""
     run = job["node_local"]
     nodes = sorted(set(run["worker_nodes"]))
     assert len(nodes) == 2 and sorted(run["worker_nodes"].count(n) for n in nodes) == [2, 2]
@@ -110,20 +111,62 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
             assert run["routes"][w][j] == run["ps_nodes"].index(other)
         for w in workers_on[home_node]:
             assert run["routes"][w][j] == home
-        # One push from the other node per step: the relay's partial sum, through the object store (2 without relays).
+        # One push from the other node per step: the relay's partial sum, down its stream (2 without relays).
         assert run["traffic"][home][str(j)] == job["steps"]
         sent[other] += run["partition_bytes"][j]
+    _assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
     gradient_bytes = sum(run["partition_bytes"])
     assert run["node_sent_bytes"] == [float(max(sent.values()))] * job["steps"]
     assert max(sent.values()) <= gradient_bytes
     assert run["sent_bytes"] == [float(gradient_bytes)] * job["steps"]  # what one worker pushes, as before
     # Worker 3 killed after those steps: one recovery, relays planned from the new worker's node, and the
-    # steps after it still equal the numpy reference, on 4 bit-identical replicas.
+    # steps after it (and after the server's below) still equal the numpy reference, on 4 bit-identical replicas.
     assert run["failures"] == 1 and any(run["relays_after"])
+    # the streams to the servers of the recovered engine were opened anew (as new streams, or to new servers)
+    _assert_relays_push_down_streams(run["relays_after"], run["relay_transports_after"], run["placement"])
+    # Server 0 killed: the relay streaming to it saw the stream end, one more recovery, and the relays stream to
+    # the new server.
+    assert run["failures_after_server"] == 2 and any(run["relays_after_server"])
+    _assert_relays_push_down_streams(run["relays_after_server"], run["relay_transports_after_server"],
+                                     run["placement"])
     replicas = [weights_from_json(r) for r in run["replicas"]]
     assert len(replicas) == 4
     for replica in replicas[1:]:
         for name in replicas[0]:
             assert np.array_equal(replica[name], replicas[0][name]), name
-    expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 2 * job["steps"])
+    expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 3 * job["steps"])
     assert_weights_close(replicas[0], expected)
+
+
+def _assert_relays_push_down_streams(relays: list, transports: list, placement: list) -> None:
+    """Every relaying server (``relays``: per partition, [server, workers] of each node that relays it) pushes its
+    partial sums to each partition's server down a stream, and no other server relays."""
+    expected: dict[int, dict[str, str]] = {r: {} for r in range(len(transports))}
+    for j, by in enumerate(relays):
+        for r, _ in by:
+            expected[r][str(placement[j])] = "stream"
+    assert transports == [expected[r] for r in range(len(transports))]
+    assert any(transports)
+
+
+REPLICAS_4x1 = [(w, 0) for w in range(4)]
+
+
+def test_two_workers_per_node_under_bf16_relay_float32_partial_sums_down_streams(job):
+    """Under bf16 the relays push float32 partial sums and read 16-bit means down their streams; each step lands
+    within the 16-bit rounding bound of the float64 reference of 4 replicas (the same bound
+    tests/test_compression.py holds one node to), on bit-identical replicas."""
+    run = job["node_local_bf16"]
+    assert sorted(run["worker_nodes"].count(n) for n in set(run["worker_nodes"])) == [2, 2]
+    _assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
+    for step, entry in enumerate(run["steps"]):
+        before = weights_from_json(entry["before"])
+        replicas = [weights_from_json(r) for r in entry["replicas"]]
+        for replica in replicas[1:]:
+            for name in replicas[0]:
+                assert np.array_equal(replica[name], replicas[0][name]), (step, name)
+        expected = numpy_step({k: v.astype(np.float64) for k, v in before.items()}, REPLICAS_4x1, step)
+        bound = tolerance(before, REPLICAS_4x1, step, "bf16")
+        for name in expected:
+            error = np.abs(replicas[0][name].astype(np.float64) - expected[name])
+            assert np.all(error <= bound[name]), (step, name, error.max())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from dsgd import object_store, ps_actor, wire
+from dsgd import object_store, ps_actor, streams, wire
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
@@ -383,6 +383,48 @@ def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(
     assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
     for actor in (home, relay):
         ray.kill(actor)
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_relay_on_another_node_pushes_its_float32_partial_sum_down_a_stream(ray_session, compression):
+    """As a relaying server on another node does (``set_peers``): ``attach_relay`` gives it a stream, its partial
+    sums of workers 2 and 3 go down it in float32 and the means come back in the wire dtype, the same as workers
+    0 and 1 read; a second attach (the relaying server was replaced) closes the first stream."""
+    rng = np.random.default_rng(12)
+    layout = plan_shards(SPECS, 50_000, compression)
+    home = ps_actor.start(0, 4, layout, 30.0, node_sums={s.index: [(2, 3)] for s in layout})
+    partitions = [s.index for s in layout]
+    with pytest.raises(ValueError, match=r"expects no partial sum of partition 0 as worker 3's"):
+        ray.get(home.attach_relay.remote(1, 3, "another node", partitions), timeout=30)
+    means = {s.index: np.empty(s.size, s.wire_dtype) for s in layout}
+
+    def relay():
+        address = ray.get(home.attach_relay.remote(1, 2, "another node", partitions), timeout=30)
+        return streams.Stream(address, lambda step, partition: means[partition], 30, 30)
+
+    first = relay()
+    stream = relay()
+    with pytest.raises(ConnectionError):  # the server closed the replaced relay's stream
+        first.wait(0, 0, timeout_s=30)
+    for step in range(2):
+        parts = [[wire.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
+                 for _ in range(4)]
+        for shard in layout:
+            j = shard.index
+            pushes = {w: home.push.remote(step, w, j, _stored(shard, parts[w][j])) for w in (0, 1)}
+            w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
+            stream.send(step, j, _segments_of(shard, w2 + w3))
+            assert stream.wait(step, j, timeout_s=30) == (0, 1, 2, 3)
+            mean = ((w0 + w1) + (w2 + w3)) / np.float32(4)
+            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), mean)
+            np.testing.assert_array_equal(means[j], expected)
+            for w, push in pushes.items():
+                [ref], averaged = ray.get(push, timeout=30)
+                assert averaged == (0, 1, 2, 3)
+                np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
+    # Per partition and step: workers 0 and 1 through the object store and the partial sum down the stream.
+    assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
+    ray.kill(home)
 
 
 def test_a_worker_of_a_relayed_node_pushing_to_the_server_is_refused(ray_session):

@@ -92,6 +92,23 @@ def test_answers_to_a_forgotten_step_are_dropped_and_waits_are_bounded():
         stream.wait(0, 0, 0.2)
 
 
+def test_a_wait_for_a_push_forgotten_meanwhile_fails_at_once():
+    """A relaying server's push of a step that failed: its wait ends when the step is forgotten, and cannot take
+    the answer to the re-run's push of the same step and partition."""
+    server = Server()
+    stream, _ = _connect(server)
+    server.release.clear()
+    epoch = stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    threading.Timer(0.2, stream.forget).start()
+    start = time.monotonic()
+    with pytest.raises(streams.Forgotten):
+        stream.wait(0, 0, 30, epoch)
+    assert time.monotonic() - start < 5
+    server.release.set()
+    epoch = stream.send(0, 0, [np.full(SIZE, 3, np.float32)])
+    assert stream.wait(0, 0, 10, epoch) == ("averaged", 0)
+
+
 def test_the_worker_sees_the_server_close_at_once():
     server = Server()
     stream, _ = _connect(server)
