@@ -37,14 +37,36 @@ def to_float32(wire: np.ndarray) -> np.ndarray:
     return wire if wire.dtype == _F32 else wire.astype(np.float32)
 
 
-def _bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 rounded to bf16 (nearest, ties to even), as uint16 bits; a NaN stays a (quiet) NaN."""
+BLOCK = 1 << 16  # elements per block of a conversion: its temporaries stay in cache
+
+
+def _round_to_bf16_into(out: np.ndarray, values: np.ndarray) -> None:
+    """``out[:]`` = float32 ``values`` rounded to bf16 (nearest, ties to even), as uint16 bits; a NaN stays a
+    (quiet) NaN. Block by block, in place in one scratch block: on whole partitions, numpy's temporaries
+    made this 6x slower."""
     bits = values.view(np.uint32)
-    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    if nan.any():
-        rounded[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040
-    return rounded
+    scratch = np.empty(min(BLOCK, values.size), np.uint32)
+    for lo in range(0, values.size, BLOCK):
+        hi = min(lo + BLOCK, values.size)
+        block, t, o = bits[lo:hi], scratch[:hi - lo], out[lo:hi]
+        np.right_shift(block, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, 0x7FFF, out=t)
+        np.add(t, block, out=t)  # wraps past 2**32 only for NaNs, fixed below
+        np.right_shift(t, 16, out=t)
+        np.copyto(o, t, casting="unsafe")
+        nan = np.isnan(values[lo:hi])
+        if nan.any():
+            o[nan] = (block[nan] >> 16).astype(np.uint16) | 0x0040
+
+
+def _widen_bf16_into(out: np.ndarray, wire_array: np.ndarray) -> None:
+    """``out[:]`` = bf16 bits (uint16) as float32, exactly; block by block in ``out`` itself."""
+    bits = out.view(np.uint32)
+    for lo in range(0, wire_array.size, BLOCK):
+        hi = min(lo + BLOCK, wire_array.size)
+        np.copyto(bits[lo:hi], wire_array[lo:hi], casting="unsafe")
+        np.left_shift(bits[lo:hi], 16, out=bits[lo:hi])
 
 
 def convert_into(out: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -54,9 +76,9 @@ def convert_into(out: np.ndarray, values: np.ndarray) -> np.ndarray:
     if out.dtype == values.dtype:
         out[:] = values
     elif out.dtype == _WIRE["bf16"] and values.dtype == _F32:
-        out[:] = _bf16_bits(values)
+        _round_to_bf16_into(out, values)
     elif values.dtype == _WIRE["bf16"] and out.dtype == _F32:
-        out[:] = to_float32(values)
+        _widen_bf16_into(out, values)
     else:
         with np.errstate(over="ignore"):  # fp16: beyond its range is inf, as documented
             out[:] = values
