@@ -310,6 +310,10 @@ class Stream:
             self._changed.notify_all()  # waits for those pushes fail
 
     def close(self) -> None:
+        """End the stream: a wait from now on fails as if the server had closed it."""
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
         shut_down(self._socket)
         self._socket.close()
         for end in self._wakeup:

@@ -92,6 +92,17 @@ def test_answers_to_a_forgotten_step_are_dropped_and_waits_are_bounded():
         stream.wait(0, 0, 0.2)
 
 
+def test_a_wait_on_a_closed_stream_fails_as_a_closed_connection():
+    """A pushing end closed (its server replaced, the engine shut down): a late wait fails as the stream's end,
+    the error the client turns into an aborted step, not a ValueError from polling a closed socket."""
+    server = Server()
+    stream, _ = _connect(server)
+    stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    stream.close()
+    with pytest.raises(ConnectionError):
+        stream.wait(0, 0, 10)
+
+
 def test_a_wait_for_a_push_forgotten_meanwhile_fails_at_once():
     """A relaying server's push of a step that failed: its wait ends when the step is forgotten, and cannot take
     the answer to the re-run's push of the same step and partition."""
