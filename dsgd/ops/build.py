@@ -48,7 +48,7 @@ def _tf_flags() -> tuple[list[str], list[str], str]:
 
 def _command(compiler: str, output: Path, compile_flags: list[str], link_flags: list[str]) -> list[str]:
     sources = [str(PACKAGE_DIR / s) for s in SOURCES]
-    return [compiler, "-O2", "-fPIC", "-shared", "-Wno-deprecated-declarations",
+    return [compiler, "-O3", "-fPIC", "-shared", "-Wno-deprecated-declarations",
             "-Wno-interference-size", f"-I{REPO_ROOT}", *compile_flags, *sources,
             "-o", str(output), *link_flags]
 
