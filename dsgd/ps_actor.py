@@ -590,8 +590,11 @@ class ParameterServer:
             self.begun = {w: step_id - 1 for w in range(self.num_workers)}
             for stream in self.relay_streams.values():  # the failed step's answers are dropped, its waits fail
                 stream.forget()
+            broken = any(stream.broken for stream in self.relay_streams.values())
             self.aborted = False
             self.changed.notify_all()
+        if broken:  # a stream that ended with both servers alive (a send cut short): open them anew
+            self.set_peers(self.peers)
 
     def _recorder(self, step_id: int) -> timeline.Recorder:
         if step_id not in self.traces:

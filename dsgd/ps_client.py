@@ -27,7 +27,7 @@ import numpy as np
 import ray
 
 from dsgd import shared_memory, signals, streams, timeline
-from dsgd.errors import ActorFailure, DSGDTimeoutError
+from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd
 
@@ -152,9 +152,22 @@ class ParameterServerClient:
         return sorted(set.intersection(*(set(a) for a in self.averaged.values())))
 
     def forget_pushes(self) -> None:
-        """Drop the pushes of a failed step and their answers (the driver aborts and resets the servers)."""
+        """Drop the pushes of a failed step and their answers (the driver aborts and resets the servers); open
+        anew every stream that ended while its server may live on (a send cut short), so the re-run of the step
+        does not fail on it again. A server that does not answer is dead: the recovery replaces it and
+        ``connect`` attaches anew."""
         for end in set(self.ends):  # one end per server, shared by its partitions
             end.forget()
+        node = ray.get_runtime_context().get_node_id()
+        for j, end in enumerate(self.server_ends):
+            if end.broken:
+                end.close()
+                try:
+                    info = ray.get(self.servers[j].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
+                    self.server_ends[j] = self._end(j, self.servers[j], info)
+                except (ray.exceptions.RayError, OSError, DSGDError):
+                    pass  # left broken: a dead server, which the recovery replaces
+        self.ends = [self.server_ends[j] for j in self.routes]
 
     def _wait(self, refs, what: str, timeout_s: float | None = None):
         timeout_s = self.step_timeout_s if timeout_s is None else timeout_s

@@ -234,10 +234,22 @@ class Stream:
         views = [_bytes(a) for a in arrays]
         with self._sending:
             epoch = self._epoch
-            self._socket.sendall(PUSH.pack(epoch, step, partition, sum(v.nbytes for v in views)))
-            for view in views:
-                self._socket.sendall(view)
+            try:
+                self._socket.sendall(PUSH.pack(epoch, step, partition, sum(v.nbytes for v in views)))
+                for view in views:
+                    self._socket.sendall(view)
+            except OSError:  # a frame cut short: the server would misread what follows
+                with self._changed:
+                    self._gone = True
+                    self._changed.notify_all()
+                raise
         return epoch
+
+    @property
+    def broken(self) -> bool:
+        """The stream ended (the server closed it, a send or an answer was cut short, or ``close``): every later
+        push and wait on it fails; a new one must be opened."""
+        return self._gone
 
     def wait(self, step: int, partition: int, timeout_s: float, epoch: int | None = None) -> Any:
         """The answer to push ``(step, partition)``, raised if it is an exception (its mean is in

@@ -61,6 +61,8 @@ class SharedMemoryWorkerEnd:
     """A worker's partitions go into its input buffer on the server, pushes and answers through the pair's
     signal channel; means are read in place."""
 
+    broken = False  # its channel ends only with its server's process, which a recovery replaces
+
     def __init__(self, input_memory, mean_memory, offsets: dict[int, int], slots: Sequence[int],
                  shards: Sequence[Shard], channel: signals.Channel):
         """``offsets[j]``: byte offset of partition j in both buffers, ``slots``: byte offset of each slot of the
@@ -153,6 +155,11 @@ class StreamWorkerEnd:
         """Drop the answers to the pushes so far (a failed step's)."""
         self.stream.forget()
 
+    @property
+    def broken(self) -> bool:
+        """The stream ended while the server may live on (``ParameterServerClient.forget_pushes`` opens anew)."""
+        return self.stream.broken
+
     def close(self) -> None:
         self.stream.close()
 
@@ -164,6 +171,8 @@ class StreamWorkerEnd:
 
 class ObjectStoreWorkerEnd:
     """A worker's partitions travel as one object per push; the mean comes back as one object."""
+
+    broken = False  # nothing held open between pushes
 
     def __init__(self):
         self.segments = _Segments()

@@ -29,6 +29,7 @@ import json
 import ray
 
 import dsgd
+from dsgd.signals import shut_down
 from cluster_jobs import actor_node, local_cluster, wait_until_idle
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,
@@ -52,7 +53,7 @@ def run() -> dict:
                    for name, kwargs in ENGINES.items()}
         record = lockstep(engines, STEPS)
         sgd = engines[FLOAT32]
-        return {
+        result = {
             "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
             "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
             "worker_nodes_gcs": [actor_node(w) for w in sgd.workers],
@@ -68,6 +69,29 @@ def run() -> dict:
                         "replicas": {n: [_listed(r) for r in rs] for n, rs in e["replicas"].items()}}
                        for e in record],
         }
+        result["broken_stream"] = break_a_stream(sgd)
+        return result
+
+
+def _shut_worker_0s_stream(worker) -> int:
+    """On worker 0: shut its stream to the other node's server down (the socket only; both actors live on)."""
+    if worker.worker_index != 0:
+        return 0
+    ends = [end for end in worker.client.server_ends if type(end).__name__ == "StreamWorkerEnd"]
+    for end in ends:
+        shut_down(end.stream._socket)
+    return len(ends)
+
+
+def break_a_stream(sgd) -> dict:
+    """Worker 0's stream ends under it with both actors alive; the next step fails on it, and the recovery must
+    open a new one (not fail again on the old until ``max_failures``)."""
+    failures = sgd.failures
+    shut = sgd.foreach_worker(_shut_worker_0s_stream)
+    for _ in range(2):
+        sgd.step()
+    return {"shut": shut, "failures": sgd.failures - failures, "transports": _transports(sgd),
+            "replicas": [_listed(r) for r in replica_weights(sgd)]}
 
 
 class SlowWorker1(StragglerNet):

@@ -54,6 +54,18 @@ def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_r
             assert len(set(ends)) == 2  # both transports are exercised
 
 
+def test_a_stream_that_ends_with_both_actors_alive_is_opened_anew_by_the_recovery(job):
+    """Worker 0's stream shut down under it: one failed step, then the recovery opens a new stream and steps go
+    on across the nodes, replicas alike."""
+    run = job["broken_stream"]
+    assert run["shut"] == [1, 0]
+    assert run["failures"] == 1
+    assert all("StreamWorkerEnd" in ends for ends in run["transports"])
+    first, second = [weights_from_json(r) for r in run["replicas"]]
+    for name in first:
+        assert np.array_equal(first[name], second[name]), name
+
+
 def test_replicas_are_identical_and_equal_the_numpy_reference(job):
     replicas = [weights_from_json(r) for r in job["replicas"]]
     assert len(replicas) == 2

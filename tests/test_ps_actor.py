@@ -12,6 +12,7 @@ from dsgd import object_store, ps_actor, streams, wire
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.ps_client import ParameterServerClient
 from dsgd.shards import VarSpec, plan_shards, segments
+from dsgd.signals import shut_down
 from dsgd.transport import StreamWorkerEnd
 from dsgd_test_models import pushes_waiting, wait_until
 
@@ -425,6 +426,40 @@ def test_a_relay_on_another_node_pushes_its_float32_partial_sum_down_a_stream(ra
     # Per partition and step: workers 0 and 1 through the object store and the partial sum down the stream.
     assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
     ray.kill(home)
+
+
+def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_reset(ray_session):
+    """A relaying server (here in this process, posing as on another node) whose stream to its partition's
+    server ended under it (a send cut short): the reset of the recovery opens a new stream, and the relay's
+    partial sum and the mean travel on it."""
+    rng = np.random.default_rng(13)
+    home = ps_actor.start(0, 4, LAYOUT, 30.0, node_sums={s.index: [(2, 3)] for s in LAYOUT})
+    relay = ps_actor.ParameterServer(1, 4, [], 30.0, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in LAYOUT])
+    relay.node_id = "another node"
+    try:
+        relay.set_peers([home, None])
+        first = relay.relay_streams[0]
+        shut_down(first._socket)
+        with pytest.raises(OSError):
+            first.send(0, 0, [np.zeros(LAYOUT[0].size, np.float32)])
+        assert first.broken
+        relay.reset(0)
+        assert relay.relay_transports() == {0: "stream"} and not relay.relay_streams[0].broken
+        assert first._socket.fileno() == -1  # the old one closed
+        shard = LAYOUT[0]
+        parts = [_data(rng)[0] for _ in range(4)]
+        pushes = {w: home.push.remote(0, w, 0, _stored(shard, parts[w])) for w in (0, 1)}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the node's workers, into the relay
+            relayed = [pool.submit(relay.push, 0, w, 0, ray.get(_stored(shard, parts[w]))) for w in (2, 3)]
+            assert [f.result(timeout=30)[1] for f in relayed] == [(0, 1, 2, 3)] * 2
+        [ref], averaged = ray.get(pushes[0], timeout=30)
+        assert averaged == (0, 1, 2, 3)
+        expected = ((parts[0] + parts[1]) + (parts[2] + parts[3])) / np.float32(4)
+        np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
+    finally:
+        for stream in relay.relay_streams.values():
+            stream.close()
+        ray.kill(home)
 
 
 def test_a_worker_of_a_relayed_node_pushing_to_the_server_is_refused(ray_session):
