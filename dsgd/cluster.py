@@ -463,7 +463,9 @@ class Cluster:
     def _grow(self, new: list[int], nodes: list[str], resized: Options, phases: Phases, fetch_stats: bool) -> None:
         """Start workers ``new`` on ``nodes`` and build their models; meanwhile, with "ps", the servers of
         ``resized`` start (``_next_servers``, taken up by ``connect_exchange``) and the survivors prepare its
-        exchange. With datasets every worker builds its model again (new splits): nothing is prepared."""
+        exchange; the new workers prepare it once built, planned for the feeds of a survivor's last step (so
+        their first step is not TensorFlow planning it while every other worker waits). With datasets every
+        worker builds its model again (new splits): nothing is prepared."""
         survivors = self.workers[:new[0]]
         preparing, group = [], None
         with phases("start workers"):
@@ -472,6 +474,7 @@ class Cluster:
                 # The new workers run on ``nodes`` (hard node affinity), so the servers are planned as at start.
                 group = self._next_servers = plan_group(resized, self.signature.exchange, self._worker_nodes + nodes)
                 group.start()
+                feed_names = survivors[0].step_feed_names.remote()  # before it is busy preparing
                 preparing = [w.prepare_exchange.remote("ps", fetch_stats, group.layout, group.placement)
                              for w in survivors]
             identities = self.calls.identify(self.workers[len(survivors):], f"new workers {new} to start")
@@ -479,13 +482,15 @@ class Cluster:
         with phases("build models"):
             self._build_models(range(len(self.workers)) if self._split_datasets(self._worker_nodes) else new)
         if group is not None:
+            preparing += [w.prepare_exchange.remote("ps", fetch_stats, group.layout, group.placement, feed_names)
+                          for w in self.workers[len(survivors):]]
             with phases("start servers"):
                 self.calls.identify(group.actors, "the parameter servers to start")
         if not preparing:
             return
-        with phases("prepare survivors"):
+        with phases("prepare workers"):
             try:
-                self.calls.call_startup(preparing, f"the survivors to prepare the exchange of "
+                self.calls.call_startup(preparing, f"the workers to prepare the exchange of "
                                                    f"{resized.num_workers} workers")
             except ActorFailure as e:  # a dead survivor is replaced once the new workers are in (connect_exchange)
                 logger.warning("%s; the grow goes on", e)

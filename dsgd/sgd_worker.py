@@ -153,26 +153,33 @@ class SGDWorker:
         self.exchange = self._local_exchange()
 
     def prepare_exchange(self, kind: str, fetch_stats: bool, layout: list[shards.Shard] | None = None,
-                         placement: list[int] | None = None) -> None:
+                         placement: list[int] | None = None, feed_names: Sequence[str] | None = None) -> None:
         """Build the exchange of ``kind`` (for "ps": of ``layout`` and ``placement``) without taking it up, and
-        have TensorFlow plan its step (stats fetched or not) for the feeds of this worker's last step.
+        have TensorFlow plan its step (stats fetched or not) for the feeds of this worker's last step, or, for a
+        worker that has not stepped yet, ``feed_names`` (a survivor's, ``step_feed_names``).
 
         A survivor of a grow does this while the new workers build their
-        models; ``set_exchange`` and ``connect`` then take the exchange up,
-        and its first step runs the planned run. Before any step (no feeds
-        seen yet) only the exchange is built. A plan that fails is dropped:
-        the step then runs as it would have.
+        models, and a new worker once its model is built; ``set_exchange``
+        and ``connect`` then take the exchange up, and its first step runs
+        the planned run (if its feeds are the ones planned for). Without
+        feeds to plan for, only the exchange is built. A plan that fails is
+        dropped: the step then runs as it would have.
         """
         if kind == "ps":
             exchange = self._ps_exchange(layout, placement)[1]
         else:
             exchange = self._local_exchange(kind)
-        if exchange is None or self.runner.feed_names is None:
+        feed_names = self.runner.feed_names if self.runner.feed_names is not None else feed_names
+        if exchange is None or feed_names is None:
             return
         try:
-            exchange.prepare(fetch_stats, self.runner.feed_names)
+            exchange.prepare(fetch_stats, feed_names)
         except (KeyError, ValueError, TypeError, tf.errors.OpError) as e:
             logger.debug("worker %d dropped the plan of its next step: %s", self.worker_index, e)
+
+    def step_feed_names(self) -> tuple[str, ...] | None:
+        """The tensors this worker's last step fed (None before its first): what a new worker plans for."""
+        return self.runner.feed_names
 
     # ---- stepping -----------------------------------------------------------
 

@@ -66,12 +66,12 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
         grew = [r for r in caplog.records if "grew from 2 to 3 workers" in r.message]
         assert len(grew) == 1 and {"start workers", "build models", "resynchronize"} <= set(grew[0].resize_phases)
         assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [2, 2, 2]
-        if strategy == "ps":  # the survivors planned the step of 3 during the grow (the new worker could not)
-            assert sgd.foreach_worker(lambda w: set(w.exchange._prepared)) == [{True}, {True}, set()]
+        if strategy == "ps":  # every worker planned the step of 3 during the grow (the new one for worker 0's feeds)
+            assert sgd.foreach_worker(lambda w: set(w.exchange._prepared)) == [{True}, {True}, {True}]
             sgd.foreach_worker(_count_prepared_runs)
         assert run_steps(sgd, 2)["num_replicas"] == 3
         if strategy == "ps":  # and their steps ran it
-            assert sgd.foreach_worker(lambda w: [p.runs for p in w.exchange._prepared.values()]) == [[2], [2], []]
+            assert sgd.foreach_worker(lambda w: [p.runs for p in w.exchange._prepared.values()]) == [[2], [2], [2]]
 
         sgd.resize(1)
         assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == pids[:1]
