@@ -98,8 +98,10 @@ def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session, t
         for _ in range(2):
             stats = sgd.step(fetch_stats=True)
             assert stats["step_time_s"] >= StragglerNet.DELAY_S * 0.9 and stats["num_replicas"] == 2
-            # Per partition, either slow worker may be the one averaged: 1 or 2 workers left out somewhere.
-            assert stats["dropped_gradients"] in (1, 2)
+            # Per partition, one worker is left out: usually a slow one, but on a loaded machine even the fast
+            # worker's push may come third (a CI run saw all three left out of some partition). Each worker
+            # left out anywhere counts once: between 1 and the number of workers, never per partition.
+            assert 1 <= stats["dropped_gradients"] <= 3
         assert_replicas_identical(sgd, 3)
 
 
