@@ -239,11 +239,15 @@ class Stream:
                 for view in views:
                     self._socket.sendall(view)
             except OSError:  # a frame cut short: the server would misread what follows
-                with self._changed:
-                    self._gone = True
-                    self._changed.notify_all()
+                self._end()
                 raise
         return epoch
+
+    def _end(self) -> None:
+        """Mark the stream gone: every wait, now or later, fails as the stream's end."""
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
 
     @property
     def broken(self) -> bool:
@@ -323,9 +327,7 @@ class Stream:
 
     def close(self) -> None:
         """End the stream: a wait from now on fails as if the server had closed it."""
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
+        self._end()
         shut_down(self._socket)
         self._socket.close()
         for end in self._wakeup:
