@@ -7,8 +7,11 @@ input is already a sum of several workers' (node-local aggregation: a node's
 partial sum, divided by the total worker count at its server, or by 1 at the
 node's relay, which only sums). The driver's "simple" average and
 every parameter server call it, so the two strategies agree bit for bit.
-Inputs in a 16-bit wire form (``dsgd.wire``) are widened to ``out``'s
-float32 block by block, so a compressed partition is summed in float32.
+Inputs in a 16-bit wire form (``dsgd.wire``) are widened to float32 block
+by block, so a compressed partition is summed in float32;
+``average_rounded_into`` rounds that float32 average once into a 16-bit
+``out`` (a compressed partition's mean). Averages of bf16 inputs run in C++
+(``dsgd.wire.average_bf16_into``) where the wire kernels are built.
 ``address_range`` is how the op library hands a numpy array's memory to C++.
 """
 
@@ -28,6 +31,19 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | N
 
     Summed in the order given; ``divisor`` defaults to ``len(inputs)`` (their mean).
     """
+    return _average(out, inputs, divisor, out.dtype)
+
+
+def average_rounded_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | None = None) -> np.ndarray:
+    """As ``average_into``, for an ``out`` in a 16-bit wire form of float32 (``dsgd.wire``): the average is taken
+    in float32 and rounded once into ``out``. A compressed partition's mean."""
+    if out.dtype not in wire.WIRE_DTYPES:
+        raise ValueError(f"average_rounded_into rounds into a 16-bit wire form {wire.WIRE_DTYPES}, not {out.dtype}")
+    return _average(out, inputs, divisor, np.dtype(np.float32))
+
+
+def _average(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | None, sum_dtype: np.dtype) -> np.ndarray:
+    """The block loop of both averages: summed in ``sum_dtype``, then converted into ``out`` if it differs."""
     n = len(inputs)
     if n == 0:
         raise ValueError("average_into needs at least one input")
@@ -36,11 +52,16 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | N
     elif divisor < 1:
         raise ValueError(f"average_into divides by a count of workers, at least 1; got {divisor}")
     flat_out = out.reshape(-1)
-    flat = [_Widened(a.reshape(-1)) if a.dtype != out.dtype else a.reshape(-1) for a in inputs]
-    block = max(1, BLOCK_BYTES // max(1, out.dtype.itemsize))
+    flat = [a.reshape(-1) for a in inputs]
+    if sum_dtype == np.float32 and all(a.dtype == wire.BF16 for a in flat) \
+            and out.dtype in (sum_dtype, wire.BF16) and wire.average_bf16_into(flat_out, flat, divisor):
+        return out
+    flat = [_Widened(a) if a.dtype != sum_dtype else a for a in flat]
+    block = max(1, BLOCK_BYTES // max(1, sum_dtype.itemsize))
+    scratch = None if sum_dtype == out.dtype else np.empty(min(block, flat_out.size), sum_dtype)
     for lo in range(0, flat_out.size, block):
         hi = min(lo + block, flat_out.size)
-        target = flat_out[lo:hi]
+        target = flat_out[lo:hi] if scratch is None else scratch[:hi - lo]
         if n == 1:
             np.copyto(target, flat[0][lo:hi])
         else:
@@ -49,6 +70,8 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | N
                 np.add(target, a[lo:hi], out=target)
         if divisor != 1:
             np.divide(target, divisor, out=target)
+        if scratch is not None:
+            wire.convert_into(flat_out[lo:hi], target)
     return out
 
 

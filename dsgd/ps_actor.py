@@ -75,7 +75,7 @@ from typing import Sequence
 import numpy as np
 import ray
 
-from dsgd import actor_identity, arrays, object_store, shared_memory, signals, streams, timeline, wire
+from dsgd import actor_identity, arrays, object_store, shared_memory, signals, streams, timeline
 from dsgd.errors import DSGDError, DSGDTimeoutError, StepAborted
 from dsgd.shards import Shard, segments
 from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places
@@ -111,7 +111,7 @@ class _Partition:
     offset: int  # bytes into the mean buffer and every worker's input buffer
     segments: list[tuple[int, int]]  # (start, size) of each segment a remote push carries
     means: list[np.ndarray]  # views of the mean buffer in the wire dtype, one per slot (step parity, backup workers)
-    total: np.ndarray | None  # compressed: the float32 array the pushes are averaged in, then rounded into a mean
+    total: np.ndarray | None  # a compressed partition's relay: the float32 array the node's pushes are summed in
     # who pushes it: a worker, or a node's relay keyed by its lowest worker -> the workers the push stands for
     contributors: dict[int, tuple[int, ...]]
     quorum: int  # the workers a step is averaged over (or, relayed, summed over)
@@ -195,14 +195,15 @@ class ParameterServer:
 
     def _place(self, shard: Shard, memory, offset: int, node_sums: Sequence[tuple[int, ...]],
                relay: Relay | None = None) -> _Partition:
-        """``shard``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if compressed.
+        """``shard``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if a compressed
+        partition is relayed.
 
         Pushed by every worker but those of ``node_sums`` (each group pushed as one by its node's relay), or
         relayed: by ``relay.workers``.
         """
         means = [np.frombuffer(memory, shard.wire_dtype, shard.size, offset + k * self.nbytes)
                  for k in range(self.slots)]
-        total = None if shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
+        total = None if relay is None or shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
         if relay is not None:
             contributors = {w: (w,) for w in relay.workers}
         else:
@@ -502,14 +503,16 @@ class ParameterServer:
         if remote workers read it, and the workers the mean averages. A compressed partition is averaged in
         float32 and its mean rounded once to 16 bits. A relayed partition is summed, then pushed on (``_relay``)."""
         mean = p.mean(step_id)
-        total = mean if p.total is None else p.total
-        divisor = 1 if p.home is not None else len(averaged)
+        if p.home is not None:  # a relay: the node's sum, in float32 if compressed
+            target, divisor, average = (mean if p.total is None else p.total), 1, arrays.average_into
+        else:
+            target, divisor = mean, len(averaged)
+            compressed = p.shard.wire_dtype != p.shard.dtype
+            average = arrays.average_rounded_into if compressed else arrays.average_into
         what = "sum" if p.home is not None else "average"
         with recorder.span(f"{what} partition {p.shard.index} of workers {list(averaged)}", "sum"):
             for k, (start, size) in enumerate(p.segments):
-                arrays.average_into(total[start:start + size], [pushed[k] for pushed in inputs], divisor)
-                if p.total is not None and p.home is None:
-                    wire.convert_into(mean[start:start + size], total[start:start + size])
+                average(target[start:start + size], [pushed[k] for pushed in inputs], divisor)
         if p.home is not None:
             ref, averaged = self._relay(p, step_id, averaged, recorder)
             if ref is not None:  # through the object store: its server's mean, for workers here on it

@@ -32,7 +32,17 @@ def _awkward_float32(n: int = 200_000) -> np.ndarray:
     return np.concatenate([x, ties, -ties, np.array(special, np.float32)])
 
 
-def test_bf16_rounds_to_nearest_even_as_ml_dtypes_does():
+@pytest.fixture(params=["kernels", "numpy"])
+def bf16_backend(request, monkeypatch):
+    """bf16's conversions and averages in the wire kernels (C++), or in numpy, where the kernels cannot be built."""
+    if request.param == "kernels":
+        assert wire.kernels() is not None, "the test install builds the wire kernels"
+    else:
+        monkeypatch.setattr(wire, "_kernels", [None])
+    return request.param
+
+
+def test_bf16_rounds_to_nearest_even_as_ml_dtypes_does(bf16_backend):
     x = _awkward_float32()
     bits = wire.convert_into(np.empty(x.size, np.uint16), x)
     np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
@@ -40,6 +50,42 @@ def test_bf16_rounds_to_nearest_even_as_ml_dtypes_does():
     np.testing.assert_array_equal(back, x.astype(ml_dtypes.bfloat16).astype(np.float32))
     assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 2 ** -8]))[0] == 0x3F80  # tie: down to even
     assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 3 * 2 ** -8]))[0] == 0x3F82  # tie: up to even
+
+
+def _bf16_averages(inputs: list[np.ndarray], divisor: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 average of bf16 ``inputs`` and that average rounded to bf16."""
+    size = inputs[0].size
+    return (arrays.average_into(np.empty(size, np.float32), inputs, divisor),
+            arrays.average_rounded_into(np.empty(size, np.uint16), inputs, divisor))
+
+
+@pytest.mark.parametrize("count,divisor", [(1, None), (2, None), (3, None), (3, 1), (2, 5)])
+def test_bf16_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch, count, divisor):
+    x = _awkward_float32(30_011)  # not a whole number of the kernels' or numpy's blocks
+    rng = np.random.default_rng(count)
+    inputs = [wire.convert_into(np.empty(x.size, np.uint16), rng.permutation(x)) for _ in range(count)]
+    assert wire.kernels() is not None, "the test install builds the wire kernels"
+    kernel_mean, kernel_rounded = _bf16_averages(inputs, divisor)
+    monkeypatch.setattr(wire, "_kernels", [None])
+    numpy_mean, numpy_rounded = _bf16_averages(inputs, divisor)
+    # NaN + NaN keeps one operand's payload, which the two may pick differently: NaNs are compared as NaNs
+    nan = np.isnan(numpy_mean)
+    np.testing.assert_array_equal(np.isnan(kernel_mean), nan)
+    np.testing.assert_array_equal(kernel_mean.view(np.uint32)[~nan], numpy_mean.view(np.uint32)[~nan])
+    np.testing.assert_array_equal(kernel_rounded[~nan], numpy_rounded[~nan])
+    expected = wire.to_float32(inputs[0])  # in worker order, in float32
+    with np.errstate(invalid="ignore", over="ignore"):
+        for a in inputs[1:]:
+            expected = expected + wire.to_float32(a)
+        expected = expected / np.float32(divisor or count)
+    np.testing.assert_array_equal(numpy_mean, expected)
+    np.testing.assert_array_equal(wire.to_float32(kernel_rounded[~nan]),
+                                  expected[~nan].astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_a_rounded_average_needs_a_16_bit_output():
+    with pytest.raises(ValueError, match="16-bit wire form"):
+        arrays.average_rounded_into(np.empty(4, np.float32), [np.zeros(4, np.uint16)])
 
 
 def test_fp16_beyond_its_range_is_inf_without_a_warning(recwarn):

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dsgd/ops/cc/bf16.h"
 #include "dsgd/ops/cc/buffer_registry.h"
 #include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"
@@ -27,42 +28,6 @@ constexpr char kTypes[] =
 constexpr char kWireTypes[] =
     "W: {half, bfloat16, float, double, int8, uint8, int16, int32, int64}";
 constexpr uintptr_t kAlignBytes = 64;
-
-// The conversion loops are compiled once per x86 vector width and the widest
-// the CPU has is picked when the library loads (GCC's target_clones): a
-// portable build that still converts 16 floats at a time where it can.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DSGD_VECTOR_CLONES \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-#else
-#define DSGD_VECTOR_CLONES
-#endif
-
-// float32 -> bfloat16 bits, rounded to nearest, ties to even; a NaN stays a
-// quiet NaN. dsgd/wire.py does the same in numpy, bit for bit. Branch-free,
-// so the loop below vectorizes.
-inline uint16_t FloatToBfloat16Bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
-}
-
-inline float Bfloat16BitsToFloat(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-DSGD_VECTOR_CLONES void FloatToBfloat16(const float* in, uint16_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = FloatToBfloat16Bits(in[i]);
-}
-
-DSGD_VECTOR_CLONES void Bfloat16ToFloat(const uint16_t* in, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = Bfloat16BitsToFloat(in[i]);
-}
 
 // Whether a shard of `from` elements can be copied into `to` elements:
 // the same dtype, or float32 and one of its 16-bit wire forms either way.
@@ -84,7 +49,7 @@ void CopyElements(DataType from, DataType to, const char* src, char* dst, int64_
   if (from == DT_FLOAT) {
     const float* in = reinterpret_cast<const float*>(src);
     if (to == DT_BFLOAT16) {
-      FloatToBfloat16(in, reinterpret_cast<uint16_t*>(dst), n);
+      dsgd::FloatToBfloat16(in, reinterpret_cast<uint16_t*>(dst), n);
     } else {
       Eigen::half* out = reinterpret_cast<Eigen::half*>(dst);
       for (int64_t i = 0; i < n; ++i) out[i] = Eigen::half(in[i]);
@@ -93,7 +58,7 @@ void CopyElements(DataType from, DataType to, const char* src, char* dst, int64_
   }
   float* out = reinterpret_cast<float*>(dst);
   if (from == DT_BFLOAT16) {
-    Bfloat16ToFloat(reinterpret_cast<const uint16_t*>(src), out, n);
+    dsgd::Bfloat16ToFloat(reinterpret_cast<const uint16_t*>(src), out, n);
   } else {
     const Eigen::half* in = reinterpret_cast<const Eigen::half*>(src);
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
