@@ -31,7 +31,8 @@ from dsgd import timeline, user_model, worker_graph
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, NonFiniteGradientError
 
-_NONFINITE = re.compile(r"dsgd: non-finite (gradient|value) of '([^']+)'")
+# a non-finite check's message (dsgd.worker_graph._finite); an assert's escapes the quotes
+_NONFINITE = re.compile(r"dsgd: non-finite (gradient|value) of \\?'([^'\\]+)\\?'")
 
 
 class StepRunner:

@@ -148,9 +148,18 @@ def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step
     assert "| CPU (untraced steps) |" in step_breakdown.table(record)
 
 
+def test_finite_check_benchmark_times_both_checks_on_a_shape(capsys):
+    from benchmarks import finite_check
+
+    result = finite_check.measure("small", reps=2)
+    assert set(result) == {"checknumerics", "dsgd"} and all(ms > 0 for ms in result.values())
+    assert "small: 4.0 M float32 in 314 tensors" in capsys.readouterr().out
+
+
 def test_step_breakdown_kinds_of_events():
     assert step_breakdown.event_kind({"name": "a/b", "args": {"op": "ResourceApplyAdam(a, b)"}}) == "TF: apply"
-    assert step_breakdown.event_kind({"name": "c", "args": {"op": "CheckNumerics(g)"}}) == "TF: non-finite checks"
+    assert step_breakdown.event_kind({"name": "nonfinite_check_gradients/IsFinite_3",
+                                      "args": {"op": "IsFinite(g)"}}) == "TF: non-finite checks"
     assert step_breakdown.event_kind({"name": "d", "args": {"op": "MatMul(x, w)"}}) == "TF: other ops (compute)"
     assert step_breakdown.event_kind({"name": "read the mean of partition 3"}) == "read the means (get)"
     assert step_breakdown.event_kind({"name": "compute, exchange and apply"}) is None
@@ -294,7 +303,8 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
     ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"], ["benchmarks/setup_cost.py"],
-    ["benchmarks/step_breakdown.py"], ["-m", "benchmarks.step_breakdown"], ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
+    ["benchmarks/step_breakdown.py"], ["benchmarks/finite_check.py"], ["-m", "benchmarks.finite_check"],
+    ["-m", "benchmarks.step_breakdown"], ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
     ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"], ["-m", "benchmarks.setup_cost"],
 ], ids=" ".join)
 def test_benchmarks_start_as_scripts_and_modules(command, tmp_path):

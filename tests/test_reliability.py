@@ -11,6 +11,8 @@ import ray
 import tensorflow as tf
 
 import dsgd
+from dsgd import step_runner, worker_graph
+from dsgd.config import WorkerConfig
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue, KillOnCue,
                               NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
                               assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
@@ -238,6 +240,29 @@ def test_non_finite_gradient_is_raised_or_skipped_on_every_replica(ray_session, 
         after = sgd.get_weights()
         assert all(np.array_equal(before[k], after[k]) for k in before)
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
+
+
+@pytest.mark.parametrize("bad", [None, ("big", np.nan), ("big", -np.inf), ("small", np.nan), ("small", np.inf)])
+def test_the_non_finite_check_names_the_variable_in_small_and_large_tensors(bad):
+    """Small tensors get a CheckNumerics op, large ones a vectorized check and one assert: both name the variable."""
+    sizes = {"small": worker_graph.SMALL_CHECK_ELEMENTS, "big": worker_graph.SMALL_CHECK_ELEMENTS + 1, "other": 7,
+             "bigger": 3 * worker_graph.SMALL_CHECK_ELEMENTS}
+    config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto", cpus_per_worker=1,
+                          step_timeout_s=10, startup_timeout_s=10)
+    values = {name: np.ones(n, np.float32) for name, n in sizes.items()}
+    if bad is not None:
+        values[bad[0]][sizes[bad[0]] // 2] = bad[1]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        tensors = [tf.constant(v) for v in values.values()]
+        checks = worker_graph._finite(tensors, list(values), "gradient", config)
+        assert len(checks) == 3  # the two small tensors' CheckNumerics and the large ones' assert
+        if bad is None:
+            session.run(checks)
+            return
+        with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+            session.run(checks)
+    found = step_runner._NONFINITE.search(raised.value.message)
+    assert found is not None and found.groups() == ("gradient", bad[0])
 
 
 def test_exchange_larger_than_the_object_store_is_refused_before_any_parameter_server_starts(ray_session):

@@ -1,0 +1,85 @@
+"""The apply's non-finite check: dsgd's against one CheckNumerics per tensor, on the exchange benchmark's shapes.
+
+Every "ps" and "simple" step checks each mean before the apply
+(``nan_policy``). This times, in one process with one TensorFlow thread (a
+worker's budget), a run of the check alone over tensors of each shape's
+variables (random float32, fed once into variables): `checknumerics`, one
+`CheckNumerics` op per tensor (dsgd's check until 2026-11-24, whose element
+loop is scalar), against `dsgd`, the engine's own check
+(``dsgd.worker_graph._finite``: a vectorized `is_finite` reduction per
+tensor and one assert). The two run interleaved, median of `--reps` runs
+each. From the repository root:
+
+    .venv/bin/python benchmarks/finite_check.py [--shapes resnet101 small] [--reps 20]
+"""
+
+from __future__ import annotations
+
+if not __package__:  # run as `python benchmarks/finite_check.py`
+    import _repo_path  # noqa: F401
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from benchmarks.exchange import variable_shapes
+from dsgd import worker_graph
+from dsgd.config import WorkerConfig
+
+
+def check_ops(shape: str) -> tuple[tf.Graph, dict[str, tf.Operation], int]:
+    """A graph holding ``shape``'s variables and both checks over them; the checks by name, and the float count."""
+    graph = tf.Graph()
+    rng = np.random.default_rng(0)
+    config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto",
+                          cpus_per_worker=1, step_timeout_s=60, startup_timeout_s=60)
+    with graph.as_default():
+        names, tensors = [], []
+        for name, dims in variable_shapes(shape):
+            v = tf.compat.v1.Variable(rng.standard_normal(dims).astype(np.float32), name=name.replace(":", "_"))
+            names.append(name)
+            tensors.append(v.read_value())
+        ops = {"checknumerics": tf.group(*[tf.debugging.check_numerics(t, f"non-finite {n}")
+                                           for t, n in zip(tensors, names)]),
+               "dsgd": tf.group(*worker_graph._finite(tensors, names, "gradient", config))}
+        init = tf.compat.v1.global_variables_initializer()
+    ops["init"] = init
+    return graph, ops, sum(int(np.prod(t.shape)) for t in tensors)
+
+
+def measure(shape: str, reps: int) -> dict[str, float]:
+    """Median ms of each check's run over ``shape``'s tensors, interleaved."""
+    graph, ops, floats = check_ops(shape)
+    session_config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1)
+    times: dict[str, list[float]] = {"checknumerics": [], "dsgd": []}
+    with tf.compat.v1.Session(graph=graph, config=session_config) as session:
+        session.run(ops["init"])
+        for name in times:  # warm-up: TensorFlow plans each run once
+            session.run(ops[name])
+        for _ in range(reps):
+            for name in times:
+                start = time.perf_counter()
+                session.run(ops[name])
+                times[name].append((time.perf_counter() - start) * 1000)
+    result = {name: statistics.median(t) for name, t in times.items()}
+    print(f"{shape}: {floats / 1e6:.1f} M float32 in {len(variable_shapes(shape))} tensors: "
+          f"CheckNumerics per tensor {result['checknumerics']:.1f} ms, dsgd's check {result['dsgd']:.1f} ms "
+          f"({result['dsgd'] / result['checknumerics']:.2f}x)", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=["resnet101", "small", "huge", "tiny"],
+                        default=["resnet101", "small"])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    for shape in args.shapes:
+        measure(shape, args.reps)
+
+
+if __name__ == "__main__":
+    main()
