@@ -10,8 +10,8 @@ every parameter server call it, so the two strategies agree bit for bit.
 Inputs in a 16-bit wire form (``dsgd.wire``) are widened to float32 block
 by block, so a compressed partition is summed in float32;
 ``average_rounded_into`` rounds that float32 average once into a 16-bit
-``out`` (a compressed partition's mean). Averages of bf16 inputs run in C++
-(``dsgd.wire.average_bf16_into``) where the wire kernels are built.
+``out`` (a compressed partition's mean). Averages of float32 or bf16
+inputs run in C++ (``dsgd.kernels``) where the wire kernels are built.
 ``address_range`` is how the op library hands a numpy array's memory to C++.
 """
 
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dsgd import wire
+from dsgd import kernels, wire
 
 BLOCK_BYTES = 1 << 18
 
@@ -53,8 +53,7 @@ def _average(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | None,
         raise ValueError(f"average_into divides by a count of workers, at least 1; got {divisor}")
     flat_out = out.reshape(-1)
     flat = [a.reshape(-1) for a in inputs]
-    if sum_dtype == np.float32 and all(a.dtype == wire.BF16 for a in flat) \
-            and out.dtype in (sum_dtype, wire.BF16) and wire.average_bf16_into(flat_out, flat, divisor):
+    if sum_dtype == np.float32 and kernels.average_into(flat_out, flat, divisor):
         return out
     flat = [_Widened(a) if a.dtype != sum_dtype else a for a in flat]
     block = max(1, BLOCK_BYTES // max(1, sum_dtype.itemsize))

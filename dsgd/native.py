@@ -2,8 +2,8 @@
 
 Two libraries come from there: the op library (``dsgd.ops.build``, built
 against TensorFlow) and the wire kernels, ``libdsgd_wire.so``
-(``build_wire``): plain C++ the parameter servers load through ctypes to
-average 16-bit pushes (``dsgd.wire``). Each is cached under
+(``build_wire``): plain C++ the parameter servers load through ctypes
+(``dsgd.kernels``) for their averages and bf16 conversions. Each is cached under
 ``dsgd/ops/_build/<prefix>-<key>/`` (or ``$DSGD_OPS_BUILD_DIR``), where the
 key hashes the sources and the compiler command, so a changed source
 triggers a rebuild. Several processes building at once (e.g. Ray workers
@@ -25,8 +25,8 @@ from typing import Sequence
 
 OPS_DIR = Path(__file__).resolve().parent / "ops"
 REPO_ROOT = OPS_DIR.parents[1]  # sources include "dsgd/ops/cc/..."
-WIRE_SOURCES = ("cc/bf16.cc",)
-WIRE_HEADERS = ("cc/bf16.h",)
+WIRE_SOURCES = ("cc/wire_kernels.cc",)
+WIRE_HEADERS = ("cc/wire_kernels.h",)
 WIRE_LIBRARY = "libdsgd_wire.so"
 
 

@@ -12,8 +12,7 @@ range becomes inf (fp16's largest finite value is 65504). The op library
 (dsgd/ops/cc) does the same bit for bit, so the Python path and the op path
 send the same bytes.
 
-bf16's conversions and averages run in C++ (``kernels()``: the wire
-kernels, dsgd/ops/cc/bf16.cc, built on first use by ``dsgd.native``) where
+bf16's conversions run in C++ (``dsgd.kernels``, the wire kernels) where
 a compiler is found, else in numpy, block by block; the two agree bit for
 bit (tests/test_compression.py).
 
@@ -22,20 +21,13 @@ No TensorFlow here: the parameter servers import this module.
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import threading
-
 import numpy as np
 
-from dsgd import native
-
-logger = logging.getLogger(__name__)
+from dsgd import kernels
 
 COMPRESSIONS = (None, "bf16", "fp16")
 _WIRE = {"bf16": np.dtype(np.uint16), "fp16": np.dtype(np.float16)}
 WIRE_DTYPES = tuple(_WIRE.values())
-BF16 = _WIRE["bf16"]
 _F32 = np.dtype(np.float32)
 
 
@@ -52,65 +44,14 @@ def to_float32(wire: np.ndarray) -> np.ndarray:
     return wire if wire.dtype == _F32 else wire.astype(np.float32)
 
 
-_kernels_lock = threading.Lock()
-_kernels: list[ctypes.CDLL | None] = []  # empty until first loaded; [None] where they cannot be built
-
-
-def kernels() -> ctypes.CDLL | None:
-    """The wire kernels (``libdsgd_wire.so``), built on first use; None where they cannot be built or loaded
-    (then numpy does the same work, slower; logged once)."""
-    with _kernels_lock:
-        if not _kernels:
-            try:
-                library = ctypes.CDLL(str(native.build_wire()))
-            except (native.BuildError, OSError) as e:
-                logger.warning("dsgd's wire kernels could not be built or loaded (%s); bf16 is converted and "
-                               "averaged in numpy, slower", str(e).splitlines()[0])
-                library = None
-            else:
-                i64, f32 = ctypes.c_int64, ctypes.c_float
-                for name in ("dsgd_bf16_round", "dsgd_bf16_widen"):
-                    getattr(library, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64]
-                    getattr(library, name).restype = None
-                library.dsgd_bf16_average.argtypes = [ctypes.POINTER(ctypes.c_void_p), i64, i64, f32,
-                                                      ctypes.c_void_p, ctypes.c_void_p]
-                library.dsgd_bf16_average.restype = None
-            _kernels.append(library)
-        return _kernels[0]
-
-
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
-def _contiguous(*arrays: np.ndarray) -> bool:
-    return all(a.flags.c_contiguous for a in arrays)
-
-
-def average_bf16_into(out: np.ndarray, inputs: list[np.ndarray], divisor: int) -> bool:
-    """``out[:] = sum of the bf16 inputs / divisor`` in float32, adding in the order given; ``out`` float32, or
-    uint16 for the average rounded once to bf16. In C++; False (nothing done) where the kernels are missing or an
-    array is not contiguous."""
-    library = kernels()
-    if library is None or not _contiguous(out, *inputs):
-        return False
-    pointers = (ctypes.c_void_p * len(inputs))(*[_address(a) for a in inputs])
-    rounded = out.dtype == BF16
-    library.dsgd_bf16_average(pointers, len(inputs), out.size, float(divisor),
-                              None if rounded else _address(out), _address(out) if rounded else None)
-    return True
-
-
 BLOCK = 1 << 16  # elements per block of a numpy conversion: its temporaries stay in cache
 
 
 def _round_to_bf16_into(out: np.ndarray, values: np.ndarray) -> None:
     """``out[:]`` = float32 ``values`` rounded to bf16 (nearest, ties to even), as uint16 bits; a NaN stays a
-    (quiet) NaN. In C++ where it can (``kernels``), else block by block in numpy, in place in one scratch block:
+    (quiet) NaN. In C++ where it can (``dsgd.kernels``), else block by block in numpy, in place in one scratch block:
     on whole partitions, numpy's temporaries made this 6x slower."""
-    library = kernels()
-    if library is not None and _contiguous(out, values):
-        library.dsgd_bf16_round(_address(values), _address(out), values.size)
+    if kernels.round_bf16(out, values):
         return
     bits = values.view(np.uint32)
     scratch = np.empty(min(BLOCK, values.size), np.uint32)
@@ -131,9 +72,7 @@ def _round_to_bf16_into(out: np.ndarray, values: np.ndarray) -> None:
 def _widen_bf16_into(out: np.ndarray, wire_array: np.ndarray) -> None:
     """``out[:]`` = bf16 bits (uint16) as float32, exactly; in C++ where it can, else block by block in numpy in
     ``out`` itself."""
-    library = kernels()
-    if library is not None and _contiguous(out, wire_array):
-        library.dsgd_bf16_widen(_address(wire_array), _address(out), wire_array.size)
+    if kernels.widen_bf16(out, wire_array):
         return
     bits = out.view(np.uint32)
     for lo in range(0, wire_array.size, BLOCK):

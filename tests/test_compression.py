@@ -12,7 +12,7 @@ import pytest
 
 import dsgd
 from compression_runs import FLOAT32, check_lockstep, lockstep
-from dsgd import arrays, wire
+from dsgd import arrays, kernels, wire
 from dsgd.shards import VarSpec, pack, plan_shards, segments, unpack
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, HugeTargetsAtStep1, TanhNet, assert_replicas_identical,
                               kill, server_group, set_start_weights)
@@ -36,9 +36,9 @@ def _awkward_float32(n: int = 200_000) -> np.ndarray:
 def bf16_backend(request, monkeypatch):
     """bf16's conversions and averages in the wire kernels (C++), or in numpy, where the kernels cannot be built."""
     if request.param == "kernels":
-        assert wire.kernels() is not None, "the test install builds the wire kernels"
+        assert kernels.library() is not None, "the test install builds the wire kernels"
     else:
-        monkeypatch.setattr(wire, "_kernels", [None])
+        monkeypatch.setattr(kernels, "_library", [None])
     return request.param
 
 
@@ -64,9 +64,9 @@ def test_bf16_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch
     x = _awkward_float32(30_011)  # not a whole number of the kernels' or numpy's blocks
     rng = np.random.default_rng(count)
     inputs = [wire.convert_into(np.empty(x.size, np.uint16), rng.permutation(x)) for _ in range(count)]
-    assert wire.kernels() is not None, "the test install builds the wire kernels"
+    assert kernels.library() is not None, "the test install builds the wire kernels"
     kernel_mean, kernel_rounded = _bf16_averages(inputs, divisor)
-    monkeypatch.setattr(wire, "_kernels", [None])
+    monkeypatch.setattr(kernels, "_library", [None])
     numpy_mean, numpy_rounded = _bf16_averages(inputs, divisor)
     # NaN + NaN keeps one operand's payload, which the two may pick differently: NaNs are compared as NaNs
     nan = np.isnan(numpy_mean)
@@ -81,6 +81,26 @@ def test_bf16_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch
     np.testing.assert_array_equal(numpy_mean, expected)
     np.testing.assert_array_equal(wire.to_float32(kernel_rounded[~nan]),
                                   expected[~nan].astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("count,divisor", [(1, None), (2, None), (3, None), (3, 1), (2, 5)])
+def test_float32_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch, count, divisor):
+    x = _awkward_float32(30_011)
+    rng = np.random.default_rng(count)
+    inputs = [rng.permutation(x) for _ in range(count)]
+    assert kernels.library() is not None, "the test install builds the wire kernels"
+    kernel_mean = arrays.average_into(np.empty(x.size, np.float32), inputs, divisor)
+    monkeypatch.setattr(kernels, "_library", [None])
+    numpy_mean = arrays.average_into(np.empty(x.size, np.float32), inputs, divisor)
+    expected = inputs[0]  # in worker order, in float32
+    with np.errstate(invalid="ignore", over="ignore"):
+        for a in inputs[1:]:
+            expected = expected + a
+        expected = expected / np.float32(divisor or count)
+    nan = np.isnan(expected)
+    for mean in (kernel_mean, numpy_mean):
+        np.testing.assert_array_equal(np.isnan(mean), nan)
+        np.testing.assert_array_equal(mean.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
 
 
 def test_a_rounded_average_needs_a_16_bit_output():

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#include "dsgd/ops/cc/bf16.h"
+#include "dsgd/ops/cc/wire_kernels.h"
 #include "dsgd/ops/cc/buffer_registry.h"
 #include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"

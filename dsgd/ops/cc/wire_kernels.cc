@@ -1,4 +1,4 @@
-#include "dsgd/ops/cc/bf16.h"
+#include "dsgd/ops/cc/wire_kernels.h"
 
 #include <algorithm>
 #include <cstring>
@@ -39,6 +39,10 @@ DSGD_VECTOR_CLONES void AddBfloat16(const uint16_t* in, float* sum, int64_t n) {
   for (int64_t i = 0; i < n; ++i) sum[i] += Bfloat16BitsToFloat(in[i]);
 }
 
+DSGD_VECTOR_CLONES void AddFloat(const float* a, const float* b, float* sum, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) sum[i] = a[i] + b[i];
+}
+
 DSGD_VECTOR_CLONES void Divide(float* values, float divisor, int64_t n) {
   for (int64_t i = 0; i < n; ++i) values[i] /= divisor;
 }
@@ -74,6 +78,21 @@ void dsgd_bf16_average(const uint16_t* const* inputs, int64_t count, int64_t siz
     for (int64_t k = 1; k < count; ++k) dsgd::AddBfloat16(inputs[k] + lo, sum, n);
     if (divisor != 1.0f) dsgd::Divide(sum, divisor, n);
     if (out == nullptr) dsgd::FloatToBfloat16(sum, rounded + lo, n);
+  }
+}
+
+void dsgd_f32_average(const float* const* inputs, int64_t count, int64_t size, float divisor,
+                      float* out) {
+  for (int64_t lo = 0; lo < size; lo += dsgd::kBlock) {
+    const int64_t n = std::min(dsgd::kBlock, size - lo);
+    float* sum = out + lo;
+    if (count == 1) {
+      std::memcpy(sum, inputs[0] + lo, n * sizeof(float));
+    } else {
+      dsgd::AddFloat(inputs[0] + lo, inputs[1] + lo, sum, n);
+      for (int64_t k = 2; k < count; ++k) dsgd::AddFloat(sum, inputs[k] + lo, sum, n);
+    }
+    if (divisor != 1.0f) dsgd::Divide(sum, divisor, n);
   }
 }
 

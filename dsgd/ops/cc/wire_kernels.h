@@ -1,9 +1,9 @@
-// bfloat16 conversions and averaging, free of TensorFlow. The op library
-// uses the conversions in its pack and unpack; the parameter servers load
-// the same code as libdsgd_wire.so (through ctypes, dsgd/wire.py) to
-// average 16-bit pushes in float32 and round the mean once.
-#ifndef DSGD_OPS_CC_BF16_H_
-#define DSGD_OPS_CC_BF16_H_
+// The wire kernels: bfloat16 conversions and the parameter servers'
+// averages, free of TensorFlow. The op library uses the conversions in its
+// pack and unpack; the parameter servers load the same code as
+// libdsgd_wire.so (through ctypes, dsgd/kernels.py) to average pushes.
+#ifndef DSGD_OPS_CC_WIRE_KERNELS_H_
+#define DSGD_OPS_CC_WIRE_KERNELS_H_
 
 #include <cstdint>
 
@@ -30,6 +30,10 @@ void dsgd_bf16_widen(const uint16_t* in, float* out, int64_t n);
 void dsgd_bf16_average(const uint16_t* const* inputs, int64_t count, int64_t size,
                        float divisor, float* out, uint16_t* rounded);
 
+// The same for float32 inputs, into float32 `out`.
+void dsgd_f32_average(const float* const* inputs, int64_t count, int64_t size, float divisor,
+                      float* out);
+
 }  // extern "C"
 
-#endif  // DSGD_OPS_CC_BF16_H_
+#endif  // DSGD_OPS_CC_WIRE_KERNELS_H_
