@@ -58,19 +58,20 @@ def _average(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int | None,
     flat = [_Widened(a) if a.dtype != sum_dtype else a for a in flat]
     block = max(1, BLOCK_BYTES // max(1, sum_dtype.itemsize))
     scratch = None if sum_dtype == out.dtype else np.empty(min(block, flat_out.size), sum_dtype)
-    for lo in range(0, flat_out.size, block):
-        hi = min(lo + block, flat_out.size)
-        target = flat_out[lo:hi] if scratch is None else scratch[:hi - lo]
-        if n == 1:
-            np.copyto(target, flat[0][lo:hi])
-        else:
-            np.add(flat[0][lo:hi], flat[1][lo:hi], out=target)
-            for a in flat[2:]:
-                np.add(target, a[lo:hi], out=target)
-        if divisor != 1:
-            np.divide(target, divisor, out=target)
-        if scratch is not None:
-            wire.convert_into(flat_out[lo:hi], target)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite mean is nan_policy's to judge, not noise
+        for lo in range(0, flat_out.size, block):
+            hi = min(lo + block, flat_out.size)
+            target = flat_out[lo:hi] if scratch is None else scratch[:hi - lo]
+            if n == 1:
+                np.copyto(target, flat[0][lo:hi])
+            else:
+                np.add(flat[0][lo:hi], flat[1][lo:hi], out=target)
+                for a in flat[2:]:
+                    np.add(target, a[lo:hi], out=target)
+            if divisor != 1:
+                np.divide(target, divisor, out=target)
+            if scratch is not None:
+                wire.convert_into(flat_out[lo:hi], target)
     return out
 
 

@@ -114,6 +114,14 @@ def test_fp16_beyond_its_range_is_inf_without_a_warning(recwarn):
     assert not recwarn.list
 
 
+def test_a_server_averages_non_finite_fp16_pushes_without_a_warning(recwarn):
+    """A non-finite mean is nan_policy's to judge on the workers: the servers' logs stay quiet."""
+    mean = arrays.average_rounded_into(np.empty(3, np.float16), [np.float16([np.inf, 60000, 1]),
+                                                                  np.float16([-np.inf, 60000, 1])])
+    assert np.isnan(mean[0]) and mean[1:].tolist() == [60000, 1]
+    assert not recwarn.list
+
+
 def test_compressed_layout_is_float32_layout_at_half_the_bytes_and_other_dtypes_travel_as_they_are():
     specs = [VarSpec("a", (40_000,), np.dtype(np.float32)), VarSpec("b", (7, 3), np.dtype(np.float32)),
              VarSpec("c", (9,), np.dtype(np.float64))]
