@@ -89,4 +89,4 @@ def address_range(array: np.ndarray) -> tuple[int, int]:
     """``(address, nbytes)`` of a contiguous array's data."""
     if not array.flags.c_contiguous:
         raise ValueError("array must be C-contiguous")
-    return array.__array_interface__["data"][0], array.nbytes
+    return kernels.address(array), array.nbytes

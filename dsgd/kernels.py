@@ -55,7 +55,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = None
 
 
-def _address(array: np.ndarray) -> int:
+def address(array: np.ndarray) -> int:
+    """The address of an array's data (``dsgd.arrays.address_range`` hands it to the op library too)."""
     return array.__array_interface__["data"][0]
 
 
@@ -70,7 +71,7 @@ def round_bf16(out: np.ndarray, values: np.ndarray) -> bool:
     """``out`` (uint16) = float32 ``values`` rounded to bf16 bits (``dsgd.wire``'s rounding)."""
     lib = _ready(out, values)
     if lib is not None:
-        lib.dsgd_bf16_round(_address(values), _address(out), values.size)
+        lib.dsgd_bf16_round(address(values), address(out), values.size)
     return lib is not None
 
 
@@ -78,7 +79,7 @@ def widen_bf16(out: np.ndarray, bits: np.ndarray) -> bool:
     """``out`` (float32) = bf16 ``bits`` (uint16) widened, exactly."""
     lib = _ready(out, bits)
     if lib is not None:
-        lib.dsgd_bf16_widen(_address(bits), _address(out), bits.size)
+        lib.dsgd_bf16_widen(address(bits), address(out), bits.size)
     return lib is not None
 
 
@@ -86,19 +87,17 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int) ->
     """``out = (inputs[0] + inputs[1] + ...) / divisor`` in float32, for float32 inputs into a float32 ``out``, or
     bf16 inputs into a float32 ``out`` or (rounded once) a bf16 one; False for any other dtypes."""
     dtypes = {a.dtype for a in inputs}
-    if dtypes == {_F32} and out.dtype == _F32:
-        function, rounded = "dsgd_f32_average", False
-    elif dtypes == {_BF16} and out.dtype in (_F32, _BF16):
-        function, rounded = "dsgd_bf16_average", out.dtype == _BF16
-    else:
+    float32 = dtypes == {_F32} and out.dtype == _F32
+    if not float32 and not (dtypes == {_BF16} and out.dtype in (_F32, _BF16)):
         return False
     lib = _ready(out, *inputs)
     if lib is None:
         return False
-    pointers = (ctypes.c_void_p * len(inputs))(*[_address(a) for a in inputs])
-    args = [pointers, len(inputs), out.size, float(divisor)]
-    if function == "dsgd_f32_average":
-        lib.dsgd_f32_average(*args, _address(out))
+    args = [(ctypes.c_void_p * len(inputs))(*[address(a) for a in inputs]), len(inputs), out.size, float(divisor)]
+    if float32:
+        lib.dsgd_f32_average(*args, address(out))
+    elif out.dtype == _BF16:  # rounded once into the bf16 out
+        lib.dsgd_bf16_average(*args, None, address(out))
     else:
-        lib.dsgd_bf16_average(*args, None if rounded else _address(out), _address(out) if rounded else None)
+        lib.dsgd_bf16_average(*args, address(out), None)
     return True

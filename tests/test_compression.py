@@ -52,6 +52,15 @@ def test_bf16_rounds_to_nearest_even_as_ml_dtypes_does(bf16_backend):
     assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 3 * 2 ** -8]))[0] == 0x3F82  # tie: up to even
 
 
+def _in_order_average(inputs: list[np.ndarray], divisor: int | None) -> np.ndarray:
+    """The reference: float32 ``inputs`` added in worker order, in float32, then divided."""
+    total = inputs[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        for a in inputs[1:]:
+            total = total + a
+        return total / np.float32(divisor or len(inputs))
+
+
 def _bf16_averages(inputs: list[np.ndarray], divisor: int | None) -> tuple[np.ndarray, np.ndarray]:
     """The float32 average of bf16 ``inputs`` and that average rounded to bf16."""
     size = inputs[0].size
@@ -73,11 +82,7 @@ def test_bf16_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch
     np.testing.assert_array_equal(np.isnan(kernel_mean), nan)
     np.testing.assert_array_equal(kernel_mean.view(np.uint32)[~nan], numpy_mean.view(np.uint32)[~nan])
     np.testing.assert_array_equal(kernel_rounded[~nan], numpy_rounded[~nan])
-    expected = wire.to_float32(inputs[0])  # in worker order, in float32
-    with np.errstate(invalid="ignore", over="ignore"):
-        for a in inputs[1:]:
-            expected = expected + wire.to_float32(a)
-        expected = expected / np.float32(divisor or count)
+    expected = _in_order_average([wire.to_float32(a) for a in inputs], divisor)
     np.testing.assert_array_equal(numpy_mean, expected)
     np.testing.assert_array_equal(wire.to_float32(kernel_rounded[~nan]),
                                   expected[~nan].astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -92,11 +97,7 @@ def test_float32_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypa
     kernel_mean = arrays.average_into(np.empty(x.size, np.float32), inputs, divisor)
     monkeypatch.setattr(kernels, "_library", [None])
     numpy_mean = arrays.average_into(np.empty(x.size, np.float32), inputs, divisor)
-    expected = inputs[0]  # in worker order, in float32
-    with np.errstate(invalid="ignore", over="ignore"):
-        for a in inputs[1:]:
-            expected = expected + a
-        expected = expected / np.float32(divisor or count)
+    expected = _in_order_average(inputs, divisor)
     nan = np.isnan(expected)
     for mean in (kernel_mean, numpy_mean):
         np.testing.assert_array_equal(np.isnan(mean), nan)
