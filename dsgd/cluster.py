@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import ray
 
@@ -218,15 +218,18 @@ class Cluster:
             runtime_env={"env_vars": worker_env()},
             scheduling_strategy=actor_placement(node_id)).remote(index, config)
 
-    def _build_models(self, indices) -> None:
-        """Workers ``indices`` build their models (again, keeping their state, if built); all the same one."""
-        self._check_models(indices, self.calls.call_startup(self._setup_calls(indices),
+    def _build_models(self, indices, state: ray.ObjectRef | None = None, new: Collection[int] = ()) -> None:
+        """Workers ``indices`` build their models (again, keeping their state, if built); all the same one.
+        Those of ``new`` start from ``state`` (a survivor's ``get_state()``)."""
+        self._check_models(indices, self.calls.call_startup(self._setup_calls(indices, state, new),
                                                             "the workers to build their models"))
 
-    def _setup_calls(self, indices) -> list[ray.ObjectRef]:
-        """Workers ``indices`` start building their models (``_check_models`` checks what they built)."""
+    def _setup_calls(self, indices, state: ray.ObjectRef | None = None,
+                     new: Collection[int] = ()) -> list[ray.ObjectRef]:
+        """Workers ``indices`` start building their models (``_check_models`` checks what they built); those of
+        ``new`` start from ``state``."""
         creators = [data.ShardedModelCreator(self._model_creator, self.splits.for_worker(i)) for i in indices]
-        return [self.workers[i].setup.remote(c) for i, c in zip(indices, creators)]
+        return [self.workers[i].setup.remote(c, state if i in new else None) for i, c in zip(indices, creators)]
 
     def _check_models(self, indices, signatures: list[WorkerSignature]) -> None:
         """Every worker of ``indices`` built what the first (or the engine so far) built, else WorkerMismatchError."""
@@ -418,11 +421,14 @@ class Cluster:
 
     # ---- resizing --------------------------------------------------------
 
-    def resize(self, n: int, phases: Phases | None = None, fetch_stats: bool = True) -> set[int]:
-        """Start or stop workers so that ``n`` run; the indices of the new workers (their state not loaded yet).
+    def resize(self, n: int, state: ray.ObjectRef | None, phases: Phases | None = None,
+               fetch_stats: bool = True) -> None:
+        """Start or stop workers so that ``n`` run.
 
         Growing, the new workers start on nodes with room (a DSGDError names
-        what is missing, before any starts) and build their models; meanwhile
+        what is missing, before any starts) and build their models, starting
+        from ``state`` (a survivor's ``get_state()``, taken once the steps in
+        flight were settled: no step runs during a resize); meanwhile
         the parameter servers of the new count start and the survivors build
         its exchange and have TensorFlow plan its step (``fetch_stats``: as
         the last step fetched stats or not; ``SGDWorker.prepare_exchange``),
@@ -443,7 +449,7 @@ class Cluster:
             if resized.uses_ps:
                 self.check_object_store(n)
             try:
-                self._grow(new, nodes, resized, phases, fetch_stats)
+                self._grow(new, nodes, resized, state, phases, fetch_stats)
             except BaseException:
                 self._kill_next_servers()
                 self._stop_workers(old)
@@ -451,17 +457,17 @@ class Cluster:
                     self._build_models(range(old))
                 raise
             self.options = resized
-            return set(new)
+            return
         with phases("stop workers"):
             self._stop_workers(n)
         self.options = resized
         if self._split_datasets(self._worker_nodes):
             with phases("build models"):
                 self._build_models(range(n))
-        return set()
 
-    def _grow(self, new: list[int], nodes: list[str], resized: Options, phases: Phases, fetch_stats: bool) -> None:
-        """Start workers ``new`` on ``nodes`` and build their models; meanwhile, with "ps", the servers of
+    def _grow(self, new: list[int], nodes: list[str], resized: Options, state: ray.ObjectRef | None,
+              phases: Phases, fetch_stats: bool) -> None:
+        """Start workers ``new`` on ``nodes`` and build their models from ``state``; meanwhile, with "ps", the servers of
         ``resized`` start (``_next_servers``, taken up by ``connect_exchange``) and the survivors prepare its
         exchange; the new workers prepare it once built, planned for the feeds of a survivor's last step (so
         their first step is not TensorFlow planning it while every other worker waits). With datasets every
@@ -480,7 +486,8 @@ class Cluster:
             identities = self.calls.identify(self.workers[len(survivors):], f"new workers {new} to start")
         self._worker_nodes += [i.node_id for i in identities]
         with phases("build models"):
-            self._build_models(range(len(self.workers)) if self._split_datasets(self._worker_nodes) else new)
+            rebuilt = range(len(self.workers)) if self._split_datasets(self._worker_nodes) else new
+            self._build_models(rebuilt, state, new)
         if group is not None:
             preparing += [w.prepare_exchange.remote("ps", fetch_stats, group.layout, group.placement, feed_names)
                           for w in self.workers[len(survivors):]]

@@ -83,7 +83,7 @@ class StepLedger:
         self._behind: list[ray.ObjectRef] = []  # calls of steps already closed, of workers behind (backup workers)
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self._last_look = time.monotonic()  # an elastic engine last looked for room to grow
-        self._joining: set[int] | None = None  # a resize not finished: the new workers, not yet given the state
+        self._joining: set[int] | None = None  # a resize not finished: workers replaced during it, not given the state
         self._resize_phases = Phases()  # the last resize's, for its log line
         self._resize_from = 0  # the last resize's old count
         self._fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
@@ -273,11 +273,11 @@ class StepLedger:
     def resize(self, n: int) -> None:
         """After the steps in flight, start or stop workers so that ``n`` run; steps go on from ``num_steps``.
 
-        If the new workers cannot start or build (``Cluster.resize``), the
-        engine is unchanged and the error raised. Once they are built, the
-        resize is done: a worker that dies while the exchange is re-planned
-        and the new workers get the survivors' state is replaced as after a
-        failed step.
+        New workers build from worker 0's state, read as they start. If they
+        cannot start or build (``Cluster.resize``), or worker 0 dies before
+        its state is read, the engine is unchanged and the error raised. Once
+        they are built, the resize is done: a worker that dies while the
+        exchange is re-planned is replaced as after a failed step.
         """
         with self.call():
             phases = self._resize_phases = Phases()
@@ -286,12 +286,14 @@ class StepLedger:
             if n == len(self.cluster.workers):
                 return
             self._resize_from = len(self.cluster.workers)
-            if n > self._resize_from:  # worker 0's state, read while the new workers build (no step runs meanwhile)
+            state = None
+            if n > self._resize_from:  # worker 0's state, read while the new workers start: they build from it
                 source = self.cluster.workers[0]
-                self._early_state = source, source.get_state.remote()
+                state = source.get_state.remote()
+                self._early_state = source, state
             self._joining = set()  # until _finish_resize is done, the next call finishes the resize
             try:
-                self._joining = self.cluster.resize(n, phases, self._fetch_stats)
+                self.cluster.resize(n, state, phases, self._fetch_stats)
             except BaseException as e:
                 if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
                     self._joining = self._early_state = None
@@ -323,7 +325,8 @@ class StepLedger:
                                opts.num_workers + room, opts.num_workers, e)
 
     def _finish_resize(self) -> None:
-        """Every worker on the new count's exchange, the new workers (``_joining``) given the survivors' state."""
+        """Every worker on the new count's exchange; those that replaced a worker dead meanwhile (``_joining``)
+        given the survivors' state."""
         self._strategy = strategies.make(self.cluster.options.exchange, self.cluster.calls.call, self.span)
         phases = self._resize_phases
         while True:

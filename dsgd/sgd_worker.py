@@ -65,21 +65,24 @@ class SGDWorker:
         """Who this actor is (the driver's liveness check and error names)."""
         return actor_identity.current("worker", self.worker_index)
 
-    def setup(self, model_creator: Callable[[int, int], Model]) -> worker_graph.WorkerSignature:
+    def setup(self, model_creator: Callable[[int, int], Model], state: dict | None = None) -> worker_graph.WorkerSignature:
         """Build the replicas and initialize their variables (local ones too); what was built.
 
+        With ``state`` (another worker's ``get_state()``: a grow's new
+        worker) the replicas start from it instead of their initializers.
         Called again (with new dataset splits after a recovery), it builds
         them anew and loads the state they had; ``connect`` then rebuilds the
         "ps" exchange.
         """
         runner = self.runner
-        state = self.get_state() if runner.built is not None else None
+        if runner.built is not None:
+            state = self.get_state()
         if runner.sess is not None:
             runner.sess.close()
             gc.unfreeze()  # let the old graph's objects be collected
         runner.sess = tf.compat.v1.Session(graph=tf.Graph(), config=worker_graph.session_config(self.config))
         with runner.default_session():
-            runner.built = worker_graph.build(self.worker_index, self.config, model_creator, runner.sess)
+            runner.built = worker_graph.build(self.worker_index, self.config, model_creator, runner.sess, state)
         self.models = runner.built.models
         self._local_exchanges.clear()  # their ops were in the old graph
         self._ps_exchanges.clear()
@@ -88,7 +91,7 @@ class SGDWorker:
             self.client = None
         self.exchange = self._local_exchange()
         if state is not None:
-            self.set_state(state)
+            runner.applied_steps = state["applied_steps"]
         # The graph's Python objects live as long as the worker: keep the cyclic
         # garbage collector from walking them on every full collection.
         gc.freeze()

@@ -32,6 +32,7 @@ Calling the user's model and sorting what ``get_metrics()`` returns is
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import traceback
@@ -161,11 +162,14 @@ def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
 # ---- building --------------------------------------------------------------
 
 def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int, int], Model],
-          session: tf.compat.v1.Session) -> WorkerGraph:
+          session: tf.compat.v1.Session, state: dict | None = None) -> WorkerGraph:
     """Build the worker's graph into the default graph, initialize it in ``session``, ask the metrics.
 
     The worker opens the graph and the session and makes them the defaults,
     so user code can evaluate tensors (``Tensor.eval()``) while it runs.
+    With ``state`` (``SGDWorker.get_state()``'s weights and optimizer
+    groups) every replica's weights and optimizer state start from it
+    instead of their initializers (``_initialize``).
     """
     graph = tf.compat.v1.get_default_graph()
     replicas = tuple(_build_replica(graph, worker_index, config, model_creator, i)
@@ -179,7 +183,8 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     optimizer_vars = tuple(_optimizer_state(r) for r in replicas)
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
-    _initialize(session, graph)
+    state_assigns = StateAssigns(graph, state_vars)
+    _initialize(session, graph, state_vars, state_assigns, state)
     replicas = tuple(replace(r, metrics=user_model.ask_metrics(graph, session, r.model, worker_index, r.index))
                      for r in replicas)
     _check_metrics_agree(replicas, worker_index)
@@ -190,18 +195,59 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
         mean_inputs=mean_inputs,
         apply_fed=apply_fed,
         state_vars=state_vars,
-        state_assigns=StateAssigns(graph, state_vars))
+        state_assigns=state_assigns)
 
 
-def _initialize(session: tf.compat.v1.Session, graph: tf.Graph) -> None:
+def _initialize(session: tf.compat.v1.Session, graph: tf.Graph,
+                state_vars: dict[str, tuple[dict[str, tf.Variable], ...]], state_assigns: StateAssigns,
+                state: dict | None) -> None:
     """Initialize every variable of ``graph``: the global ones, then local variables and tables.
 
     Local variables and tables come second because their initial values may
-    read a weight (e.g. a cached copy of one).
+    read a weight (e.g. a cached copy of one). With ``state``, the global
+    initializer is fed ``state``'s value as each state variable's initial
+    value: the variables start from it in the same run, with no random
+    initial values drawn and no assign ops built. A variable whose
+    initializer cannot be fed so (its initial value shared with another
+    variable, or an initializer of another kind) is assigned afterwards.
     """
+    feeds, assigned_after = _state_feeds(state_vars, state) if state is not None else ({}, {})
     with graph.as_default():
-        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(tf.compat.v1.global_variables_initializer(), feed_dict=feeds)
+        for group, values in assigned_after.items():
+            state_assigns.run(session, group, values)
         session.run(tf.group(tf.compat.v1.local_variables_initializer(), tf.compat.v1.tables_initializer()))
+
+
+def _state_feeds(state_vars: dict[str, tuple[dict[str, tf.Variable], ...]],
+                 state: dict) -> tuple[dict[tf.Tensor, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """Feeds of the initializers' value inputs that load ``state`` onto every replica, and the values (by group,
+    then name) that must be assigned after initializing instead."""
+    inputs: dict[str, list[tuple[tf.Tensor | None, str, np.ndarray]]] = {}
+    for group, per_replica in state_vars.items():
+        values = state[group]
+        if set(values) != set(per_replica[0]):
+            raise DSGDError(f"the state's {group} are {sorted(values)}, but this model's are {sorted(per_replica[0])}")
+        inputs[group] = [(_initial_value_input(variable), name, values[name])
+                         for variables in per_replica for name, variable in variables.items()]
+    counts = collections.Counter(tensor for entries in inputs.values() for tensor, _, _ in entries)
+    feeds, assigned_after = {}, {}
+    for group, entries in inputs.items():
+        for tensor, name, value in entries:
+            if tensor is not None and counts[tensor] == 1:
+                feeds[tensor] = value
+            else:
+                assigned_after.setdefault(group, {})[name] = value
+    return feeds, assigned_after
+
+
+def _initial_value_input(variable: tf.Variable) -> tf.Tensor | None:
+    """The tensor ``variable``'s initializer assigns (feeding it sets the initial value), None if not a plain
+    assign."""
+    init = variable.initializer
+    if init.type in ("AssignVariableOp", "Assign") and len(init.inputs) == 2:
+        return init.inputs[1]
+    return None
 
 
 def _build_replica(graph: tf.Graph, worker_index: int, config: WorkerConfig,

@@ -12,6 +12,9 @@ import ray
 
 import data_test_models as dm
 import dsgd
+import tensorflow as tf
+from dsgd.config import WorkerConfig
+from dsgd.sgd_worker import SGDWorker
 from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
                               assert_replicas_identical, assert_weights_close, fails_to_build_from_worker_2, is_dead,
                               known_actors, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
@@ -66,6 +69,8 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
         grew = [r for r in caplog.records if "grew from 2 to 3 workers" in r.message]
         assert len(grew) == 1 and {"start workers", "build models", "resynchronize"} <= set(grew[0].resize_phases)
         assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [2, 2, 2]
+        # the new worker's variables started from worker 0's state: it built no assign ops to load it afterwards
+        assert sgd.foreach_worker(lambda w: len(w.built.state_assigns._built))[2] == 0
         if strategy == "ps":  # every worker planned the step of 3 during the grow (the new one for worker 0's feeds)
             assert sgd.foreach_worker(lambda w: set(w.exchange._prepared)) == [{True}, {True}, {True}]
             sgd.foreach_worker(_count_prepared_runs)
@@ -330,3 +335,55 @@ def test_a_resize_back_reuses_the_exchange_and_the_servers_and_unmaps_the_old_se
         sgd.resize(1)  # now 2 is the last count before: the servers of 3 go
         wait_until(lambda: all(map(is_dead, servers_of_3)))
         assert not any(map(is_dead, servers))
+
+
+class SharedInitialValueNet(dsgd.Model):
+    """Two weights initialized from one tensor (their initializers cannot be fed apart), one of its own, and
+    momentum slots for all three."""
+
+    def __init__(self, worker_index, device_index):
+        shared = tf.random.normal([3])
+        a, b = tf.Variable(shared, name="a"), tf.Variable(shared, name="b")
+        c = tf.compat.v1.get_variable("c", [2, 2])
+        self.loss = tf.reduce_sum(a * b) + tf.reduce_sum(a) + tf.reduce_sum(c * c)
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+
+
+def local_worker(state=None, devices_per_worker=1) -> SGDWorker:
+    """A worker built in this process (no Ray), from ``state`` if given."""
+    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=devices_per_worker, gpu=False,
+                                       all_reduce_alg="simple", cpus_per_worker=1, step_timeout_s=60.0,
+                                       startup_timeout_s=60.0))
+    worker.setup(SharedInitialValueNet, state)
+    return worker
+
+
+def test_a_worker_built_from_a_state_starts_from_it_on_every_replica():
+    source = local_worker()
+    for step in range(3):
+        source.step(step, fetch_stats=False)
+    state = source.get_state()
+    assert state["applied_steps"] == 3 and not np.array_equal(state["weights"]["a"], state["weights"]["b"])
+
+    joined = local_worker(state, devices_per_worker=2)
+    assert joined.runner.applied_steps == 3
+    for group in ("weights", "optimizer"):
+        for replica in joined.sess.run([dict(v) for v in joined.built.state_vars[group]]):
+            assert replica.keys() == state[group].keys()
+            for name, value in replica.items():
+                np.testing.assert_array_equal(value, state[group][name], err_msg=f"{group} {name}")
+    # only the two weights that share an initial value were assigned after initializing
+    assert sorted(name for _, name in joined.built.state_assigns._built) == ["a", "b"]
+
+
+def test_a_state_of_another_model_is_refused_by_name():
+    state = local_worker().get_state()
+    del state["weights"]["c"]
+    with pytest.raises(dsgd.DSGDError, match=r"the state's weights are \['a', 'b'\], but this model's are "
+                                             r"\['a', 'b', 'c'\]"):
+        local_worker(state)
