@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray import cloudpickle
 
 from benchmarks.resnet import BLOCKS_PER_STAGE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+EXAMPLES_DIR = REPO_ROOT / "examples"
 
 
 @dataclass
@@ -159,6 +161,23 @@ def connect_ray(args: argparse.Namespace, default_cpus: int, **init_kwargs: Any)
     (else `default_cpus`) logical CPUs and `init_kwargs` (the flags of ``add_ray_flags``)."""
     if not ray.is_initialized():
         start_ray(args.address, num_cpus=args.num_cpus or default_cpus, **init_kwargs)
+
+
+def mnist_example() -> Any:
+    """examples/mnist.py as a module, pickled by value (the workers may lack examples/ on their path)."""
+    if str(EXAMPLES_DIR) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES_DIR))
+    import mnist
+
+    cloudpickle.register_pickle_by_value(mnist)
+    return mnist
+
+
+def mnist_creator(num_workers: int, batch_size: int) -> Callable[[int, int], Any]:
+    """examples/mnist.py's ConvNet, ``batch_size`` per replica, its data sliced for up to ``num_workers`` workers."""
+    mnist = mnist_example()
+    args = mnist.parse_args(["--num-workers", str(num_workers), "--batch-size", str(batch_size)])
+    return lambda worker_index, device_index: mnist.ConvNet(worker_index, device_index, args)
 
 
 def parameter_servers(sgd: Any) -> list:

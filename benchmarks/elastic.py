@@ -39,7 +39,6 @@ import argparse
 import functools
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -51,23 +50,9 @@ import dsgd
 from benchmarks import common
 from benchmarks.resnet101 import ResNetModel
 
-EXAMPLES_DIR = common.REPO_ROOT / "examples"
-
-
-def mnist_creator(num_workers: int, batch_size: int) -> Callable[[int, int], dsgd.Model]:
-    """examples/mnist.py's ConvNet, its data sliced for up to ``num_workers`` workers."""
-    if str(EXAMPLES_DIR) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES_DIR))
-    import mnist
-
-    cloudpickle.register_pickle_by_value(mnist)  # the workers may lack examples/ on their path
-    args = mnist.parse_args(["--num-workers", str(num_workers), "--batch-size", str(batch_size)])
-    return lambda worker_index, device_index: mnist.ConvNet(worker_index, device_index, args)
-
-
 def model_creator(model: str, args: argparse.Namespace) -> Callable[[int, int], dsgd.Model]:
     if model == "mnist":
-        return mnist_creator(args.num_workers + 1, args.batch_size)
+        return common.mnist_creator(args.num_workers + 1, args.batch_size)
     return functools.partial(ResNetModel, model="resnet101", batch_size=args.batch_size, image_size=args.image_size)
 
 

@@ -10,6 +10,9 @@ tensor, while compute stays a read and a write of every weight):
   tiny       3000 tensors of 256 float32 (3 MB)
   small      ResNet-101's 314 variables, every channel count scaled by 0.3
              (kernel sizes kept): 4.0 M float32, a small many-tensor model
+  mnist      examples/mnist.py's convnet on its data (`--batch-size` per
+             worker): 6 tensors, 0.14 M float32 on MNIST's 28x28 images,
+             0.03 M on the 8x8 digits it falls back to offline
 
 For each shape, five systems run interleaved in one run (round r: each takes
 one step, in an order rotated by r, so machine noise hits all of them alike):
@@ -24,6 +27,13 @@ one step, in an order rotated by r, so machine noise hits all of them alike):
           preallocated buffer (numpy add, then multiply by 1/2): the
           in-process bound of a 2-way average
 
+and, for mnist, a sixth:
+
+  union   one plain TensorFlow session in this process (TensorFlow's
+          default threads: every core) training the convnet on the union
+          of the workers' batches, one batch of `--num-workers` x
+          `--batch-size`: what "ps" is compared with (SPEC: "ps" <= 1.5x)
+
 Every engine runs at dsgd's defaults unless an engine flag says otherwise.
 `--nodes N` runs them on N simulated nodes (``ray.cluster_utils``: a raylet
 and object store each, on this machine), the workers spread over them, so
@@ -34,13 +44,13 @@ partitions travel as 16-bit floats), interleaved with the others.
 A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
 step of each system over `--steps` rounds after `--warmup` warm-up rounds
 (and, with `--steady-warmup N`, again after N more rounds, labelled steady),
-"ps"/"simple" (target <= 0.7), (ps - floor)/bound (target <= 2.0) and
-(ps - ideal)/bound (target <= 1.5).
+"ps"/"simple" (target <= 0.7), (ps - floor)/bound (target <= 2.0),
+(ps - ideal)/bound (target <= 1.5) and, for mnist, ps/union (target <= 1.5).
 Writes benchmarks/results/exchange.json. From the repository root:
 
     .venv/bin/python benchmarks/exchange.py
     .venv/bin/python -m benchmarks.exchange --shapes huge --steady-warmup 20
-    .venv/bin/python -m benchmarks.exchange --shapes small tiny
+    .venv/bin/python -m benchmarks.exchange --shapes small tiny mnist
     .venv/bin/python -m benchmarks.exchange --shapes resnet101 --nodes 2 --num-workers 4   # 2 workers per node
 """
 
@@ -66,13 +76,14 @@ import dsgd
 from benchmarks import common
 from benchmarks.resnet import resnet_v1
 
-SHAPES = ("resnet101", "huge", "tiny", "small")
+VARIABLE_SHAPES = ("resnet101", "huge", "tiny", "small")  # ExchangeModel's
+SHAPES = (*VARIABLE_SHAPES, "mnist")
 SYSTEMS = ("floor", "ideal", "simple", "ps", "bound")
 HUGE_ROWS, HUGE_COLS = 174_020, 128  # two of these: ResNet-101's 44.5 M float32
 TINY_SHAPE = [32, 8]
 SMALL_WIDTH = 0.3  # the small shape: ResNet-101's channel counts times this (4.0 M float32)
 LEARNING_RATE = 0.01
-TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0, "(ps - ideal)/bound": 1.5}
+TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0, "(ps - ideal)/bound": 1.5, "ps/union": 1.5}
 
 
 def resnet_shapes(model: str) -> list[tuple[str, list[int]]]:
@@ -101,7 +112,7 @@ def variable_shapes(shape: str, scale: float = 1.0, tiny_count: int = 3000) -> l
     elif shape == "small":
         variables = [(name, narrower(dims, SMALL_WIDTH)) for name, dims in resnet_shapes("resnet101")]
     else:
-        raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+        raise ValueError(f"shape must be one of {VARIABLE_SHAPES}, got {shape!r}")
     if scale == 1.0:
         return variables
     return [(name, [max(1, round(int(np.prod(dims)) * scale))]) for name, dims in variables]
@@ -154,6 +165,31 @@ class Bound:
         return time.perf_counter() - start
 
 
+class UnionBatch:
+    """One plain TensorFlow session in this process training examples/mnist.py's convnet on the union of
+    ``workers`` batches of ``batch_size``: one batch of ``workers x batch_size``, loss and accuracy fetched."""
+
+    def __init__(self, workers: int, batch_size: int):
+        mnist = common.mnist_example()
+        args = mnist.parse_args(["--num-workers", "1", "--batch-size", str(workers * batch_size)])
+        graph = tf.Graph()
+        with graph.as_default():
+            self.model = mnist.ConvNet(0, 0, args)
+            train = self.model.get_optimizer().minimize(self.model.get_loss())
+            self.fetches = {"train": train, "loss": self.model.get_loss(), **self.model.get_metrics()}
+            self.variables = [(v.name, v.shape.as_list()) for v in tf.compat.v1.trainable_variables()]
+            self.sess = tf.compat.v1.Session(graph=graph)
+            self.sess.run(tf.compat.v1.global_variables_initializer())
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.sess.run(self.fetches, self.model.get_feed_dict())
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.sess.close()
+
+
 class Ideal:
     """The same workers computing with no exchange: two 1-worker engines stepping at once, each from its thread."""
 
@@ -176,23 +212,33 @@ def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any
     medians = {name: statistics.median(t[warmup:]) * 1000 if t[warmup:] else None for name, t in times.items()}
     ratios = dict.fromkeys(TARGETS)
     if all(medians[name] is not None for name in SYSTEMS):
-        ratios = {"ps/simple": medians["ps"] / medians["simple"],
-                  "(ps - floor)/bound": (medians["ps"] - medians["floor"]) / medians["bound"],
-                  "(ps - ideal)/bound": (medians["ps"] - medians["ideal"]) / medians["bound"]}
+        ratios.update({"ps/simple": medians["ps"] / medians["simple"],
+                       "(ps - floor)/bound": (medians["ps"] - medians["floor"]) / medians["bound"],
+                       "(ps - ideal)/bound": (medians["ps"] - medians["ideal"]) / medians["bound"]})
+        if medians.get("union") is not None:
+            ratios["ps/union"] = medians["ps"] / medians["union"]
     return {"warmup": warmup, "measured_steps": min(len(t[warmup:]) for t in times.values()),
             "median_ms": medians, "ratios": ratios, "step_s": times}
 
 
 def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Build the shape's engines and the bound, run the interleaved rounds; the shape's record."""
-    variables = variable_shapes(shape, args.scale, args.tiny_count)
+    union = None
+    if shape == "mnist":
+        union = UnionBatch(args.num_workers, args.batch_size)
+        variables = union.variables
+        creator = common.mnist_creator(args.num_workers, args.batch_size)
+    else:
+        variables = variable_shapes(shape, args.scale, args.tiny_count)
+        creator = functools.partial(ExchangeModel, shapes=variables)
     num_elements = sum(int(np.prod(dims)) for _, dims in variables)
     print(f"\n== {shape}: {len(variables)} tensors, {num_elements / 1e6:.2f} M float32 "
           f"({num_elements * 4 / 1e6:.1f} MB), {args.num_workers} workers", flush=True)
-    creator = functools.partial(ExchangeModel, shapes=variables)
     record: dict[str, Any] = {"shape": shape, "tensors": len(variables), "elements": num_elements,
                               "setup_s": {}, "interrupted": False}
     with contextlib.ExitStack() as engines_alive:
+        if union is not None:
+            engines_alive.callback(union.close)
         engines = {}
         # "ideal" steps the floor's engine and one more 1-worker engine per further worker, all at once
         ideal_engines = [f"ideal-{k}" for k in range(1, args.num_workers)]
@@ -217,6 +263,8 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         systems = {name: common.timed(functools.partial(engine.step, fetch_stats=True))
                    for name, engine in engines.items()}
         systems = {"floor": systems.pop("floor"), "ideal": ideal.step, **systems, "bound": bound.step}
+        if union is not None:
+            systems["union"] = union.step
         record["systems"] = list(systems)
 
         times, record["order"], interrupted = common.run_rounds(
@@ -266,15 +314,15 @@ def print_shape(record: dict[str, Any], args: argparse.Namespace) -> None:
 
 def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """A markdown table of every shape and phase: medians, ratios, servers and partitions."""
-    systems = records[0]["systems"] if records else list(SYSTEMS)
+    systems = list(dict.fromkeys(name for r in records for name in r["systems"])) or list(SYSTEMS)
     lines = ["| shape | steps | " + " | ".join(f"{n} ms" for n in systems)
-             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | servers / partitions |",
+             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | ps/union | servers / partitions |",
              "|---" * (len(systems) + 3 + len(TARGETS)) + "|"]
     for r in records:
         for label, phase in phases(r, args):
             ms, ratios = phase["median_ms"], phase["ratios"]
             ratio_cells = " | ".join("–" if ratios[n] is None else f"{ratios[n]:.2f}" for n in TARGETS)
-            lines.append(f"| {r['shape']} | {label} | " + " | ".join(_ms(ms[n]) for n in systems)
+            lines.append(f"| {r['shape']} | {label} | " + " | ".join(_ms(ms.get(n)) for n in systems)
                          + f" | {ratio_cells} | {r.get('num_parameter_servers', '?')} / "
                            f"{r.get('num_partitions', '?')} |")
     return "\n".join(lines)
@@ -293,6 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
+    p.add_argument("--batch-size", type=int, default=32, help="the mnist shape's batch per worker "
+                                                               "(examples/mnist.py's default)")
     common.add_engine_flags(p)
     p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')

@@ -226,8 +226,10 @@ def _state_feeds(state_vars: dict[str, tuple[dict[str, tf.Variable], ...]],
     inputs: dict[str, list[tuple[tf.Tensor | None, str, np.ndarray]]] = {}
     for group, per_replica in state_vars.items():
         values = state[group]
-        if set(values) != set(per_replica[0]):
-            raise DSGDError(f"the state's {group} are {sorted(values)}, but this model's are {sorted(per_replica[0])}")
+        missing, unknown = sorted(set(per_replica[0]) - set(values)), sorted(set(values) - set(per_replica[0]))
+        if missing or unknown:
+            raise DSGDError(f"the state to start from is of another model: its {group} lack {missing} and have "
+                            f"{unknown}, which this model does not")
         inputs[group] = [(_initial_value_input(variable), name, values[name])
                          for variables in per_replica for name, variable in variables.items()]
     counts = collections.Counter(tensor for entries in inputs.values() for tensor, _, _ in entries)

@@ -88,7 +88,7 @@ def test_engine_flags_pass_only_what_was_given():
 
 def test_exchange_shapes():
     sizes = {shape: [int(np.prod(dims)) for _, dims in exchange.variable_shapes(shape)]
-             for shape in exchange.SHAPES}
+             for shape in exchange.VARIABLE_SHAPES}
     assert (len(sizes["resnet101"]), sum(sizes["resnet101"])) == (314, 44_549_160)
     assert len(sizes["huge"]) == 2 and abs(sum(sizes["huge"]) - 44_549_160) < 1000
     assert len(sizes["tiny"]) == 3000 and sum(sizes["tiny"]) == 3000 * 256
@@ -130,9 +130,21 @@ def test_exchange_benchmark_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(
         summary = shape[phase]
         assert summary["measured_steps"] == 2
         assert set(summary["median_ms"]) == set(systems)
-        assert all(summary["ratios"][name] is not None for name in exchange.TARGETS)
+        assert all(summary["ratios"][name] is not None for name in exchange.TARGETS if name != "ps/union")
+        assert summary["ratios"]["ps/union"] is None  # only the mnist shape has a union system
     assert "| huge |" in result["table"] and "| ps-bf16 ms |" in result["table"]
     assert "| ideal ms |" in result["table"] and "(ps − ideal)/bound" in result["table"]
+
+
+def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_union_batch(ray_session, tmp_path):
+    result = exchange.main(["--shapes", "mnist", "--batch-size", "8", "--warmup", "1", "--steps", "2",
+                            "--settle-s", "0", "--out", str(tmp_path / "exchange.json")])
+    (shape,) = result["shapes"]
+    assert shape["shape"] == "mnist" and shape["tensors"] == 6 and not shape["interrupted"]
+    assert shape["systems"] == ["floor", "ideal", "simple", "ps", "bound", "union"]
+    ms, ratios = shape["first"]["median_ms"], shape["first"]["ratios"]
+    assert ratios["ps/union"] == pytest.approx(ms["ps"] / ms["union"])
+    assert "| mnist |" in result["table"] and "| union ms |" in result["table"] and "ps/union" in result["table"]
 
 
 def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session):
