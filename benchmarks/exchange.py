@@ -41,7 +41,10 @@ pushes to a server on another node cross the object store (the cross-node
 path); the record lists each node's actors.
 `--compression bf16 [fp16]` adds a system per value, "ps-bf16" ("ps" whose
 partitions travel as 16-bit floats), interleaved with the others.
-A step is `sgd.step(fetch_stats=True)` timed in the driver. Reported: median
+A step is `sgd.step(fetch_stats=True)` timed in the driver; with `--burst N`
+a system's turn is N steps back to back, all but the last without stats
+(as examples/mnist.py trains: steps in flight, stats every `--log-every`),
+timed together and divided by N. Reported: median
 step of each system over `--steps` rounds after `--warmup` warm-up rounds
 (and, with `--steady-warmup N`, again after N more rounds, labelled steady),
 "ps"/"simple" (target <= 0.7), (ps - floor)/bound (target <= 2.0),
@@ -67,7 +70,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -156,13 +159,12 @@ class Bound:
         self.arrays = [rng.random(num_elements, np.float32) for _ in range(workers)]
         self.out = np.empty(num_elements, np.float32)
 
-    def step(self) -> float:
-        start = time.perf_counter()
+    def step(self, fetch_stats: bool = True) -> None:
+        """One average (``fetch_stats``, for ``burst``, changes nothing)."""
         np.add(self.arrays[0], self.arrays[1], out=self.out)
         for array in self.arrays[2:]:
             np.add(self.out, array, out=self.out)
         np.multiply(self.out, 1.0 / len(self.arrays), out=self.out)
-        return time.perf_counter() - start
 
 
 class UnionBatch:
@@ -181,10 +183,8 @@ class UnionBatch:
             self.sess = tf.compat.v1.Session(graph=graph)
             self.sess.run(tf.compat.v1.global_variables_initializer())
 
-    def step(self) -> float:
-        start = time.perf_counter()
-        self.sess.run(self.fetches, self.model.get_feed_dict())
-        return time.perf_counter() - start
+    def step(self, fetch_stats: bool = True) -> None:
+        self.sess.run(self.fetches if fetch_stats else self.fetches["train"], self.model.get_feed_dict())
 
     def close(self) -> None:
         self.sess.close()
@@ -197,14 +197,29 @@ class Ideal:
         self.engines = engines
         self.pool = concurrent.futures.ThreadPoolExecutor(len(engines))
 
-    def step(self) -> float:
-        start = time.perf_counter()
-        for step in [self.pool.submit(engine.step, fetch_stats=True) for engine in self.engines]:
-            step.result()
-        return time.perf_counter() - start
+    def burst(self, steps: int) -> None:
+        """``steps`` steps of every engine, each from its thread, all at once."""
+        for run in [self.pool.submit(burst, engine.step, steps) for engine in self.engines]:
+            run.result()
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+def burst(step: Callable[..., Any], steps: int) -> None:
+    """``steps`` calls of ``step``, stats fetched by the last only (a training loop that logs now and then)."""
+    for _ in range(steps - 1):
+        step(fetch_stats=False)
+    step(fetch_stats=True)
+
+
+def timed_burst(run: Callable[[int], Any], steps: int) -> Callable[[], float]:
+    """A system's turn: ``run(steps)`` timed, in seconds per step."""
+    def turn() -> float:
+        start = time.perf_counter()
+        run(steps)
+        return (time.perf_counter() - start) / steps
+    return turn
 
 
 def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any]:
@@ -260,11 +275,11 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         bound = Bound(num_elements, args.num_workers)
         ideal = Ideal([engines["floor"], *(engines.pop(name) for name in ideal_engines)])
         engines_alive.callback(ideal.close)
-        systems = {name: common.timed(functools.partial(engine.step, fetch_stats=True))
-                   for name, engine in engines.items()}
-        systems = {"floor": systems.pop("floor"), "ideal": ideal.step, **systems, "bound": bound.step}
+        runs = {name: functools.partial(burst, engine.step) for name, engine in engines.items()}
+        runs = {"floor": runs.pop("floor"), "ideal": ideal.burst, **runs, "bound": functools.partial(burst, bound.step)}
         if union is not None:
-            systems["union"] = union.step
+            runs["union"] = functools.partial(burst, union.step)
+        systems = {name: timed_burst(run, args.burst) for name, run in runs.items()}
         record["systems"] = list(systems)
 
         times, record["order"], interrupted = common.run_rounds(
@@ -341,6 +356,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink every tensor to this fraction of its elements (1-D), for smoke runs")
     p.add_argument("--tiny-count", type=int, default=3000, help="tensors of the tiny shape")
+    p.add_argument("--burst", type=int, default=1,
+                   help="steps per system's turn, back to back, stats fetched by the last; reported per step")
     p.add_argument("--batch-size", type=int, default=32, help="the mnist shape's batch per worker "
                                                                "(examples/mnist.py's default)")
     common.add_engine_flags(p)
@@ -383,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = summary_table(records, args)
     print(f"\n{command}\n\n{table}")
     result = {"command": command, "engine_kwargs": kwargs, "num_workers": args.num_workers, "nodes": args.nodes,
-              "settle_s": args.settle_s, "scale": args.scale, "shapes": records, "table": table,
+              "settle_s": args.settle_s, "burst": args.burst, "scale": args.scale, "shapes": records, "table": table,
               **common.machine()}
     common.write_json(result, args.out)
     print(f"\nrecord written to {args.out}")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection
 
 import ray
 
-from dsgd import data, shards, wire
+from dsgd import data, keras_preload, shards, wire
 from dsgd.calls import Calls
 from dsgd.config import Options, WorkerConfig
 from dsgd.errors import ActorFailure, DSGDError, WorkerMismatchError
@@ -52,8 +52,10 @@ KILL_WAIT_S = 10.0  # how long kill waits for killed workers to be gone before i
 #   allocator it uses for GPU memory) instead of malloc. A step frees and allocates
 #   every gradient again; glibc's malloc keeps a varying share of that freed memory, so
 #   a worker's RSS wandered by 3-9 % over hundreds of steps, while the pool is reused
-#   and stays flat (benchmarks/soak.py, docs/benchmarks.md "Soak").
-WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+#   and stays flat (benchmarks/soak.py, docs/benchmarks.md "Soak");
+# - DSGD_SKIP_KERAS_PRELOAD 1 saves a starting worker 1.2 s of importing Keras with
+#   TensorFlow (dsgd.keras_preload).
+WORKER_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true", keras_preload.ENV: "1"}
 
 
 def worker_env() -> dict[str, str]:

@@ -9,6 +9,8 @@ the process's first import of TensorFlow write stderr through a filter that
 drops those lines, and passes everything else on, unless
 ``TF_CPP_MIN_LOG_LEVEL`` is ``0`` (TensorFlow's "show INFO"). Unset counts as
 dsgd's default, 3, the value its workers get (``dsgd.cluster.worker_env``).
+The same hook has a worker skip TensorFlow's eager import of Keras
+(``dsgd.keras_preload``).
 
 This module imports only the standard library: every dsgd process imports it.
 """
@@ -24,6 +26,8 @@ import re
 import sys
 import tempfile
 from typing import Iterator
+
+from dsgd import keras_preload
 
 ABSL_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 # absl's INFO prefix: I<mmdd> <time> <thread> <file>:<line>] (before absl's log is initialized,
@@ -99,7 +103,7 @@ class _FilteredLoader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         module.__loader__ = module.__spec__.loader = self.loader  # the module keeps its own loader
-        with start_up_lines_hidden():
+        with start_up_lines_hidden(), keras_preload.skipped():
             self.loader.exec_module(module)
 
 

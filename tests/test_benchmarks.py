@@ -138,7 +138,8 @@ def test_exchange_benchmark_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(
 
 def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_union_batch(ray_session, tmp_path):
     result = exchange.main(["--shapes", "mnist", "--batch-size", "8", "--warmup", "1", "--steps", "2",
-                            "--settle-s", "0", "--out", str(tmp_path / "exchange.json")])
+                            "--burst", "3", "--settle-s", "0", "--out", str(tmp_path / "exchange.json")])
+    assert result["burst"] == 3
     (shape,) = result["shapes"]
     assert shape["shape"] == "mnist" and shape["tensors"] == 6 and not shape["interrupted"]
     assert shape["systems"] == ["floor", "ideal", "simple", "ps", "bound", "union"]

@@ -1,6 +1,8 @@
 """Semantics of DistributedSGD: identical replicas, correct averaged steps."""
 
+import importlib
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -303,7 +305,24 @@ def test_workers_run_with_dsgds_environment_the_drivers_variables_first(engines,
         assert env["TF_CPU_ALLOCATOR_USE_BFC"] == "true" and env["TF_CPP_MIN_LOG_LEVEL"] == "2"  # conftest sets 2
     monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
-    assert worker_env() == {"TF_CPU_ALLOCATOR_USE_BFC": "false", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    assert worker_env() == {"TF_CPU_ALLOCATOR_USE_BFC": "false", "TF_CPP_MIN_LOG_LEVEL": "3",
+                            "DSGD_SKIP_KERAS_PRELOAD": "1"}
+
+
+def test_workers_import_tensorflow_without_keras_and_a_model_can_still_import_it(engines, monkeypatch):
+    sgd = engines["ps"]
+    assert sgd.foreach_worker(lambda w: [name for name in sys.modules if name.split(".")[0] == "keras"]) == [
+        []] * WORKERS
+    assert sgd.foreach_worker(lambda w: importlib.import_module("keras.src.optimizers").__name__) == [
+        "keras.src.optimizers"] * WORKERS
+
+    from dsgd import keras_preload
+    monkeypatch.setenv(keras_preload.ENV, "1")
+    monkeypatch.delitem(sys.modules, "keras.src.optimizers", raising=False)
+    with keras_preload.skipped():
+        with pytest.raises(ImportError):
+            importlib.import_module("keras.src.optimizers")
+    assert not any(name in sys.modules for name in keras_preload.PRELOADED)  # importable again
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
