@@ -9,8 +9,10 @@ systems run in rounds, in an order rotated by the round:
           once it answers, it builds the model and a GradientDescent train op
           in a new graph, initializes the variables and runs one step, timed
           inside it: what one process spends to train this model at all
-  start   `--num-workers` fresh actors like dsgd's workers (1 CPU each,
-          TensorFlow imported), started at once, timed from the driver until
+  start   `--num-workers` fresh actors started as dsgd starts its workers
+          (1 CPU each, the workers' environment, `dsgd.cluster.worker_env`,
+          dsgd imported before TensorFlow, so TensorFlow's import skips Keras
+          as a worker's does), started at once, timed from the driver until
           all answer: the process start dsgd cannot avoid
   dsgd    DistributedSGD(model, num_workers=--num-workers) at its defaults,
           then its first step(fetch_stats=True), each timed in the driver;
@@ -47,7 +49,7 @@ import ray
 
 import dsgd
 from benchmarks import common, exchange
-from dsgd.cluster import Cluster
+from dsgd.cluster import Cluster, worker_env
 
 SYSTEMS = ("plain", "start", "dsgd")
 TARGET = 1.2  # (dsgd - start) / plain
@@ -67,6 +69,7 @@ class PlainProcess:
     """A process like a worker's; trains the model once in a plain TensorFlow session."""
 
     def __init__(self):
+        import dsgd  # noqa: F401  (first, as in a worker: its hook on TensorFlow's import, dsgd.keras_preload)
         import tensorflow  # noqa: F401  (imported at start, as a dsgd worker does)
 
     def ready(self) -> bool:
@@ -85,8 +88,13 @@ class PlainProcess:
         return time.perf_counter() - start
 
 
+def new_process() -> ray.actor.ActorHandle:
+    """A ``PlainProcess`` started as dsgd starts a worker (its environment)."""
+    return PlainProcess.options(runtime_env={"env_vars": worker_env()}).remote()
+
+
 def plain(shapes: list[tuple[str, list[int]]], timeout_s: float) -> dict[str, float]:
-    actor = PlainProcess.remote()
+    actor = new_process()
     try:
         ray.get(actor.ready.remote(), timeout=timeout_s)
         return {"total": ray.get(actor.build_init_and_step.remote(shapes), timeout=timeout_s)}
@@ -96,7 +104,7 @@ def plain(shapes: list[tuple[str, list[int]]], timeout_s: float) -> dict[str, fl
 
 def process_start(num_workers: int, timeout_s: float) -> dict[str, float]:
     start = time.perf_counter()
-    actors = [PlainProcess.remote() for _ in range(num_workers)]
+    actors = [new_process() for _ in range(num_workers)]
     try:
         ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
         return {"total": time.perf_counter() - start}
