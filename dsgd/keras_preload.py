@@ -28,15 +28,14 @@ PRELOADED = ("keras.src.optimizers", "tf_keras.src.optimizers")  # what TensorFl
 
 @contextlib.contextmanager
 def skipped() -> Iterator[None]:
-    """While the body runs (TensorFlow's import), importing ``PRELOADED`` fails, if ``ENV`` is 1."""
-    if os.environ.get(ENV) != "1" or any(name in sys.modules for name in PRELOADED):
-        yield
-        return
-    for name in PRELOADED:
+    """While the body runs (TensorFlow's import), importing ``PRELOADED`` (those not imported yet) fails, if
+    ``ENV`` is 1."""
+    blocked = [name for name in PRELOADED if name not in sys.modules] if os.environ.get(ENV) == "1" else []
+    for name in blocked:
         sys.modules[name] = None  # the import system raises ModuleNotFoundError, importing no parent package
     try:
         yield
     finally:
-        for name in PRELOADED:
+        for name in blocked:
             if name in sys.modules and sys.modules[name] is None:
                 del sys.modules[name]
