@@ -469,8 +469,8 @@ class Cluster:
 
     def _grow(self, new: list[int], nodes: list[str], resized: Options, state: ray.ObjectRef | None,
               phases: Phases, fetch_stats: bool) -> None:
-        """Start workers ``new`` on ``nodes`` and build their models from ``state``; meanwhile, with "ps", the servers of
-        ``resized`` start (``_next_servers``, taken up by ``connect_exchange``) and the survivors prepare its
+        """Start workers ``new`` on ``nodes`` and build their models from ``state``; meanwhile, with "ps", the
+        servers of ``resized`` start (``_next_servers``, taken up by ``connect_exchange``) and the survivors prepare its
         exchange; the new workers prepare it once built, planned for the feeds of a survivor's last step (so
         their first step is not TensorFlow planning it while every other worker waits). With datasets every
         worker builds its model again (new splits): nothing is prepared."""
