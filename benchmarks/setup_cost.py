@@ -5,7 +5,8 @@ of ResNet-101's shapes, cycled and scaled to `--floats` (4 M) in all, the
 exchange benchmark's model: loss = sum_k reduce_sum(v_k) * x_k), three
 systems run in rounds, in an order rotated by the round:
 
-  plain   one fresh Ray actor (1 CPU, as a worker) that imports TensorFlow;
+  plain   one fresh Ray actor (1 CPU, started as a worker is: see start)
+          that imports TensorFlow;
           once it answers, it builds the model and a GradientDescent train op
           in a new graph, initializes the variables and runs one step, timed
           inside it: what one process spends to train this model at all

@@ -12,7 +12,8 @@ dsgd's default, 3, the value its workers get (``dsgd.cluster.worker_env``).
 The same hook has a worker skip TensorFlow's eager import of Keras
 (``dsgd.keras_preload``).
 
-This module imports only the standard library: every dsgd process imports it.
+This module imports only the standard library (and ``dsgd.keras_preload``,
+which does too): every dsgd process imports it.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
     state_assigns = StateAssigns(graph, state_vars)
-    _initialize(session, graph, state_vars, state_assigns, state)
+    _initialize(session, graph, state_assigns, state)
     replicas = tuple(replace(r, metrics=user_model.ask_metrics(graph, session, r.model, worker_index, r.index))
                      for r in replicas)
     _check_metrics_agree(replicas, worker_index)
@@ -198,8 +198,7 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
         state_assigns=state_assigns)
 
 
-def _initialize(session: tf.compat.v1.Session, graph: tf.Graph,
-                state_vars: dict[str, tuple[dict[str, tf.Variable], ...]], state_assigns: StateAssigns,
+def _initialize(session: tf.compat.v1.Session, graph: tf.Graph, state_assigns: StateAssigns,
                 state: dict | None) -> None:
     """Initialize every variable of ``graph``: the global ones, then local variables and tables.
 
@@ -211,36 +210,12 @@ def _initialize(session: tf.compat.v1.Session, graph: tf.Graph,
     initializer cannot be fed so (its initial value shared with another
     variable, or an initializer of another kind) is assigned afterwards.
     """
-    feeds, assigned_after = _state_feeds(state_vars, state) if state is not None else ({}, {})
+    feeds, assigned_after = state_assigns.initial_feeds(state) if state is not None else ({}, {})
     with graph.as_default():
         session.run(tf.compat.v1.global_variables_initializer(), feed_dict=feeds)
         for group, values in assigned_after.items():
             state_assigns.run(session, group, values)
         session.run(tf.group(tf.compat.v1.local_variables_initializer(), tf.compat.v1.tables_initializer()))
-
-
-def _state_feeds(state_vars: dict[str, tuple[dict[str, tf.Variable], ...]],
-                 state: dict) -> tuple[dict[tf.Tensor, np.ndarray], dict[str, dict[str, np.ndarray]]]:
-    """Feeds of the initializers' value inputs that load ``state`` onto every replica, and the values (by group,
-    then name) that must be assigned after initializing instead."""
-    inputs: dict[str, list[tuple[tf.Tensor | None, str, np.ndarray]]] = {}
-    for group, per_replica in state_vars.items():
-        values = state[group]
-        missing, unknown = sorted(set(per_replica[0]) - set(values)), sorted(set(values) - set(per_replica[0]))
-        if missing or unknown:
-            raise DSGDError(f"the state to start from is of another model: its {group} lack {missing} and have "
-                            f"{unknown}, which this model does not")
-        inputs[group] = [(_initial_value_input(variable), name, values[name])
-                         for variables in per_replica for name, variable in variables.items()]
-    counts = collections.Counter(tensor for entries in inputs.values() for tensor, _, _ in entries)
-    feeds, assigned_after = {}, {}
-    for group, entries in inputs.items():
-        for tensor, name, value in entries:
-            if tensor is not None and counts[tensor] == 1:
-                feeds[tensor] = value
-            else:
-                assigned_after.setdefault(group, {})[name] = value
-    return feeds, assigned_after
 
 
 def _initial_value_input(variable: tf.Variable) -> tf.Tensor | None:
@@ -417,7 +392,8 @@ class StateAssigns:
     Only loading state runs them (``set_weights``, a restore, a recovery's
     copy, a new worker's initial weights when they differ), never a step, so
     they are not built with the graph; a worker that never loads state never
-    builds them.
+    builds them. A worker built from a state loads it without them, through
+    its initializers (``initial_feeds``).
     """
 
     def __init__(self, graph: tf.Graph, state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]):
@@ -435,6 +411,29 @@ class StateAssigns:
             feeds[placeholder] = value
             targets += assigns
         session.run(targets, feed_dict=feeds)
+
+    def initial_feeds(self, state: dict) -> tuple[dict[tf.Tensor, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+        """Feeds of the initializers' value inputs that load ``state`` (``get_state()``'s groups) onto every
+        replica as the variables are initialized, and the values (by group, then name) that must be assigned
+        (``run``) after initializing instead."""
+        inputs: dict[str, list[tuple[tf.Tensor | None, str, np.ndarray]]] = {}
+        for group, per_replica in self._state_vars.items():
+            values = state[group]
+            missing, unknown = sorted(set(per_replica[0]) - set(values)), sorted(set(values) - set(per_replica[0]))
+            if missing or unknown:
+                raise DSGDError(f"the state to start from is of another model: its {group} lack {missing} and have "
+                                f"{unknown}, which this model does not")
+            inputs[group] = [(_initial_value_input(variable), name, values[name])
+                             for variables in per_replica for name, variable in variables.items()]
+        counts = collections.Counter(tensor for entries in inputs.values() for tensor, _, _ in entries)
+        feeds, assigned_after = {}, {}
+        for group, entries in inputs.items():
+            for tensor, name, value in entries:
+                if tensor is not None and counts[tensor] == 1:
+                    feeds[tensor] = value
+                else:
+                    assigned_after.setdefault(group, {})[name] = value
+        return feeds, assigned_after
 
     def _assigns(self, group: str, name: str) -> tuple[tf.Tensor, list[tf.Operation]]:
         key = group, name
