@@ -1,16 +1,25 @@
-"""The apply's non-finite check: dsgd's against one CheckNumerics per tensor, on the exchange benchmark's shapes.
+"""The apply's non-finite check: dsgd's two against one CheckNumerics per tensor, on the exchange benchmark's shapes.
 
-Every "ps" and "simple" step checks each mean before the apply
-(``nan_policy``). This times, in one process with one TensorFlow thread (a
-worker's budget), a run of the check alone over tensors of each shape's
-variables (random float32, fed once into variables): `checknumerics`, one
-`CheckNumerics` op per tensor (dsgd's check until 2026-11-24, whose element
-loop is scalar), against `dsgd`, the engine's own check
-(``dsgd.worker_graph._finite``: a vectorized `is_finite` reduction per
-tensor and one assert). The two run interleaved, median of `--reps` runs
-each. From the repository root:
+Every step checks each mean before the apply (``nan_policy``). This times,
+in one process with one TensorFlow thread (a worker's budget), a run of the
+check alone over each shape's variables (random float32, fed once into
+variables), three ways, interleaved, median of `--reps` runs each:
 
-    .venv/bin/python benchmarks/finite_check.py [--shapes resnet101 small] [--reps 20]
+  checknumerics  one `CheckNumerics` op per tensor (dsgd's check until
+                 2026-11-24, whose element loop is scalar)
+  tensors        dsgd's check per mean (``dsgd.worker_graph._finite``: a
+                 vectorized `is_finite` reduction per large tensor, one
+                 assert for them all): "simple", the Python "ps" path, one
+                 worker alone
+  partitions     dsgd's check per received partition
+                 (``dsgd.worker_graph.finite_partitions``), "ps" through the
+                 op library: the same floats in the partitions the engine
+                 would make at its defaults for two parameter servers, laid
+                 out as they arrive (one flat tensor per partition)
+
+From the repository root:
+
+    .venv/bin/python benchmarks/finite_check.py [--shapes resnet101 small tiny] [--reps 20]
 """
 
 from __future__ import annotations
@@ -26,35 +35,45 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.exchange import variable_shapes
-from dsgd import worker_graph
+from dsgd import shards, worker_graph
 from dsgd.config import WorkerConfig
 
 
+CHECKS = ("checknumerics", "tensors", "partitions")
+SERVERS = 2  # the partitions' layout is the engine's default for this many parameter servers
+
+
 def check_ops(shape: str) -> tuple[tf.Graph, dict[str, tf.Operation], int]:
-    """A graph holding ``shape``'s variables and both checks over them; the checks by name, and the float count."""
+    """A graph holding ``shape``'s variables, the same floats laid out in partitions, and the three checks
+    over them (``CHECKS``); the checks by name (and "init"), and the float count."""
     graph = tf.Graph()
     rng = np.random.default_rng(0)
     config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto",
                           cpus_per_worker=1, step_timeout_s=60, startup_timeout_s=60)
+    specs = [shards.VarSpec(name, tuple(dims), np.dtype(np.float32)) for name, dims in variable_shapes(shape)]
+    layout = shards.plan_shards(specs, shards.default_partition_bytes(specs, SERVERS))
     with graph.as_default():
         names, tensors = [], []
-        for name, dims in variable_shapes(shape):
-            v = tf.compat.v1.Variable(rng.standard_normal(dims).astype(np.float32), name=name.replace(":", "_"))
-            names.append(name)
+        for spec in specs:
+            v = tf.compat.v1.Variable(rng.standard_normal(spec.shape).astype(np.float32),
+                                      name=spec.name.replace(":", "_"))
+            names.append(spec.name)
             tensors.append(v.read_value())
+        partitions = [tf.compat.v1.Variable(rng.standard_normal(s.size).astype(np.float32)).read_value()
+                      for s in layout]
         ops = {"checknumerics": tf.group(*[tf.debugging.check_numerics(t, f"non-finite {n}")
                                            for t, n in zip(tensors, names)]),
-               "dsgd": tf.group(*worker_graph._finite(tensors, names, "gradient", config))}
-        init = tf.compat.v1.global_variables_initializer()
-    ops["init"] = init
-    return graph, ops, sum(int(np.prod(t.shape)) for t in tensors)
+               "tensors": tf.group(*worker_graph._finite(tensors, names, "gradient", config)),
+               "partitions": tf.group(*worker_graph.finite_partitions(partitions, layout, specs, len(specs), config)),
+               "init": tf.compat.v1.global_variables_initializer()}
+    return graph, ops, sum(s.size for s in specs)
 
 
 def measure(shape: str, reps: int) -> dict[str, float]:
     """Median ms of each check's run over ``shape``'s tensors, interleaved."""
     graph, ops, floats = check_ops(shape)
     session_config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1)
-    times: dict[str, list[float]] = {"checknumerics": [], "dsgd": []}
+    times: dict[str, list[float]] = {name: [] for name in CHECKS}
     with tf.compat.v1.Session(graph=graph, config=session_config) as session:
         session.run(ops["init"])
         for name in times:  # warm-up: TensorFlow plans each run once
@@ -65,9 +84,11 @@ def measure(shape: str, reps: int) -> dict[str, float]:
                 session.run(ops[name])
                 times[name].append((time.perf_counter() - start) * 1000)
     result = {name: statistics.median(t) for name, t in times.items()}
+    base = result["checknumerics"]
     print(f"{shape}: {floats / 1e6:.1f} M float32 in {len(variable_shapes(shape))} tensors: "
-          f"CheckNumerics per tensor {result['checknumerics']:.1f} ms, dsgd's check {result['dsgd']:.1f} ms "
-          f"({result['dsgd'] / result['checknumerics']:.2f}x)", flush=True)
+          f"CheckNumerics per tensor {base:.1f} ms, dsgd's check per tensor {result['tensors']:.1f} ms "
+          f"({result['tensors'] / base:.2f}x), per partition {result['partitions']:.1f} ms "
+          f"({result['partitions'] / base:.2f}x)", flush=True)
     return result
 
 

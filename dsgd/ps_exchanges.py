@@ -103,7 +103,8 @@ class OpsParameterServers(_ServerExchange):
         k waits for send k, so a worker blocks only on partitions that every
         worker with a longer run of sends has already sent: whichever worker
         has sent the least always gets its means, and no thread budget can
-        deadlock. The apply runs once every partition has arrived.
+        deadlock. The apply runs once every partition has arrived and passed its non-finite check (one per
+        partition, ``worker_graph.finite_partitions``).
         """
         from dsgd import ops
 
@@ -116,8 +117,10 @@ class OpsParameterServers(_ServerExchange):
             with tf.control_dependencies([sent]):
                 received.append(ops.receive_shard(functools.partial(self._receive, shard), shard, [step_input]))
             previous = [sent]
-        means = ops.unpack(received, layout, built.signature.exchange)
-        return step_input, worker_graph.build_apply(built, [means] * len(built.replicas), self.runner.config)
+        exchange, config = built.signature.exchange, self.runner.config
+        means = ops.unpack(received, layout, exchange)
+        checks = worker_graph.finite_partitions(received, layout, exchange, len(built.replicas[0].train_vars), config)
+        return step_input, worker_graph.build_apply(built, [means] * len(built.replicas), config, checks)
 
     @contextlib.contextmanager
     def _callback(self, span: str):

@@ -161,11 +161,11 @@ def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step
     assert "| CPU (untraced steps) |" in step_breakdown.table(record)
 
 
-def test_finite_check_benchmark_times_both_checks_on_a_shape(capsys):
+def test_finite_check_benchmark_times_the_three_checks_on_a_shape(capsys):
     from benchmarks import finite_check
 
     result = finite_check.measure("small", reps=2)
-    assert set(result) == {"checknumerics", "dsgd"} and all(ms > 0 for ms in result.values())
+    assert set(result) == {"checknumerics", "tensors", "partitions"} and all(ms > 0 for ms in result.values())
     assert "small: 4.0 M float32 in 314 tensors" in capsys.readouterr().out
 
 

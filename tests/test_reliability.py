@@ -11,8 +11,9 @@ import ray
 import tensorflow as tf
 
 import dsgd
-from dsgd import step_runner, worker_graph
+from dsgd import shards, step_runner, worker_graph
 from dsgd.config import WorkerConfig
+from dsgd.shards import VarSpec
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue, KillOnCue,
                               NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
                               assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
@@ -263,6 +264,32 @@ def test_the_non_finite_check_names_the_variable_in_small_and_large_tensors(bad)
             session.run(checks)
     found = step_runner._NONFINITE.search(raised.value.message)
     assert found is not None and found.groups() == ("gradient", bad[0])
+
+
+@pytest.mark.parametrize("wire", [tf.float32, tf.bfloat16])
+@pytest.mark.parametrize("bad", [None, ("a", 2, np.nan), ("b", 20, np.inf), ("c", 70_017, -np.inf), ("gap", 6, np.nan)])
+def test_the_partition_check_names_the_variable_and_ignores_the_gaps_between_pieces(wire, bad):
+    """"ps" through the ops checks each received partition once; a non-finite element in a piece names its
+    variable (a gradient, or a value for the exchange's non-trainable tail), one between pieces does not count."""
+    specs = [VarSpec("a", (5,), np.dtype(np.float32)), VarSpec("b", (70_000,), np.dtype(np.float32)),
+             VarSpec("c", (3,), np.dtype(np.float32))]
+    layout = shards.plan_shards(specs, 1 << 30)
+    assert [(p.shard_offset, p.size) for p in layout[0].pieces] == [(0, 5), (16, 70_000), (70_016, 3)]
+    config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto", cpus_per_worker=1,
+                          step_timeout_s=10, startup_timeout_s=10)
+    values = np.ones(layout[0].size, np.float32)
+    if bad is not None:
+        values[bad[1]] = bad[2]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        checks = worker_graph.finite_partitions([tf.cast(tf.constant(values), wire)], layout, specs, 2, config)
+        assert len(checks) == 1
+        if bad is None or bad[0] == "gap":
+            session.run(checks)
+            return
+        with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+            session.run(checks)
+    found = step_runner._NONFINITE.search(raised.value.message)
+    assert found is not None and found.groups() == ("value" if bad[0] == "c" else "gradient", bad[0])
 
 
 def test_exchange_larger_than_the_object_store_is_refused_before_any_parameter_server_starts(ray_session):
