@@ -4,7 +4,8 @@
 its own ``tf.device`` and ``variable_scope("device_<i>")``, checks what it
 returns, and adds: every replica's gradients, their mean over the worker's
 devices (the local allreduce) and an apply of means fed from Python (which
-makes the optimizer's slots). It returns a frozen ``WorkerGraph``; the ops
+makes the optimizer's slots; checked only if a step runs it,
+``WorkerConfig.applies_fed``). It returns a frozen ``WorkerGraph``; the ops
 that write the weights and optimizer state (``StateAssigns``) are built on
 first use. An exchange that applies another way (``dsgd.exchanges``) adds its own apply with
 ``build_apply``; the worker actor (``dsgd.sgd_worker``) runs them.
@@ -124,7 +125,7 @@ class WorkerGraph:
     signature: WorkerSignature
     replica_means: tuple[tuple[tf.Tensor, ...], ...]  # per replica: the worker's mean of each exchange tensor
     mean_inputs: tuple[tf.Tensor, ...]  # placeholders for the global means ("simple", Python "ps")
-    apply_fed: tf.Operation  # applies mean_inputs on every replica
+    apply_fed: tf.Operation | None  # applies mean_inputs on every replica; None unless config.applies_fed
     state_vars: dict[str, tuple[dict[str, tf.Variable], ...]]  # group -> per replica, name -> variable
     state_assigns: StateAssigns  # writes a group's variables on every replica (built on first use)
 
@@ -178,8 +179,10 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
     weights, exchange = _specs(replicas[0])
     means = _local_allreduce(replicas, config)
     mean_inputs = tuple(tf.compat.v1.placeholder(s.dtype, s.shape, name=f"mean_{k}") for k, s in enumerate(exchange))
-    apply_fed = _apply_ops(replicas, [mean_inputs] * len(replicas), exchange, config)
-    # The optimizer's slots exist once its apply ops do; later applies (``build_apply``) reuse them.
+    # The optimizer's slots exist once its apply ops do; later applies (``build_apply``) reuse them. A fed
+    # apply no step runs is built for them alone, unchecked and not kept ("ps" through the ops).
+    apply_fed = _apply_ops(replicas, [mean_inputs] * len(replicas), exchange, config,
+                           None if config.applies_fed else [])
     optimizer_vars = tuple(_optimizer_state(r) for r in replicas)
     state_vars = {"weights": tuple(r.weights for r in replicas), "optimizer": optimizer_vars}
     optimizer = tuple(_var_spec(n, v) for n, v in sorted(optimizer_vars[0].items()))
@@ -193,7 +196,7 @@ def build(worker_index: int, config: WorkerConfig, model_creator: Callable[[int,
         signature=WorkerSignature(weights, exchange, optimizer, tuple(sorted(replicas[0].metrics))),
         replica_means=tuple(tuple(m) for m in means),
         mean_inputs=mean_inputs,
-        apply_fed=apply_fed,
+        apply_fed=apply_fed if config.applies_fed else None,
         state_vars=state_vars,
         state_assigns=state_assigns)
 

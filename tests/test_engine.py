@@ -210,23 +210,33 @@ def exchange_path(stats: dict) -> str:
 @pytest.mark.parametrize("use_ops, path", [(True, "ops"), (False, "python"), (None, "ops")],
                          ids=["use_ops=True", "use_ops=False", "use_ops=None"])
 def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, path):
-    exchange = {"ops": "OpsParameterServers", "python": "PythonParameterServers"}[path]
+    """Through the ops a worker checks each received partition and keeps no fed apply (it is built unchecked, for
+    the optimizer's slots alone); through Python it applies fed means, checked per variable."""
+    built = {"ops": ("OpsParameterServers", True, False, ["partitions"]),
+             "python": ("PythonParameterServers", False, True, ["gradients"])}[path]
     if use_ops is None:  # the default: the ops whenever the library builds and loads, as `make install` ensures
         from dsgd import ops
 
         assert ops.is_available()
         with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, strategy="ps") as sgd:
             assert exchange_path(sgd.step(fetch_stats=True)) == path
-            assert sgd.foreach_worker(_exchange_and_dsgd_ops) == [(exchange, path == "ops")] * WORKERS
+            assert sgd.foreach_worker(_exchange_and_its_ops) == [built] * WORKERS
         return
     sgd = engines["ps" if use_ops else "ps-python"]
     assert exchange_path(sgd.step(fetch_stats=True)) == path
-    assert sgd.foreach_worker(_exchange_and_dsgd_ops) == [(exchange, path == "ops")] * WORKERS
+    assert sgd.foreach_worker(_exchange_and_its_ops) == [built] * WORKERS
 
 
-def _exchange_and_dsgd_ops(worker) -> tuple[str, bool]:
-    """The worker's exchange class, and whether its graph holds the op library's ops (DsgdPack)."""
-    return type(worker.exchange).__name__, any(op.type == "DsgdPack" for op in worker.sess.graph.get_operations())
+def _exchange_and_its_ops(worker) -> tuple[str, bool, bool, list[str]]:
+    """The worker's exchange class, whether its graph holds the op library's ops (DsgdPack), whether it keeps a
+    fed apply, and what its non-finite checks check (their name scopes: gradients, values, partitions)."""
+    from dsgd import worker_graph
+
+    ops = worker.sess.graph.get_operations()
+    checked = {op.name.split("/")[0].removeprefix(worker_graph.FINITE_SCOPE + "_").split("_")[0]
+               for op in ops if op.name.startswith(worker_graph.FINITE_SCOPE)}
+    return (type(worker.exchange).__name__, any(op.type == "DsgdPack" for op in ops),
+            worker.built.apply_fed is not None, sorted(checked))
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
