@@ -128,9 +128,11 @@ def traced_kinds(path: str) -> dict[str, dict[str, float]]:
 
 def measure(shape: str, args: argparse.Namespace, nodes: int) -> dict[str, Any]:
     """One engine on the current cluster: untimed warm-up, CPU and wall per step, traced kinds per step."""
-    variables = variable_shapes(shape, args.scale)
-    with dsgd.DistributedSGD(functools.partial(ExchangeModel, shapes=variables), num_workers=args.num_workers,
-                             strategy="ps") as sgd:
+    if shape == "mnist":
+        creator = common.mnist_creator(args.num_workers, args.batch_size)
+    else:
+        creator = functools.partial(ExchangeModel, shapes=variable_shapes(shape, args.scale))
+    with dsgd.DistributedSGD(creator, num_workers=args.num_workers, strategy="ps") as sgd:
         actors = {str(i): i for i in common.identities(sgd)}
         where = common.actors_per_node(sgd)
         print(f"  {shape} on {nodes} node(s): {'; '.join(where)}", flush=True)
@@ -182,6 +184,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps (CPU and wall)")
     p.add_argument("--traced", type=int, default=2, help="traced steps, their spans averaged")
     p.add_argument("--scale", type=float, default=1.0, help="shrink every tensor to this fraction, for smoke runs")
+    p.add_argument("--batch-size", type=int, default=32, help="the mnist shape's batch per worker "
+                                                               "(examples/mnist.py's default)")
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "step_breakdown.json")
     args = p.parse_args(argv)

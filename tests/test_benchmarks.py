@@ -148,15 +148,17 @@ def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_u
     assert "| mnist |" in result["table"] and "| union ms |" in result["table"] and "ps/union" in result["table"]
 
 
-def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session):
-    args = argparse.Namespace(scale=0.001, num_workers=2, warmup=1, steps=2, traced=1)
-    record = step_breakdown.measure("huge", args, nodes=1)
+@pytest.mark.parametrize("shape", ["huge", "mnist"])
+def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session, shape):
+    args = argparse.Namespace(scale=0.001, num_workers=2, warmup=1, steps=2, traced=1, batch_size=8)
+    record = step_breakdown.measure(shape, args, nodes=1)
     cpu, traced = record["cpu_ms_per_step"], record["traced_ms_per_step"]
     assert {"worker 0", "worker 1", "parameter server 0", "driver", "raylets", "gcs"} <= set(cpu)
     assert all(ms >= 0 for ms in cpu.values()) and record["step_ms_median"] > 0
     for worker in ("worker 0", "worker 1"):  # the client's spans and the worker's TensorFlow ops, by kind
         assert {"write partitions (pack / put)", "push partitions (signal / actor call)", "wait for the means",
-                "read the means (get)", "TF: apply", "TF: graph callbacks (sends, receives)"} <= set(traced[worker])
+                "read the means (get)", "TF: apply", "TF: graph callbacks (sends, receives)",
+                "TF: non-finite checks"} <= set(traced[worker])
     assert "sum partitions" in traced["parameter server 0"]
     assert "| CPU (untraced steps) |" in step_breakdown.table(record)
 
