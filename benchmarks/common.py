@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -348,3 +349,27 @@ def write_json(record: Any, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+class Ideal:
+    """The same workers computing with no exchange: one 1-worker engine per worker, stepping at once, each from
+    its thread (the exchange and peers benchmarks' "ideal")."""
+
+    def __init__(self, engines: list[Any]):
+        self.engines = engines
+        self.pool = concurrent.futures.ThreadPoolExecutor(len(engines))
+
+    def burst(self, steps: int) -> None:
+        """``steps`` steps of every engine, each from its thread, all at once."""
+        for run in [self.pool.submit(burst, engine.step, steps) for engine in self.engines]:
+            run.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def burst(step: Callable[..., Any], steps: int) -> None:
+    """``steps`` calls of ``step``, stats fetched by the last only (a training loop that logs now and then)."""
+    for _ in range(steps - 1):
+        step(fetch_stats=False)
+    step(fetch_stats=True)

@@ -63,7 +63,6 @@ if not __package__:  # run as `python benchmarks/exchange.py`
     import _repo_path  # noqa: F401
 
 import argparse
-import concurrent.futures
 import contextlib
 import functools
 import math
@@ -190,29 +189,6 @@ class UnionBatch:
         self.sess.close()
 
 
-class Ideal:
-    """The same workers computing with no exchange: two 1-worker engines stepping at once, each from its thread."""
-
-    def __init__(self, engines: list[dsgd.DistributedSGD]):
-        self.engines = engines
-        self.pool = concurrent.futures.ThreadPoolExecutor(len(engines))
-
-    def burst(self, steps: int) -> None:
-        """``steps`` steps of every engine, each from its thread, all at once."""
-        for run in [self.pool.submit(burst, engine.step, steps) for engine in self.engines]:
-            run.result()
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-def burst(step: Callable[..., Any], steps: int) -> None:
-    """``steps`` calls of ``step``, stats fetched by the last only (a training loop that logs now and then)."""
-    for _ in range(steps - 1):
-        step(fetch_stats=False)
-    step(fetch_stats=True)
-
-
 def timed_burst(run: Callable[[int], Any], steps: int) -> Callable[[], float]:
     """A system's turn: ``run(steps)`` timed, in seconds per step."""
     def turn() -> float:
@@ -273,12 +249,13 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         print(f"  ps: {record['num_parameter_servers']} parameter servers, "
               f"{record['num_partitions']} partitions; {'; '.join(record['ps_actors_per_node'])}", flush=True)
         bound = Bound(num_elements, args.num_workers)
-        ideal = Ideal([engines["floor"], *(engines.pop(name) for name in ideal_engines)])
+        ideal = common.Ideal([engines["floor"], *(engines.pop(name) for name in ideal_engines)])
         engines_alive.callback(ideal.close)
-        runs = {name: functools.partial(burst, engine.step) for name, engine in engines.items()}
-        runs = {"floor": runs.pop("floor"), "ideal": ideal.burst, **runs, "bound": functools.partial(burst, bound.step)}
+        runs = {name: functools.partial(common.burst, engine.step) for name, engine in engines.items()}
+        runs = {"floor": runs.pop("floor"), "ideal": ideal.burst, **runs,
+                "bound": functools.partial(common.burst, bound.step)}
         if union is not None:
-            runs["union"] = functools.partial(burst, union.step)
+            runs["union"] = functools.partial(common.burst, union.step)
         systems = {name: timed_burst(run, args.burst) for name, run in runs.items()}
         record["systems"] = list(systems)
 

@@ -8,6 +8,10 @@ graph built by `benchmarks.resnet.resnet_v1`:
            replica of `devices_per_worker * batch_size` images per worker;
   simple   dsgd, strategy="simple", otherwise at dsgd's defaults;
   ps       dsgd, strategy="ps", otherwise at dsgd's defaults;
+  ideal    the same workers with no exchange at all: one 1-worker dsgd
+           engine per worker, all stepping at once, each from a thread of
+           its own; a step lasts until the slowest is done. What "ps" would
+           reach if exchanging gradients cost nothing (target: "ps" >= 0.95x);
   ps-bf16  the same with compression="bf16": 16-bit partitions on the wire
            (not run unless asked for: `--systems ... ps-bf16`).
 
@@ -59,10 +63,11 @@ import dsgd
 from benchmarks import common, resnet
 from benchmarks.resnet101 import DsgdRun
 
-SYSTEMS = ("single", "raytrain", "simple", "ps", "ps-bf16")
-DEFAULT_SYSTEMS = SYSTEMS[:4]
-SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms",
-                "simple": "dsgd-simple", "ps": "dsgd-ps", "ps-bf16": "dsgd-ps-bf16"}
+SYSTEMS = ("single", "raytrain", "simple", "ps", "ideal", "ps-bf16")
+DEFAULT_SYSTEMS = SYSTEMS[:5]
+SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms", "simple": "dsgd-simple",
+                "ps": "dsgd-ps", "ideal": "dsgd-ideal", "ps-bf16": "dsgd-ps-bf16"}
+RATIO_PEERS = ("single", "raytrain", "simple", "ideal")  # the report's "vs" columns
 RAY_TRAIN_STOP_S = 120.0
 # TensorFlow's CPU allocator, one setting for every system: dsgd's workers default to the BFC pool
 # (dsgd/cluster.py), so the single process and Ray Train's workers get the same unless told otherwise.
@@ -316,12 +321,49 @@ class RayTrainRun:
         shutil.rmtree(self.storage, ignore_errors=True)
 
 
+class IdealRun:
+    """"ideal": one 1-worker dsgd engine per worker (no exchange), stepped at once from threads
+    (``common.Ideal``)."""
+
+    label = SYSTEM_NAMES["ideal"]
+
+    def __init__(self, cfg: common.BenchConfig, **engine_kwargs: Any):
+        one_worker = dataclasses.replace(cfg, num_workers=1)
+        self.runs: list[DsgdRun] = []
+        try:
+            for k in range(cfg.num_workers):
+                self.runs.append(DsgdRun(one_worker, strategy="simple", label=f"{self.label} {k}", **engine_kwargs))
+        except BaseException:
+            self.close()
+            raise
+        self.ideal = common.Ideal([run.sgd for run in self.runs])
+
+    def step(self) -> float:
+        """One step of every engine (stats fetched), all at once; the wall time until the last is done."""
+        start = time.perf_counter()
+        self.ideal.burst(1)
+        return time.perf_counter() - start
+
+    def details(self) -> dict[str, Any]:
+        return {"engines": len(self.runs), "engine_kwargs": self.runs[0].engine_kwargs if self.runs else {},
+                "worker_nodes": [node for run in self.runs for node in run.worker_nodes],
+                "setup_s": sum(run.setup_s for run in self.runs)}
+
+    def close(self) -> None:
+        if getattr(self, "ideal", None) is not None:
+            self.ideal.close()
+        for run in self.runs:
+            run.close()
+
+
 def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any], spread: bool) -> Run:
     """`system` (one of SYSTEMS), built and ready to step."""
     if system == "single":
         return SingleProcessRun(cfg)
     if system == "raytrain":
         return RayTrainRun(cfg, spread=spread)
+    if system == "ideal":
+        return IdealRun(cfg, **engine_kwargs)
     if system == "ps-bf16":
         return DsgdRun(cfg, strategy="ps", compression="bf16", **engine_kwargs)
     return DsgdRun(cfg, strategy=system, **engine_kwargs)
@@ -352,9 +394,9 @@ def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
 
 def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir: Path,
                  command: str, cluster: str = "one node", allocator: str = "bfc") -> Path:
-    """A markdown table of images/s with ratios to the single process, Ray Train and dsgd "simple"."""
+    """A markdown table of images/s with ratios to the single process, Ray Train, dsgd "simple" and the ideal."""
     by_system = {r["system"]: r for r in records}
-    peers = [by_system.get(SYSTEM_NAMES[s]) for s in ("single", "raytrain", "simple")]
+    peers = [by_system.get(SYSTEM_NAMES[s]) for s in RATIO_PEERS]
     host = records[0]["host"] if records else {"cpu_model": "?", "cores": "?"}
     lines = [
         f"# {cfg.model} on synthetic ImageNet: dsgd and its peers",
@@ -369,8 +411,8 @@ def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir
          f"each round one step of every system, in an order rotated every round. "
          f"Host: {host['cpu_model']}, {host['cores']} cores."),
         "",
-        "| system | images/s (mean ± std) | steps | vs single process | vs Ray Train | vs dsgd-simple |",
-        "|---|---|---|---|---|---|",
+        "| system | images/s (mean ± std) | steps | vs single process | vs Ray Train | vs dsgd-simple | vs ideal |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in records:
         mean, std = r["images_per_sec_mean"], r["images_per_sec_std"]

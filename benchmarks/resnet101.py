@@ -49,9 +49,11 @@ def _node_id(worker: Any) -> str:
 class DsgdRun:
     """A dsgd engine training `cfg.model`, built at once and stepped by the caller."""
 
-    def __init__(self, cfg: common.BenchConfig, strategy: str, gpu: bool = False, **engine_kwargs: Any):
-        self.label = (f"dsgd-{strategy}" + (f"-{engine_kwargs['compression']}" if engine_kwargs.get("compression") else "")
-                      + ("-no-ops" if engine_kwargs.get("use_ops") is False else ""))
+    def __init__(self, cfg: common.BenchConfig, strategy: str, gpu: bool = False, label: str | None = None,
+                 **engine_kwargs: Any):
+        self.label = label or (f"dsgd-{strategy}"
+                               + (f"-{engine_kwargs['compression']}" if engine_kwargs.get("compression") else "")
+                               + ("-no-ops" if engine_kwargs.get("use_ops") is False else ""))
         self.strategy, self.gpu, self.engine_kwargs = strategy, gpu, engine_kwargs
         print(f"[{self.label}] building {cfg.num_workers} worker(s) x {cfg.devices_per_worker} device(s)",
               flush=True)

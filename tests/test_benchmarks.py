@@ -244,16 +244,18 @@ def test_soak_compares_the_first_and_last_sample():
 
 
 def test_peers_run_interleaved(ray_session, tmp_path):
-    records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple",
+    records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple", "ideal",
                                               "--results-dir", str(tmp_path), "--no-plot"])
-    assert [r["system"] for r in records] == ["single-process", "dsgd-simple"]
+    assert [r["system"] for r in records] == ["single-process", "dsgd-simple", "dsgd-ideal"]
     for record in records:
         check_record(record, record["system"], num_workers=1)
-        assert record["run_order"] == ["single-process", "dsgd-simple", "dsgd-simple", "single-process"]
+        assert record["run_order"] == ["single-process", "dsgd-simple", "dsgd-ideal",
+                                       "dsgd-simple", "dsgd-ideal", "single-process"]
         assert json.loads((tmp_path / f"{record['system']}.json").read_text()) == record
-    assert records[1]["engine_kwargs"] == {"nan_policy": "ignore"}  # only the flags given
+    assert records[1]["engine_kwargs"] == records[2]["engine_kwargs"] == {"nan_policy": "ignore"}  # the flags given
+    assert records[2]["engines"] == 1 and len(records[2]["worker_nodes"]) == 1  # one 1-worker engine per worker
     report = (tmp_path / "report.md").read_text()
-    assert "| single-process |" in report and "| dsgd-simple |" in report
+    assert "| single-process |" in report and "| dsgd-simple |" in report and "| dsgd-ideal |" in report
     assert "`python -m benchmarks.peers --model resnet50" in report
 
 
@@ -357,10 +359,10 @@ def test_report_and_plot(tmp_path):
     cfg = common.BenchConfig(model="resnet50", image_size=32, batch_size=2, num_iters=2, warmup=1)
     records = [common.make_record(system, cfg, [1.0, 0.5, seconds], False)
                for system, seconds in (("single-process", 0.5), ("raytrain-mwms", 1.0), ("dsgd-simple", 0.8),
-                                       ("dsgd-ps", 0.4))]
+                                       ("dsgd-ps", 0.4), ("dsgd-ideal", 0.5))]
     report = peers.write_report(records, cfg, tmp_path, "python -m benchmarks.peers").read_text()
     assert "`python -m benchmarks.peers`" in report
-    assert "| dsgd-ps | 9.00 ± 1.41 | 2 | 1.12 | 1.50 | 1.38 |" in report
+    assert "| dsgd-ps | 9.00 ± 1.41 | 2 | 1.12 | 1.50 | 1.38 | 1.12 |" in report
 
     (ax,) = peers.throughput_figure(records, cfg).axes
     (bars,) = [c for c in ax.containers if isinstance(c, BarContainer)]
