@@ -441,6 +441,7 @@ def throughput_figure(records: list[dict[str, Any]], cfg: common.BenchConfig):
     ax = fig.add_subplot()
     ax.bar([r["system"] for r in measured], [r["images_per_sec_mean"] for r in measured],
            yerr=[r["images_per_sec_std"] for r in measured], capsize=4, color="tab:blue")
+    ax.tick_params(axis="x", labelsize=8, labelrotation=15)  # five or six names side by side
     ax.set_ylabel("images/s")
     ax.set_title(f"{cfg.model}, {cfg.image_size}px, global batch {cfg.global_batch}, "
                  f"{cfg.num_workers}x{cfg.devices_per_worker}")
