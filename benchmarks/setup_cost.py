@@ -9,14 +9,16 @@ systems run in rounds, in an order rotated by the round:
           that imports TensorFlow;
           once it answers, it builds the model and a GradientDescent train op
           in a new graph, initializes the variables and runs one step, timed
-          inside it: what one process spends to train this model at all
+          inside it: what one process spends to train this model at all;
+          then `--later-steps` more steps, each timed
   start   `--num-workers` fresh actors started as dsgd starts its workers
           (1 CPU each, the workers' environment, `dsgd.cluster.worker_env`,
           dsgd imported before TensorFlow, so TensorFlow's import skips Keras
           as a worker's does), started at once, timed from the driver until
           all answer: the process start dsgd cannot avoid
   dsgd    DistributedSGD(model, num_workers=--num-workers) at its defaults,
-          then its first step(fetch_stats=True), each timed in the driver;
+          then its first step(fetch_stats=True), each timed in the driver,
+          then `--later-steps` more steps, each timed;
           its phases (workers up, models built, parameter servers started
           and connected, the workers building their exchange meanwhile,
           initial weights matched to worker 0's) read by timing the
@@ -25,7 +27,9 @@ systems run in rounds, in an order rotated by the round:
 Every system starts fresh processes each round, so none reuses another's
 warm TensorFlow. Reported per size: medians over the rounds and
 (dsgd set-up + first step - start) / plain, the SPEC's set-up target
-(<= 1.2). Writes benchmarks/results/setup_cost.json. From the repository root:
+(<= 1.2); and the median later step of plain and dsgd, which at the same
+bytes in more variables shows what each step pays per tensor (they do not
+count in the set-up). Writes benchmarks/results/setup_cost.json. From the repository root:
 
     .venv/bin/python benchmarks/setup_cost.py
     .venv/bin/python -m benchmarks.setup_cost --variables 300 --rounds 2
@@ -41,7 +45,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +80,8 @@ class PlainProcess:
     def ready(self) -> bool:
         return True
 
-    def build_init_and_step(self, shapes: list[tuple[str, list[int]]]) -> float:
+    def build_init_and_step(self, shapes: list[tuple[str, list[int]]], later_steps: int) -> dict[str, float]:
+        """Seconds to build, initialize and step once ("total"), and the median of ``later_steps`` more steps."""
         import tensorflow as tf
 
         start = time.perf_counter()
@@ -86,7 +91,18 @@ class PlainProcess:
             with tf.compat.v1.Session() as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 sess.run(train)
-        return time.perf_counter() - start
+                total = time.perf_counter() - start
+                return {"total": total, "later step": later_step(lambda: sess.run(train), later_steps)}
+
+
+def later_step(step: Callable[[], Any], steps: int) -> float:
+    """The median seconds of ``steps`` calls of ``step`` (NaN for none)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) if times else float("nan")
 
 
 def new_process() -> ray.actor.ActorHandle:
@@ -94,11 +110,11 @@ def new_process() -> ray.actor.ActorHandle:
     return PlainProcess.options(runtime_env={"env_vars": worker_env()}).remote()
 
 
-def plain(shapes: list[tuple[str, list[int]]], timeout_s: float) -> dict[str, float]:
+def plain(shapes: list[tuple[str, list[int]]], later_steps: int, timeout_s: float) -> dict[str, float]:
     actor = new_process()
     try:
         ray.get(actor.ready.remote(), timeout=timeout_s)
-        return {"total": ray.get(actor.build_init_and_step.remote(shapes), timeout=timeout_s)}
+        return ray.get(actor.build_init_and_step.remote(shapes, later_steps), timeout=timeout_s)
     finally:
         ray.kill(actor)
 
@@ -139,8 +155,9 @@ def timing_phases(phases: dict[str, float]) -> Iterator[None]:
             setattr(Cluster, method, originals[name])
 
 
-def dsgd_setup(shapes: list[tuple[str, list[int]]], num_workers: int, timeout_s: float) -> dict[str, float]:
-    """The engine's set-up, its phases and its first step, in seconds."""
+def dsgd_setup(shapes: list[tuple[str, list[int]]], num_workers: int, later_steps: int,
+               timeout_s: float) -> dict[str, float]:
+    """The engine's set-up, its phases, its first step and its median later step, in seconds."""
     phases: dict[str, float] = {}
     creator = functools.partial(exchange.ExchangeModel, shapes=shapes)
     start = time.perf_counter()
@@ -150,12 +167,14 @@ def dsgd_setup(shapes: list[tuple[str, list[int]]], num_workers: int, timeout_s:
         built = time.perf_counter()
         sgd.step(fetch_stats=True)
         first_step = time.perf_counter() - built
+        later = later_step(functools.partial(sgd.step, fetch_stats=True), later_steps)
     finally:
         sgd.shutdown()
     setup = built - start
     in_cluster = phases.pop("cluster start")
     return {"total": setup + first_step, "set-up": setup, "first step": first_step,
-            "workers up": in_cluster - sum(phases.values()), **phases, "initial weights": setup - in_cluster}
+            "workers up": in_cluster - sum(phases.values()), **phases, "initial weights": setup - in_cluster,
+            "later step": later}
 
 
 def run_size(count: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -163,9 +182,9 @@ def run_size(count: int, args: argparse.Namespace) -> dict[str, Any]:
     floats = sum(dims[0] for _, dims in shapes)
     print(f"\n== {count} variables, {floats / 1e6:.2f} M float32, {args.num_workers} workers", flush=True)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in SYSTEMS}
-    systems = {"plain": lambda: plain(shapes, args.timeout_s),
+    systems = {"plain": lambda: plain(shapes, args.later_steps, args.timeout_s),
                "start": lambda: process_start(args.num_workers, args.timeout_s),
-               "dsgd": lambda: dsgd_setup(shapes, args.num_workers, args.timeout_s)}
+               "dsgd": lambda: dsgd_setup(shapes, args.num_workers, args.later_steps, args.timeout_s)}
 
     def step_of(name):
         def step() -> float:
@@ -185,18 +204,20 @@ def run_size(count: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(sizes: list[dict[str, Any]]) -> str:
-    lines = ["| variables | plain s | start s | dsgd set-up s | first step s | (dsgd - start)/plain | dsgd phases |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variables | plain s | start s | dsgd set-up s | first step s | (dsgd - start)/plain | dsgd phases "
+             "| later step ms: plain, dsgd |",
+             "|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         m = size["median_s"]
         if size["ratio"] is None:
-            lines.append(f"| {size['variables']} | (interrupted) |  |  |  |  |  |")
+            lines.append(f"| {size['variables']} | (interrupted) |  |  |  |  |  |  |")
             continue
         phases = ", ".join(f"{k} {v:.2f}" for k, v in m["dsgd"].items()
-                           if k not in ("total", "set-up", "first step"))
+                           if k not in ("total", "set-up", "first step", "later step"))
         lines.append(f"| {size['variables']} | {m['plain']['total']:.2f} | {m['start']['total']:.2f} | "
                      f"{m['dsgd']['set-up']:.2f} | {m['dsgd']['first step']:.2f} | {size['ratio']:.2f} "
-                     f"(target <= {TARGET}) | {phases} |")
+                     f"(target <= {TARGET}) | {phases} | {m['plain']['later step'] * 1000:.1f}, "
+                     f"{m['dsgd']['later step'] * 1000:.1f} |")
     return "\n".join(lines)
 
 
@@ -206,6 +227,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--floats", type=float, default=4e6, help="float32 elements of each model, in all")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="rounds; every round starts every system afresh")
+    p.add_argument("--later-steps", type=int, default=10,
+                   help="steps after the first, timed each (plain and dsgd), not part of the set-up")
     p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each wait")
     common.add_ray_flags(p, "--num-workers + 2")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "setup_cost.json")

@@ -212,7 +212,8 @@ def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_ses
 
 def test_setup_cost_times_plain_tensorflow_process_start_and_dsgd_interleaved(ray_session, tmp_path):
     out = tmp_path / "setup_cost.json"
-    result = setup_cost.main(["--variables", "12", "--floats", "3000", "--rounds", "1", "--out", str(out)])
+    result = setup_cost.main(["--variables", "12", "--floats", "3000", "--rounds", "1", "--later-steps", "3",
+                              "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     (size,) = result["sizes"]
     assert size["variables"] == 12 and abs(size["floats"] - 3000) <= 12 and not size["interrupted"]
@@ -221,6 +222,7 @@ def test_setup_cost_times_plain_tensorflow_process_start_and_dsgd_interleaved(ra
         parts = ["workers up", "models built", "parameter servers", "initial weights"]
         assert all(run[p] > 0 for p in parts) and sum(run[p] for p in parts) == pytest.approx(run["set-up"])
         assert run["total"] == pytest.approx(run["set-up"] + run["first step"])
+    assert all(run["later step"] > 0 for name in ("plain", "dsgd") for run in size["runs"][name])
     m = size["median_s"]
     assert size["ratio"] == pytest.approx((m["dsgd"]["total"] - m["start"]["total"]) / m["plain"]["total"])
     assert "| 12 |" in result["table"] and "(target <= 1.2)" in result["table"]
