@@ -398,13 +398,15 @@ def finite_partitions(partitions: Sequence[tf.Tensor], layout: Sequence[shards.S
 
 def _first_non_finite(partition: tf.Tensor, messages: list[str], starts: list[int], ends: list[int]) -> tf.Tensor:
     """An assert that fails with ``messages[k]`` of the first piece ``[starts[k], ends[k])`` of ``partition``
-    holding a non-finite element, and passes if there is none (the non-finite bytes were between pieces)."""
-    bad = tf.reshape(tf.where(tf.logical_not(tf.math.is_finite(partition))), [-1])
-    piece = tf.maximum(tf.searchsorted(tf.constant(starts, tf.int64), bad, side="right") - 1, 0)
-    inside = tf.logical_and(bad >= tf.gather(tf.constant(starts, tf.int64), piece),
-                            bad < tf.gather(tf.constant(ends, tf.int64), piece))
-    first_bad = tf.gather(tf.constant(messages), tf.boolean_mask(piece, inside)[:1])
-    with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(tf.reduce_any(inside)), [first_bad])]):
+    holding a non-finite element, and passes if there is none (the non-finite bytes were between pieces).
+    Built once per partition, so kept to a few ops."""
+    bad = tf.reshape(tf.where(tf.logical_not(tf.math.is_finite(partition))), [-1])  # not empty in this branch
+    starts_t, ends_t = tf.constant(starts, tf.int64), tf.constant(ends, tf.int64)
+    piece = tf.maximum(tf.searchsorted(starts_t, bad, side="right") - 1, 0)
+    inside = tf.logical_and(bad >= tf.gather(starts_t, piece), bad < tf.gather(ends_t, piece))
+    first = tf.gather(piece, tf.argmax(tf.cast(inside, tf.int32)))
+    with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(tf.reduce_any(inside)),
+                                                      [tf.gather(tf.constant(messages), first)])]):
         return tf.constant(True)
 
 
