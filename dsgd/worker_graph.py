@@ -414,22 +414,20 @@ def _apply_ops(replicas: Sequence[Replica], means_per_replica: Sequence[Sequence
                exchange: Sequence[shards.VarSpec], config: WorkerConfig,
                checks: Sequence[tf.Operation] | None = None) -> tf.Operation:
     """Apply on every replica, only once every check has passed (never partly): ``checks`` if given, else
-    one per mean (``_finite``)."""
+    one per mean (``_finite``). The gradients' apply waits for the values' checks too: a non-finite
+    moving statistic must not let it run before the step fails (or is skipped) on every replica."""
     n_train = len(replicas[0].train_vars)
     if checks is None:
         names = [s.name for s in exchange]
         means = means_per_replica[0]
-        grad_checks = _finite(means[:n_train], names[:n_train], "gradient", config)
-        state_checks = _finite(means[n_train:], names[n_train:], "value", config)
-    else:
-        grad_checks = state_checks = list(checks)
+        checks = (_finite(means[:n_train], names[:n_train], "gradient", config)
+                  + _finite(means[n_train:], names[n_train:], "value", config))
     ops = []
     for r, means in zip(replicas, means_per_replica):
-        with tf.device(device(r.index, config.gpu)), tf.name_scope(apply_scope(r.index)):
-            with tf.control_dependencies(grad_checks):
-                ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
-            with tf.control_dependencies(state_checks):
-                ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
+        with tf.device(device(r.index, config.gpu)), tf.name_scope(apply_scope(r.index)), \
+                tf.control_dependencies(checks):
+            ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
+            ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
     return tf.group(*ops)
 
 

@@ -14,8 +14,8 @@ import dsgd
 from dsgd import shards, step_runner, worker_graph
 from dsgd.config import WorkerConfig
 from dsgd.shards import VarSpec
-from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue, KillOnCue,
-                              NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
+from dsgd_test_models import (REPLICAS_2x1, BatchNormNet, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue,
+                              KillOnCue, NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
                               assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
                               ps_actors, pushes_waiting, set_start_weights, steps_applied, wait_until)
 
@@ -264,6 +264,36 @@ def test_the_non_finite_check_names_the_variable_in_small_and_large_tensors(bad)
             session.run(checks)
     found = step_runner._NONFINITE.search(raised.value.message)
     assert found is not None and found.groups() == ("gradient", bad[0])
+
+
+def test_the_apply_waits_for_the_checks_of_gradients_and_values_alike():
+    """A non-finite moving statistic fails (or skips) the step before any weight moves: every apply op of the
+    gradients depends on the values' check as well as the gradients'."""
+    from dsgd.sgd_worker import SGDWorker
+
+    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=1, gpu=False, all_reduce_alg="simple",
+                                       cpus_per_worker=1, step_timeout_s=10, startup_timeout_s=10))
+    worker.setup(BatchNormNet)
+    ops = worker.sess.graph.get_operations()
+    applies = [op for op in ops if op.type.startswith("ResourceApply")]
+    checks = {kind: {op for op in ops if op.name.startswith(f"{worker_graph.FINITE_SCOPE}_{kind}")}
+              for kind in ("gradients", "values")}
+    assert applies and all(checks.values())
+    for apply in applies:
+        upstream = _upstream(apply)
+        assert all(upstream & checks[kind] for kind in checks), apply.name
+
+
+def _upstream(op: tf.Operation) -> set[tf.Operation]:
+    """Every op ``op`` waits for, through data or control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for before in [t.op for t in current.inputs] + list(current.control_inputs):
+            if before not in seen:
+                seen.add(before)
+                todo.append(before)
+    return seen
 
 
 @pytest.mark.parametrize("wire", [tf.float32, tf.bfloat16])
