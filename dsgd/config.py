@@ -36,9 +36,13 @@ class WorkerConfig:
     use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
     feed_concurrently: bool = False  # ask the replicas' get_feed_dict in threads of their own (Ray Data input)
     backup_workers: int = 0  # "ps": a step averages the first num_workers - backup_workers workers
-    # A step applies means fed from Python ("simple", the Python "ps" path, a backup worker's catch-up); if
-    # not, the fed apply is built only to make the optimizer's slots, without its per-variable checks.
-    applies_fed: bool = True
+
+    @property
+    def applies_fed(self) -> bool:
+        """Whether a step may apply means fed from Python: "simple" and the Python "ps" path (no op library), or
+        a backup worker's catch-up. If not, the fed apply is built only to make the optimizer's slots, without
+        its per-variable checks."""
+        return not self.use_ops or self.backup_workers > 0
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,7 @@ class Options:
         return WorkerConfig(self.exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
                             self.cpus_per_worker, self.timeout_s, self.startup_timeout_s, self.nan_policy,
                             use_ops=use_ops, feed_concurrently=feed_concurrently,
-                            backup_workers=self.backup_workers,
-                            applies_fed=self.strategy == "simple" or not use_ops or self.backup_workers > 0)
+                            backup_workers=self.backup_workers)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
