@@ -330,6 +330,7 @@ class IdealRun:
     def __init__(self, cfg: common.BenchConfig, **engine_kwargs: Any):
         one_worker = dataclasses.replace(cfg, num_workers=1)
         self.runs: list[DsgdRun] = []
+        self.ideal: common.Ideal | None = None
         try:
             for k in range(cfg.num_workers):
                 self.runs.append(DsgdRun(one_worker, strategy="simple", label=f"{self.label} {k}", **engine_kwargs))
@@ -350,7 +351,7 @@ class IdealRun:
                 "setup_s": sum(run.setup_s for run in self.runs)}
 
     def close(self) -> None:
-        if getattr(self, "ideal", None) is not None:
+        if self.ideal is not None:
             self.ideal.close()
         for run in self.runs:
             run.close()
