@@ -70,14 +70,14 @@ def bench_config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Flags for dsgd.DistributedSGD's tuning arguments; each left unset runs the engine's default."""
-    parser.add_argument("--grad-shard-bytes", type=int, default=None,
+    parser.add_argument("--grad-partition-bytes", type=int, default=None,
                         help="partition size (default: the engine's choice)")
     parser.add_argument("--num-parameter-servers", type=int, default=None,
                         help="parameter-server processes (default: the engine's choice)")
     parser.add_argument("--nan-policy", choices=["raise", "skip", "ignore"], default=None,
                         help="what a non-finite gradient does (default: the engine's)")
     parser.add_argument("--no-ops", action="store_true",
-                        help='"ps" moves shards through Python instead of the C++ op library')
+                        help='"ps" moves partitions through Python instead of the C++ op library')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,7 +188,7 @@ def parameter_servers(sgd: Any) -> list:
 
 
 def identities(sgd: Any) -> list:
-    """Who every actor of the engine is (``dsgd.actor_identity.ActorIdentity``: kind, index, node, pid): its
+    """Who every actor of the engine is (``dsgd.common.actor_identity.ActorIdentity``: kind, index, node, pid): its
     workers, then its parameter servers."""
     return ray.get([actor.identity.remote() for actor in sgd.workers + parameter_servers(sgd)], timeout=60)
 

@@ -7,12 +7,12 @@ variables), three ways, interleaved, median of `--reps` runs each:
 
   checknumerics  one `CheckNumerics` op per tensor (dsgd's check until
                  2026-11-24, whose element loop is scalar)
-  tensors        dsgd's check per mean (``dsgd.worker_graph._finite``: a
+  tensors        dsgd's check per mean (``dsgd.worker.tf1.worker_graph._finite``: a
                  vectorized `is_finite` reduction per large tensor, one
                  assert for them all): "simple", the Python "ps" path, one
                  worker alone
   partitions     dsgd's check per received partition
-                 (``dsgd.worker_graph.finite_partitions``), "ps" through the
+                 (``dsgd.worker.tf1.worker_graph.finite_partitions``), "ps" through the
                  op library: the same floats in the partitions the engine
                  would make at its defaults for two parameter servers, laid
                  out as they arrive (one flat tensor per partition)
@@ -35,7 +35,8 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.exchange import variable_shapes
-from dsgd import shards, worker_graph
+from dsgd.wire import partitions
+from dsgd.worker.tf1 import worker_graph
 from dsgd.config import WorkerConfig
 
 
@@ -50,8 +51,8 @@ def check_ops(shape: str) -> tuple[tf.Graph, dict[str, tf.Operation], int]:
     rng = np.random.default_rng(0)
     config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto",
                           cpus_per_worker=1, step_timeout_s=60, startup_timeout_s=60)
-    specs = [shards.VarSpec(name, tuple(dims), np.dtype(np.float32)) for name, dims in variable_shapes(shape)]
-    layout = shards.plan_shards(specs, shards.default_partition_bytes(specs, SERVERS))
+    specs = [partitions.VarSpec(name, tuple(dims), np.dtype(np.float32)) for name, dims in variable_shapes(shape)]
+    layout = partitions.plan_partitions(specs, partitions.default_partition_bytes(specs, SERVERS))
     with graph.as_default():
         names, tensors = [], []
         for spec in specs:

@@ -1,19 +1,19 @@
 """Micro-benchmark of the dsgd op library against plain numpy + Ray.
 
 A ResNet-101-sized gradient set (44.5 M float32, ResNet-101-like variable
-sizes) split into ~10 MB shards. Write side: (a) numpy pack + ray.put vs.
-(b) in-graph DsgdPack + ray.put of the packed shard (two copies) vs. the
-engine's paths, dsgd.ops.build_send handing over the shard's segments (views
+sizes) split into ~10 MB partitions. Write side: (a) numpy pack + ray.put vs.
+(b) in-graph DsgdPack + ray.put of the packed partition (two copies) vs. the
+engine's paths, dsgd.ops.build_send handing over the partition's segments (views
 of large gradients, DsgdPack only for runs of small ones): (c) put as one
 object, each byte copied once by one thread (to a server on another node);
 (c2) copied into a shared-memory buffer made once (to a server on the same
-node, dsgd.ps_client). Read side: (d) ray.get + feed_dict + TF slicing
+node, dsgd.exchange.ps_client). Read side: (d) ray.get + feed_dict + TF slicing
 vs. (e) the zero-copy DsgdAliasTensor + DsgdUnpack path
-(dsgd.ops.receive_shard + unpack). Prints wall time and the process's CPU time (all
+(dsgd.ops.receive_partition + unpack). Prints wall time and the process's CPU time (all
 threads): on a machine whose cores are busy training, CPU time is what a
 copy really costs.
 
-    python -m benchmarks.ops_microbench [--reps 10] [--shard-bytes 10000000]
+    python -m benchmarks.ops_microbench [--reps 10] [--partition-bytes 10000000]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import ray
 import tensorflow as tf
 
 import dsgd.ops as ops
-from dsgd import object_store, shared_memory
-from dsgd.shards import VarSpec, pack, plan_shards, segments
+from dsgd.transport import object_store, shared_memory
+from dsgd.wire.partitions import VarSpec, pack, plan_partitions, segments
 
 TOTAL_FLOATS = 44_500_000
 
@@ -63,18 +63,18 @@ def timed(fn, reps: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--shard-bytes", type=int, default=10_000_000)
+    parser.add_argument("--partition-bytes", type=int, default=10_000_000)
     args = parser.parse_args()
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     ops.load()
     specs = resnet_like_specs()
-    layout = plan_shards(specs, args.shard_bytes)
+    layout = plan_partitions(specs, args.partition_bytes)
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(s.shape, dtype=np.float32) for s in specs]
     nbytes = sum(g.nbytes for g in grads)
-    print(f"{len(specs)} variables, {nbytes / 1e6:.1f} MB, {len(layout)} shards "
-          f"of ~{args.shard_bytes / 1e6:.0f} MB, {args.reps} reps (median)")
+    print(f"{len(specs)} variables, {nbytes / 1e6:.1f} MB, {len(layout)} partitions "
+          f"of ~{args.partition_bytes / 1e6:.0f} MB, {args.reps} reps (median)")
 
     flat_src = np.concatenate([g.reshape(-1) for g in grads])
     flat_dst = np.empty_like(flat_src)
@@ -96,9 +96,9 @@ def main() -> None:
         shared = [shared_memory.array(shared_memory.SharedBuffer(s.nbytes).memory, s.dtype, 0, s.size)
                   for s in layout]
 
-        def copy_to_shared(shard, arrays):
-            for seg, a in zip(segments(shard), arrays):
-                np.copyto(shared[shard.index][seg.start:seg.start + seg.size], a.reshape(-1))
+        def copy_to_shared(partition, arrays):
+            for seg, a in zip(segments(partition), arrays):
+                np.copyto(shared[partition.index][seg.start:seg.start + seg.size], a.reshape(-1))
 
         shared_tokens = [ops.build_send(grad_tensors, s, copy_to_shared) for s in layout]
         packed = [ops.pack(grad_tensors, s) for s in layout]
@@ -118,7 +118,7 @@ def main() -> None:
         sess.run(fetches)
         sent.clear()
 
-    results["(b) DsgdPack + ray.put of the packed shard"] = timed(lambda: graph_run(pack_put), args.reps)
+    results["(b) DsgdPack + ray.put of the packed partition"] = timed(lambda: graph_run(pack_put), args.reps)
     results["(c) dsgd.ops.build_send (segments, one copy)"] = timed(lambda: graph_run(tokens), args.reps)
     results["(c2) build_send into shared memory (same node)"] = timed(lambda: graph_run(shared_tokens), args.reps)
 
@@ -126,19 +126,19 @@ def main() -> None:
     with graph.as_default():
         placeholders = [tf.compat.v1.placeholder(tf.float32, [s.size]) for s in layout]
         fed = []
-        for spec_index, spec in enumerate(specs):  # slice each gradient out of the fed shards
-            parts = [tf.slice(placeholders[i], [p.shard_offset], [p.size])
+        for spec_index, spec in enumerate(specs):  # slice each gradient out of the fed partitions
+            parts = [tf.slice(placeholders[i], [p.partition_offset], [p.size])
                      for i, s in enumerate(layout) for p in s.pieces if p.var_index == spec_index]
             flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
             fed.append(tf.reshape(flat, spec.shape))
-        received = ops.unpack([ops.receive_shard(lambda s=s: ray.get(refs[s.index]), s) for s in layout],
+        received = ops.unpack([ops.receive_partition(lambda s=s: ray.get(refs[s.index]), s) for s in layout],
                               layout, specs)
 
         def consume(ts):
             return tf.add_n([tf.reshape(t, [-1])[0] for t in ts])
 
         consume_fed, consume_received = consume(fed), consume(received)
-        shards_only = [ops.data_address(ops.receive_shard(lambda s=s: ray.get(refs[s.index]), s))
+        partitions_only = [ops.data_address(ops.receive_partition(lambda s=s: ray.get(refs[s.index]), s))
                        for s in layout]
 
     def get_and_feed():
@@ -149,22 +149,22 @@ def main() -> None:
         sess.run(consume_received)
         ops.drain_released()
 
-    def receive_shards_only():
-        sess.run(shards_only)
+    def receive_partitions_only():
+        sess.run(partitions_only)
         ops.drain_released()
 
     results["(d) ray.get + feed_dict + tf.slice"] = timed(get_and_feed, args.reps)
-    results["    zero-copy shards only, no unpack"] = timed(receive_shards_only, args.reps)
-    results["(e) dsgd.ops.receive_shard + unpack (zero-copy)"] = timed(zero_copy_receive, args.reps)
+    results["    zero-copy partitions only, no unpack"] = timed(receive_partitions_only, args.reps)
+    results["(e) dsgd.ops.receive_partition + unpack (zero-copy)"] = timed(zero_copy_receive, args.reps)
     sess.close()
     ray.shutdown()
 
     print(f"{'':48s} {'wall ms':>8} {'GB/s':>6} {'CPU ms':>8}")
     for name, (seconds, cpu) in results.items():
         print(f"{name:48s} {seconds * 1e3:8.1f} {nbytes / seconds / 1e9:6.2f} {cpu * 1e3:8.1f}")
-    a, b, c = (results[k] for k in ("(a) numpy pack + ray.put", "(b) DsgdPack + ray.put of the packed shard",
+    a, b, c = (results[k] for k in ("(a) numpy pack + ray.put", "(b) DsgdPack + ray.put of the packed partition",
                                     "(c) dsgd.ops.build_send (segments, one copy)"))
-    d, e = results["(d) ray.get + feed_dict + tf.slice"], results["(e) dsgd.ops.receive_shard + unpack (zero-copy)"]
+    d, e = results["(d) ray.get + feed_dict + tf.slice"], results["(e) dsgd.ops.receive_partition + unpack (zero-copy)"]
     print(f"write, wall: (a)/(c) = {a[0] / c[0]:.2f}x, (b)/(c) = {b[0] / c[0]:.2f}x; "
           f"CPU: (a)/(c) = {a[1] / c[1]:.2f}x, (b)/(c) = {b[1] / c[1]:.2f}x   read, wall: (d)/(e) = {d[0] / e[0]:.2f}x")
 

@@ -25,7 +25,7 @@ step, timed inside the worker; the others' are timed in the driver.
 
 `--two-node` runs on a simulated two-node cluster (ray.cluster_utils.Cluster,
 two raylets and two object stores on this machine): dsgd and Ray Train place
-one worker per node, so gradient shards cross between object stores; the
+one worker per node, so gradient partitions cross between object stores; the
 single process stays in the driver.
 
 Writes one JSON record per system, report.md and throughput.png into
@@ -70,7 +70,7 @@ SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms", "simple
 RATIO_PEERS = ("single", "raytrain", "simple", "ideal")  # the report's "vs" columns
 RAY_TRAIN_STOP_S = 120.0
 # TensorFlow's CPU allocator, one setting for every system: dsgd's workers default to the BFC pool
-# (dsgd/cluster.py), so the single process and Ray Train's workers get the same unless told otherwise.
+# (dsgd/cluster/cluster.py), so the single process and Ray Train's workers get the same unless told otherwise.
 ALLOCATOR_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
 ALLOCATORS = {"bfc": "true", "default": "false"}
 
@@ -227,7 +227,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     from ray import train
 
     os.environ[ALLOCATOR_ENV] = config["allocator"]  # read when TensorFlow makes its first CPU tensor
-    dsgd.tf_logs.python_warnings_follow_cpp_level()  # MultiWorkerMirroredStrategy's INFO lines, as in dsgd's workers
+    dsgd.worker.tf_logs.python_warnings_follow_cpp_level()  # MultiWorkerMirroredStrategy's INFO lines, as in dsgd's workers
     cfg = common.BenchConfig(**config["cfg"])
     tf.config.threading.set_intra_op_parallelism_threads(cfg.cpus_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, cfg.cpus_per_worker))  # as dsgd's workers

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_yticks(range(len(order)), [f"{process[pid]}: {track}" for pid, track in order], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step started")
-    ax.set_title("one dsgd step (orange: shard sends, green: receives, red/purple: PS sums, blue: TF ops)")
+    ax.set_title("one dsgd step (orange: partition sends, green: receives, red/purple: PS sums, blue: TF ops)")
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
 

@@ -12,7 +12,7 @@ systems run in rounds, in an order rotated by the round:
           inside it: what one process spends to train this model at all;
           then `--later-steps` more steps, each timed
   start   `--num-workers` fresh actors started as dsgd starts its workers
-          (1 CPU each, the workers' environment, `dsgd.cluster.worker_env`,
+          (1 CPU each, the workers' environment, `dsgd.cluster.cluster.worker_env`,
           dsgd imported before TensorFlow, so TensorFlow's import skips Keras
           as a worker's does), started at once, timed from the driver until
           all answer: the process start dsgd cannot avoid
@@ -54,7 +54,7 @@ import ray
 
 import dsgd
 from benchmarks import common, exchange
-from dsgd.cluster import Cluster, worker_env
+from dsgd.cluster.cluster import Cluster, worker_env
 
 SYSTEMS = ("plain", "start", "dsgd")
 TARGET = 1.2  # (dsgd - start) / plain
@@ -74,7 +74,7 @@ class PlainProcess:
     """A process like a worker's; trains the model once in a plain TensorFlow session."""
 
     def __init__(self):
-        import dsgd  # noqa: F401  (first, as in a worker: its hook on TensorFlow's import, dsgd.keras_preload)
+        import dsgd  # noqa: F401  (first, as in a worker: its hook on TensorFlow's import, dsgd.worker.keras_preload)
         import tensorflow  # noqa: F401  (imported at start, as a dsgd worker does)
 
     def ready(self) -> bool:

@@ -47,7 +47,7 @@ import ray
 
 import dsgd
 from benchmarks import common, exchange
-from dsgd.cluster import WORKER_ENV_DEFAULTS
+from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS
 
 OBJECT_STORE = "object store"
 DEFAULTS = "defaults"
@@ -105,7 +105,7 @@ def summarize(samples: list[dict[str, Any]], tolerance: float) -> dict[str, dict
 
 def build(creator, args: argparse.Namespace, kwargs: dict[str, Any], env: dict[str, str]) -> dsgd.DistributedSGD:
     """An engine whose workers get ``env`` on top of dsgd's worker environment (the driver's overrides it)."""
-    with mock.patch.dict(os.environ, env):  # read by dsgd.cluster.worker_env as the workers start
+    with mock.patch.dict(os.environ, env):  # read by dsgd.cluster.cluster.worker_env as the workers start
         return dsgd.DistributedSGD(creator, num_workers=args.num_workers, strategy="ps", **kwargs)
 
 

@@ -53,7 +53,7 @@ from typing import Any
 import ray
 
 import dsgd
-from dsgd import worker_graph
+from dsgd.worker.tf1 import worker_graph
 from benchmarks import common
 from benchmarks.exchange import SHAPES, ExchangeModel, variable_shapes
 
@@ -99,7 +99,7 @@ def ray_daemons() -> dict[str, list[int]]:
 def event_kind(event: dict[str, Any]) -> str | None:
     """What a trace event counts as, or None for those not summed (the step's own phases, the driver's)."""
     op = event.get("args", {}).get("op")
-    if op is not None:  # a TensorFlow op (``dsgd.timeline.from_step_stats``)
+    if op is not None:  # a TensorFlow op (``dsgd.common.timeline.from_step_stats``)
         op_type = op.split("(", 1)[0]
         if op_type.startswith(("Apply", "ResourceApply")):
             return "TF: apply"

@@ -3,7 +3,7 @@
 Names are imported on first use, so that processes which need only a light
 module (the parameter-server actors import ``dsgd.ps_actor``) do not pay for
 importing TensorFlow. Importing dsgd before TensorFlow keeps TensorFlow's
-start-up lines out of stderr unless ``TF_CPP_MIN_LOG_LEVEL=0`` (``dsgd.tf_logs``).
+start-up lines out of stderr unless ``TF_CPP_MIN_LOG_LEVEL=0`` (``dsgd.worker.tf_logs``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dsgd import tf_logs
+from dsgd.worker import tf_logs
 
 tf_logs.install()
 
 _EXPORTS = {
     "DistributedSGD": "dsgd.distributed_sgd",
     "Model": "dsgd.model",
-    "KerasModel": "dsgd.keras",  # needs tf_keras (pip install 'dsgd[keras]') only when used
-    "get_dataset_shard": "dsgd.data",  # DistributedSGD(datasets=...) needs Ray Data (pip install 'dsgd[data]')
+    "KerasModel": "dsgd.integrations.keras",  # needs tf_keras (pip install 'dsgd[keras]') only when used
+    "get_dataset_shard": "dsgd.integrations.data",  # DistributedSGD(datasets=...) needs Ray Data (pip install 'dsgd[data]')
     "ActorFailure": "dsgd.errors",
     "DSGDError": "dsgd.errors",
     "DSGDTimeoutError": "dsgd.errors",
@@ -31,11 +31,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from dsgd.data import get_dataset_shard
+    from dsgd.integrations.data import get_dataset_shard
     from dsgd.distributed_sgd import DistributedSGD
     from dsgd.errors import (ActorFailure, DSGDError, DSGDTimeoutError, ModelCreatorError,
                              NonFiniteGradientError, WorkerMismatchError)
-    from dsgd.keras import KerasModel
+    from dsgd.integrations.keras import KerasModel
     from dsgd.model import Model
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from dsgd.wire import COMPRESSIONS
+from dsgd.exchange import registry
+from dsgd.wire.codec import COMPRESSIONS
 
 STRATEGIES = ("ps", "simple")
 ALL_REDUCE_ALGS = ("simple", "nccl")
@@ -25,7 +26,7 @@ NAN_POLICIES = ("raise", "skip", "ignore")
 class WorkerConfig:
     """Everything a worker needs to build its graph, fixed at construction."""
 
-    exchange: str  # how a step combines gradients: "alone", "driver" or "ps" (Options.exchange)
+    exchange: str  # how a step combines gradients: "alone", "simple" or "ps" (Options.exchange)
     devices_per_worker: int
     gpu: bool
     all_reduce_alg: str
@@ -135,14 +136,12 @@ class Options:
     @property
     def uses_ps(self) -> bool:
         """Parameter servers run: "ps" with more than one worker."""
-        return self.strategy == "ps" and self.num_workers > 1
+        return registry.needs_servers(self.exchange)
 
     @property
     def exchange(self) -> str:
-        """How a step combines gradients: "alone" (one worker), "driver" ("simple") or "ps"."""
-        if self.num_workers == 1:
-            return "alone"
-        return "ps" if self.strategy == "ps" else "driver"
+        """How a step combines gradients (``dsgd.exchange.registry.KINDS``): "alone", "simple" or "ps"."""
+        return registry.kind_of(self.strategy, self.num_workers)
 
     @property
     def samples_per_step(self) -> int | None:

@@ -1,8 +1,8 @@
 """The driver: the public ``DistributedSGD`` facade, its arguments and their delegation.
 
 It checks the options (``dsgd.config``) and hands the rest on: the actors to
-``dsgd.cluster``, the steps (in flight, counted, interrupted, recovered) to
-the step ledger (``dsgd.ledger``).
+``dsgd.cluster.cluster``, the steps (in flight, counted, interrupted, recovered) to
+the step ledger (``dsgd.driver.ledger``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
-from dsgd import checkpoint, data, placement
-from dsgd.cluster import Cluster
+from dsgd.driver import checkpoint
+from dsgd.integrations import data
+from dsgd.cluster import placement
+from dsgd.cluster.cluster import Cluster
 from dsgd.config import Options
 from dsgd.errors import DSGDError
-from dsgd.ledger import StepLedger
+from dsgd.driver.ledger import StepLedger
 from dsgd.model import Model
 from dsgd.sgd_worker import SGDWorker
 
@@ -44,15 +46,15 @@ def _ops_wanted(use_ops: bool | None) -> bool:
     if use_ops:
         ops.load()  # raises the build or load error, which says what is missing
     logger.warning("the dsgd op library could not be built or loaded (run `python -m dsgd.ops.build` "
-                   "to see why); the 'ps' strategy exchanges shards through Python instead")
+                   "to see why); the 'ps' strategy exchanges partitions through Python instead")
     return False
 
 
 def _scalar_logger(logdir: str | None):
-    """A TensorBoard writer for the step stats in ``logdir`` (dsgd.tensorboard), or None."""
+    """A TensorBoard writer for the step stats in ``logdir`` (dsgd.integrations.tensorboard), or None."""
     if logdir is None:
         return None
-    from dsgd.tensorboard import ScalarLogger
+    from dsgd.integrations.tensorboard import ScalarLogger
 
     return ScalarLogger(logdir)
 
@@ -95,9 +97,9 @@ class DistributedSGD:
             "raise"d (naming the variable) or "skip"ped, on every replica
             alike; "ignore" applies it unchecked (saves one pass over the
             gradients).
-        use_ops: for "ps", move shards with the C++ op library (dsgd.ops):
-            each shard leaves from inside the graph as soon as its gradients
-            exist, and averaged shards reach TensorFlow without a copy.
+        use_ops: for "ps", move partitions with the C++ op library (dsgd.ops):
+            each partition leaves from inside the graph as soon as its gradients
+            exist, and averaged partitions reach TensorFlow without a copy.
             ``None`` (default) uses it when it builds and loads, and warns
             otherwise; ``False`` exchanges through Python after the
             gradients are computed (what the benchmark compares against).
@@ -106,7 +108,7 @@ class DistributedSGD:
         timeout_s: bound on every wait for a step or an actor call.
         startup_timeout_s: bound on building the workers' graphs.
         logdir: if set, every ``step(fetch_stats=True)`` writes its stats
-            there as TensorBoard scalars (see dsgd.tensorboard).
+            there as TensorBoard scalars (see dsgd.integrations.tensorboard).
         batch_size: samples in one replica's batch, if you want
             ``samples_per_s`` in the stats (dsgd cannot know it: a model may
             make its batches inside the graph).
@@ -240,7 +242,7 @@ class DistributedSGD:
 
         ``write_timeline=path`` runs the step alone (after the previous one)
         and writes a Chrome trace of it to ``path``: the driver, every worker
-        (its Python phases and every TensorFlow op, with the shards' sends and
+        (its Python phases and every TensorFlow op, with the partitions' sends and
         receives) and every parameter server (the average, the put of the
         mean, each worker's push waiting for it), on one clock, a track group
         per actor.

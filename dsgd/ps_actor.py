@@ -10,17 +10,17 @@ same in every run and equals the "simple" strategy's) straight into the
 server's mean buffer; the pushes waiting for it wake.
 
 Each worker reaches the server through the transport ``attach`` picks for the
-pair (``dsgd.transport``): shared memory for a worker on the server's node
+pair (``dsgd.transport.ends``): shared memory for a worker on the server's node
 (its input buffer, one mean buffer for all local workers, and a signal
 channel on which the worker announces its pushes and ``push`` answers them,
 on a thread of the channel: no Ray call), the object store for any other
 (the push is an actor call carrying the worker's segments; the server puts
 the mean once per partition and step for all its remote workers). Under
-wire compression (``dsgd.wire``) pushes and means are 16-bit: the server
+wire compression (``dsgd.wire.codec``) pushes and means are 16-bit: the server
 sums the pushes into a float32 array beside the mean and rounds the mean
 once.
 
-Node-local aggregation (``Relay``, planned by ``dsgd.server_group.plan_relays``):
+Node-local aggregation (``Relay``, planned by ``dsgd.cluster.server_group.plan_relays``):
 on a node without partition j's server that holds several workers, one server
 there relays j. Its local workers push j to it through shared memory as to any
 local server; once all have, it sums their copies (float32, worker order) and
@@ -75,17 +75,19 @@ from typing import Sequence
 import numpy as np
 import ray
 
-from dsgd import actor_identity, arrays, object_store, shared_memory, signals, streams, timeline
+from dsgd.common import actor_identity, timeline
+from dsgd.wire import arrays
+from dsgd.transport import object_store, shared_memory, signals, streams
 from dsgd.errors import DSGDError, DSGDTimeoutError, StepAborted
-from dsgd.shards import Shard, segments
-from dsgd.transport import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places
+from dsgd.wire.partitions import Partition, segments
+from dsgd.transport.ends import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places
 
 ServerEnd = SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd
 
 CONTROL_THREADS = 3
 
 
-def start(server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
+def start(server_index: int, num_workers: int, partitions: list[Partition], step_timeout_s: float,
           backup_workers: int = 0, relays: Sequence[Relay] = (),
           node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, **options) -> ray.actor.ActorHandle:
     """A ``ParameterServer`` actor with the threads it needs; ``options`` go to ``.options``."""
@@ -96,18 +98,18 @@ def start(server_index: int, num_workers: int, partitions: list[Shard], step_tim
 
 @dataclass(frozen=True)
 class Relay:
-    """This server sums ``workers``' copies of ``shard`` (its node's workers) and pushes the sum to server ``home``."""
+    """This server sums ``workers``' copies of ``partition`` (its node's workers) and pushes the sum to server ``home``."""
 
-    shard: Shard
+    partition: Partition
     home: int
     workers: tuple[int, ...]
 
 
 @dataclass
-class _Partition:
+class PartitionState:
     """One partition's place in the server's buffers and the state of its current step."""
 
-    shard: Shard
+    partition: Partition
     offset: int  # bytes into the mean buffer and every worker's input buffer
     segments: list[tuple[int, int]]  # (start, size) of each segment a remote push carries
     means: list[np.ndarray]  # views of the mean buffer in the wire dtype, one per slot (step parity, backup workers)
@@ -133,19 +135,19 @@ class _Partition:
     def mean(self, step_id: int) -> np.ndarray:
         return self.means[step_id % len(self.means)]
 
-    def partial_sum(self) -> Shard:
-        """The shard as a node's partial sum of it travels: uncompressed (the sum of its workers' 16-bit copies
+    def partial_sum(self) -> Partition:
+        """The partition as a node's partial sum of it travels: uncompressed (the sum of its workers' 16-bit copies
         in float32, not rounded again)."""
-        return replace(self.shard, compression=None)
+        return replace(self.partition, compression=None)
 
 
 class ParameterServer:
     """Runs as a threaded Ray actor (see ``start``); holds no state that outlives a step."""
 
-    def __init__(self, server_index: int, num_workers: int, partitions: list[Shard], step_timeout_s: float,
+    def __init__(self, server_index: int, num_workers: int, partitions: list[Partition], step_timeout_s: float,
                  backup_workers: int = 0, relays: Sequence[Relay] = (),
                  node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None):
-        """``partitions``: the shards of the layout this server sums.
+        """``partitions``: the partitions of the layout this server sums.
 
         ``step_timeout_s`` bounds how long a push waits for the other workers'
         pushes; a step averages the first ``num_workers - backup_workers``.
@@ -162,9 +164,9 @@ class ParameterServer:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.host = ray.util.get_node_ip_address()  # where streams from other nodes' workers connect
         offsets, end = [], 0
-        for shard in [*partitions, *(r.shard for r in relays)]:
+        for partition in [*partitions, *(r.partition for r in relays)]:
             offsets.append(end)
-            end = shared_memory.aligned(end + shard.wire_nbytes)
+            end = shared_memory.aligned(end + partition.wire_nbytes)
         self.nbytes = end
         self.shared = shared_memory.available() and signals.available()
         if self.shared:
@@ -173,10 +175,10 @@ class ParameterServer:
         else:
             memory = bytearray(self.nbytes * self.slots)
         node_sums = node_sums or {}
-        self.partitions = {shard.index: self._place(shard, memory, offset, node_sums.get(shard.index, ()))
-                           for shard, offset in zip(partitions, offsets)}
+        self.partitions = {partition.index: self._place(partition, memory, offset, node_sums.get(partition.index, ()))
+                           for partition, offset in zip(partitions, offsets)}
         for relay, offset in zip(relays, offsets[len(partitions):]):
-            self.partitions[relay.shard.index] = self._place(relay.shard, memory, offset, (), relay)
+            self.partitions[relay.partition.index] = self._place(relay.partition, memory, offset, (), relay)
         self.relay_nbytes = 0  # the input buffer of a relay's stream: every partial sum pushed here, in float32
         for p in self.partitions.values():
             if p.relay_ends:
@@ -193,17 +195,17 @@ class ParameterServer:
         self.begun = {w: -1 for w in range(num_workers)}  # worker -> the last step it began (backup workers)
         self.traces: dict[int, timeline.Recorder] = {}  # the last two steps' events
 
-    def _place(self, shard: Shard, memory, offset: int, node_sums: Sequence[tuple[int, ...]],
-               relay: Relay | None = None) -> _Partition:
-        """``shard``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if a compressed
+    def _place(self, partition: Partition, memory, offset: int, node_sums: Sequence[tuple[int, ...]],
+               relay: Relay | None = None) -> PartitionState:
+        """``partition``'s partition: its mean at ``offset`` of each slot of ``memory``; a float32 sum if a compressed
         partition is relayed.
 
         Pushed by every worker but those of ``node_sums`` (each group pushed as one by its node's relay), or
         relayed: by ``relay.workers``.
         """
-        means = [np.frombuffer(memory, shard.wire_dtype, shard.size, offset + k * self.nbytes)
+        means = [np.frombuffer(memory, partition.wire_dtype, partition.size, offset + k * self.nbytes)
                  for k in range(self.slots)]
-        total = None if relay is None or shard.wire_dtype == shard.dtype else np.zeros(shard.size, shard.dtype)
+        total = None if relay is None or partition.wire_dtype == partition.dtype else np.zeros(partition.size, partition.dtype)
         if relay is not None:
             contributors = {w: (w,) for w in relay.workers}
         else:
@@ -211,7 +213,7 @@ class ParameterServer:
             contributors = {w: (w,) for w in range(self.num_workers) if w not in grouped}
             contributors.update({min(group): tuple(group) for group in node_sums})
         quorum = len(relay.workers) if relay is not None else self.quorum
-        return _Partition(shard, offset, [(s.start, s.size) for s in segments(shard)], means, total,
+        return PartitionState(partition, offset, [(s.start, s.size) for s in segments(partition)], means, total,
                           dict(sorted(contributors.items())), quorum, None if relay is None else relay.home,
                           relay_ends={min(group): ObjectStoreServerEnd(self.server_index, min(group))
                                       for group in node_sums})
@@ -283,7 +285,7 @@ class ParameterServer:
             if node_id is not None and node_id != self.node_id and self.slots == 1:
                 end = self.ends[worker_index] = StreamServerEnd(
                     self.server_index, worker_index, self.host, self.nbytes,
-                    {j: byte_places(p.shard, p.offset, p.segments) for j, p in self.partitions.items()},
+                    {j: byte_places(p.partition, p.offset, p.segments) for j, p in self.partitions.items()},
                     lambda step_id, partition: self.push(step_id, worker_index, partition),
                     lambda step_id, partition: self.partitions[partition].mean(step_id), self.step_timeout_s,
                     relayed=relayed)
@@ -386,7 +388,7 @@ class ParameterServer:
             ref, averaged = p.done[step_id]
             return self._end(p, worker_index).reply(ref), averaged
 
-    def _take(self, p: _Partition, step_id: int, worker_index: int, stored: list | None) -> None:
+    def _take(self, p: PartitionState, step_id: int, worker_index: int, stored: list | None) -> None:
         """Accept a push (under the lock) into ``p.waiting``; a bad one fails the step."""
         try:
             p.waiting[worker_index] = self._accept(p, step_id, worker_index, stored)
@@ -395,7 +397,7 @@ class ParameterServer:
             self.changed.notify_all()
             raise
 
-    def _wait_closable(self, p: _Partition, step_id: int, resets: int) -> tuple[list | None, tuple[int, ...]]:
+    def _wait_closable(self, p: PartitionState, step_id: int, resets: int) -> tuple[list | None, tuple[int, ...]]:
         """Wait (under the lock, bounded) until ``p``'s step settles or closes; if this push closes it, the
         segments to average (the averaged workers' in worker order) and those workers, else ``(None, ())``."""
         self._wait(p, step_id, lambda: self._settled(p, step_id) or self.resets != resets or self._closes(p, step_id))
@@ -414,7 +416,7 @@ class ParameterServer:
         p.step_id = step_id + 1
         return inputs, averaged
 
-    def _closes(self, p: _Partition, step_id: int) -> bool:
+    def _closes(self, p: PartitionState, step_id: int) -> bool:
         """Whether ``p``'s step has the pushes it is averaged over: the first ``num_workers - backup_workers``,
         once every worker is done with the step whose mean slot it writes (has begun ``step_id - 1``; without
         backup workers every worker's push says so)."""
@@ -442,7 +444,7 @@ class ParameterServer:
             self.begun[worker_index] = float("inf")
             self.changed.notify_all()
 
-    def _wait_settled(self, p: _Partition, step_id: int, resets: int) -> None:
+    def _wait_settled(self, p: PartitionState, step_id: int, resets: int) -> None:
         """Wait (under the lock, bounded) until ``p``'s step has a mean; raise if it failed or was aborted."""
         self._wait(p, step_id, lambda: self._settled(p, step_id) or self.resets != resets)
         if self.resets != resets:
@@ -451,7 +453,7 @@ class ParameterServer:
         if step_id in p.failures:
             raise p.failures[step_id]
 
-    def _wait(self, p: _Partition, step_id: int, condition) -> None:
+    def _wait(self, p: PartitionState, step_id: int, condition) -> None:
         """``changed.wait_for(condition)`` bounded by the step timeout; the timeout names who is missing."""
         if not self.changed.wait_for(condition, self.step_timeout_s):
             missing = p.workers_in(set(p.contributors) - set(p.waiting))
@@ -459,45 +461,45 @@ class ParameterServer:
             raise DSGDTimeoutError(
                 f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
                 + (f"workers {behind} to begin step {step_id - 1} (it closes step {step_id} of partition "
-                   f"{p.shard.index} only then)" if len(p.workers_in(p.waiting)) >= p.quorum else
-                   f"workers {missing} to push partition {p.shard.index} of step {step_id}"))
+                   f"{p.partition.index} only then)" if len(p.workers_in(p.waiting)) >= p.quorum else
+                   f"workers {missing} to push partition {p.partition.index} of step {step_id}"))
 
-    def _partition(self, index: int, worker_index: int) -> _Partition:
+    def _partition(self, index: int, worker_index: int) -> PartitionState:
         if index not in self.partitions:
             raise ValueError(f"parameter server {self.server_index} does not serve partition {index} "
                              f"(worker {worker_index} pushed it); it serves {sorted(self.partitions)}")
         return self.partitions[index]
 
-    def _settled(self, p: _Partition, step_id: int) -> bool:
+    def _settled(self, p: PartitionState, step_id: int) -> bool:
         return step_id in p.done or step_id in p.failures or self.aborted
 
-    def _accept(self, p: _Partition, step_id: int, worker_index: int,
+    def _accept(self, p: PartitionState, step_id: int, worker_index: int,
                 stored: list[np.ndarray] | None) -> list[np.ndarray]:
         """The pushed segments, checked: the expected step, sizes and dtype, and no second push."""
         if p.step_id is None:
             p.step_id = step_id
         if step_id != p.step_id:
             raise ValueError(f"parameter server {self.server_index} is summing step {p.step_id} of partition "
-                             f"{p.shard.index} but worker {worker_index} pushed step {step_id}")
+                             f"{p.partition.index} but worker {worker_index} pushed step {step_id}")
         if worker_index not in p.contributors:
-            raise ValueError(f"parameter server {self.server_index} expects partition {p.shard.index} from "
+            raise ValueError(f"parameter server {self.server_index} expects partition {p.partition.index} from "
                              f"{sorted(p.contributors)} (a node's relay pushes as its lowest worker), "
                              f"not from worker {worker_index}")
         if worker_index in p.waiting:
-            raise ValueError(f"worker {worker_index} pushed partition {p.shard.index} of step {step_id} twice")
+            raise ValueError(f"worker {worker_index} pushed partition {p.partition.index} of step {step_id} twice")
         end = self._end(p, worker_index)
         if end.crosses_nodes:
             p.pushed_from_elsewhere += 1
         if worker_index in p.relay_ends:
             return end.read(p.partial_sum(), p.relay_offset, p.segments, stored)
-        return end.read(p.shard, p.offset, p.segments, stored)
+        return end.read(p.partition, p.offset, p.segments, stored)
 
-    def _end(self, p: _Partition, key: int) -> ServerEnd:
+    def _end(self, p: PartitionState, key: int) -> ServerEnd:
         """The transport end a push of ``p`` by ``key`` comes through: a relay's partial sum its own (``key``, the
         node's lowest worker, may have a worker's end here too)."""
         return p.relay_ends[key] if key in p.relay_ends else self.ends[key]
 
-    def _sum(self, p: _Partition, step_id: int, inputs: list[list[np.ndarray]], averaged: tuple[int, ...],
+    def _sum(self, p: PartitionState, step_id: int, inputs: list[list[np.ndarray]], averaged: tuple[int, ...],
              recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
         """Average the pushes (``averaged``: the workers they stand for) into the step's mean slot; the mean's ref
         if remote workers read it, and the workers the mean averages. A compressed partition is averaged in
@@ -507,10 +509,10 @@ class ParameterServer:
             target, divisor, average = (mean if p.total is None else p.total), 1, arrays.average_into
         else:
             target, divisor = mean, len(averaged)
-            compressed = p.shard.wire_dtype != p.shard.dtype
+            compressed = p.partition.wire_dtype != p.partition.dtype
             average = arrays.average_rounded_into if compressed else arrays.average_into
         what = "sum" if p.home is not None else "average"
-        with recorder.span(f"{what} partition {p.shard.index} of workers {list(averaged)}", "sum"):
+        with recorder.span(f"{what} partition {p.partition.index} of workers {list(averaged)}", "sum"):
             for k, (start, size) in enumerate(p.segments):
                 average(target[start:start + size], [pushed[k] for pushed in inputs], divisor)
         if p.home is not None:
@@ -519,10 +521,10 @@ class ParameterServer:
                 return ref, averaged
         if not any(end.remote for end in [*p.relay_ends.values(), *self.ends.values()]):
             return None, averaged
-        with recorder.span(f"put the mean of partition {p.shard.index} for remote workers", "sum"):
+        with recorder.span(f"put the mean of partition {p.partition.index} for remote workers", "sum"):
             return object_store.put([mean]), averaged
 
-    def _relay(self, p: _Partition, step_id: int, summed: tuple[int, ...],
+    def _relay(self, p: PartitionState, step_id: int, summed: tuple[int, ...],
                recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
         """Push the node's partial sum of ``p`` (in its mean slot, or its float32 sum if compressed) to its server
         as workers ``summed`` and wait (bounded) for the mean in the slot: down the stream to that server, which
@@ -534,26 +536,26 @@ class ParameterServer:
         parts = [partial[start:start + size] for start, size in p.segments]
         stream = self.relay_streams.get(home)
         timed_out = (f"parameter server {self.server_index} waited more than {self.step_timeout_s:.0f}s for "
-                     f"parameter server {home}'s mean of partition {p.shard.index}, step {step_id} (it relays "
+                     f"parameter server {home}'s mean of partition {p.partition.index}, step {step_id} (it relays "
                      f"workers {list(summed)}' partial sum)")
         died = (f"parameter server {self.server_index}: parameter server {home}, which sums partition "
-                f"{p.shard.index}, died in step {step_id}")
-        with recorder.span(f"push the node's partial sum of partition {p.shard.index} (workers {list(summed)}, "
+                f"{p.partition.index}, died in step {step_id}")
+        with recorder.span(f"push the node's partial sum of partition {p.partition.index} (workers {list(summed)}, "
                            f"{partial.nbytes} bytes) to parameter server {home}", "relay"):
             if stream is not None:
                 try:
-                    epoch = stream.send(step_id, p.shard.index, parts)
-                    return None, tuple(stream.wait(step_id, p.shard.index, self.step_timeout_s, epoch))
+                    epoch = stream.send(step_id, p.partition.index, parts)
+                    return None, tuple(stream.wait(step_id, p.partition.index, self.step_timeout_s, epoch))
                 except TimeoutError:  # the send's or the wait's; the server's own errors come as they are
                     raise DSGDTimeoutError(timed_out) from None
                 except OSError:  # end of file: the server died (or was replaced)
                     raise StepAborted(died) from None
                 except streams.Forgotten:
                     raise StepAborted(f"parameter server {self.server_index}: step {step_id} was reset") from None
-            call = self.peers[home].push.remote(step_id, min(summed), p.shard.index, object_store.put(parts))
+            call = self.peers[home].push.remote(step_id, min(summed), p.partition.index, object_store.put(parts))
             try:
                 [ref], averaged = ray.get(call, timeout=self.step_timeout_s)
-                [got] = object_store.join(ray.get(ref, timeout=self.step_timeout_s), [p.shard.size])
+                [got] = object_store.join(ray.get(ref, timeout=self.step_timeout_s), [p.partition.size])
             except ray.exceptions.GetTimeoutError:
                 raise DSGDTimeoutError(timed_out) from None
             except ray.exceptions.RayActorError:
@@ -571,7 +573,7 @@ class ParameterServer:
 
     # ---- control -----------------------------------------------------------
 
-    def _check_not_aborted(self, p: _Partition, step_id: int) -> None:
+    def _check_not_aborted(self, p: PartitionState, step_id: int) -> None:
         if self.aborted and step_id not in p.done:
             raise StepAborted(f"parameter server {self.server_index}: step {step_id} was aborted")
 

@@ -1,11 +1,11 @@
-"""The worker actor: builds its graph (``dsgd.worker_graph``) and steps it through its exchange.
+"""The worker actor: builds its graph (``dsgd.worker.tf1.worker_graph``) and steps it through its exchange.
 
 The driver calls ``setup`` first (builds the graph, one replica per device),
 ``connect`` for "ps" with several workers, then ``step`` every step. How a
 step combines this worker's gradients with the others' is the worker's
-``Exchange`` (``dsgd.exchanges``, ``dsgd.ps_exchanges``); running the graph
+``Exchange`` (``dsgd.exchange``); running the graph
 (feeds, phase times, stats, the checked apply) is its ``StepRunner``
-(``dsgd.step_runner``). The worker also reads and writes its state and runs
+(``dsgd.worker.tf1.step_runner``). The worker also reads and writes its state and runs
 the user's callbacks.
 """
 
@@ -20,12 +20,17 @@ import numpy as np
 import ray
 import tensorflow as tf
 
-from dsgd import actor_identity, exchanges, ps_exchanges, shards, tf_logs, timeline, worker_graph
+from dsgd.common import actor_identity, timeline
+from dsgd.exchange import registry
+from dsgd.exchange.base import Exchange
+from dsgd.wire import partitions
+from dsgd.worker import tf_logs
+from dsgd.worker.tf1 import worker_graph
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, DSGDTimeoutError
 from dsgd.model import Model
-from dsgd.ps_client import ParameterServerClient
-from dsgd.step_runner import StepRunner
+from dsgd.exchange.ps_client import ParameterServerClient
+from dsgd.worker.tf1.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +44,12 @@ class SGDWorker:
         self.config = config
         self.runner = StepRunner(worker_index, config)
         self.models: list[Model] = []
-        self.exchange: exchanges.Exchange | None = None  # for "ps", made by connect
+        self.exchange: Exchange | None = None  # for "ps", made by connect
         self.client: ParameterServerClient | None = None  # "ps" with several workers, set by connect
         # Every exchange built into the graph so far, for a resize back to a count seen before: its graph
         # ops, and the session's plan for the step that runs them, are reused instead of built anew.
-        self._local_exchanges: dict[str, exchanges.Exchange | None] = {}  # by WorkerConfig.exchange
-        self._ps_exchanges: dict[tuple, tuple[ParameterServerClient, exchanges.Exchange]] = {}  # see connect
+        self._local_exchanges: dict[str, Exchange | None] = {}  # by WorkerConfig.exchange
+        self._ps_exchanges: dict[tuple, tuple[ParameterServerClient, Exchange]] = {}  # see connect
 
     @property
     def sess(self) -> tf.compat.v1.Session | None:
@@ -97,10 +102,10 @@ class SGDWorker:
         gc.freeze()
         return runner.built.signature
 
-    def connect(self, layout: list[shards.Shard], placement: list[int], servers: list,
+    def connect(self, layout: list[partitions.Partition], placement: list[int], servers: list,
                 routes: list[int] | None = None) -> int:
         """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j; ``routes[j]``,
-        default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.server_group``).
+        default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.cluster.server_group``).
 
         The first call (and the first after ``setup`` rebuilt the graph)
         makes the "ps" exchange; later calls, after a server or worker was
@@ -113,22 +118,24 @@ class SGDWorker:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
         return self.client.connect(servers, routes)
 
-    def _ps_exchange(self, layout: list[shards.Shard],
-                     placement: list[int]) -> tuple[ParameterServerClient, exchanges.Exchange]:
+    def _ps_exchange(self, layout: list[partitions.Partition],
+                     placement: list[int]) -> tuple[ParameterServerClient, Exchange]:
         """The "ps" exchange of ``layout`` and ``placement`` for this index and its client, built once."""
         key = self.worker_index, tuple(layout), tuple(placement)  # what a "ps" exchange is built for
         if key not in self._ps_exchanges:
             client = ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
                                            self.config.startup_timeout_s)
-            self._ps_exchanges[key] = client, ps_exchanges.with_servers(self.runner, client)
+            self._ps_exchanges[key] = client, registry.worker_half("ps", self.runner, client)
         return self._ps_exchanges[key]
 
-    def _local_exchange(self, kind: str | None = None) -> exchanges.Exchange | None:
+    def _local_exchange(self, kind: str | None = None) -> Exchange | None:
         """The exchange of ``kind`` (default ``WorkerConfig.exchange``) if it needs no servers (None for "ps"),
         built once."""
         kind = kind or self.config.exchange
+        if registry.needs_servers(kind):
+            return None  # made by ``connect`` once the servers exist
         if kind not in self._local_exchanges:
-            self._local_exchanges[kind] = exchanges.without_servers(self.runner, kind)
+            self._local_exchanges[kind] = registry.worker_half(kind, self.runner)
         return self._local_exchanges[kind]
 
     def renumber(self, worker_index: int) -> None:
@@ -155,7 +162,7 @@ class SGDWorker:
         self.client = None
         self.exchange = self._local_exchange()
 
-    def prepare_exchange(self, kind: str, fetch_stats: bool, layout: list[shards.Shard] | None = None,
+    def prepare_exchange(self, kind: str, fetch_stats: bool, layout: list[partitions.Partition] | None = None,
                          placement: list[int] | None = None, feed_names: Sequence[str] | None = None) -> None:
         """Build the exchange of ``kind`` (for "ps": of ``layout`` and ``placement``) without taking it up, and
         have TensorFlow plan its step (stats fetched or not) for the feeds of this worker's last step, or, for a
@@ -168,7 +175,7 @@ class SGDWorker:
         feeds to plan for, only the exchange is built. A plan that fails is
         dropped: the step then runs as it would have.
         """
-        if kind == "ps":
+        if registry.needs_servers(kind):
             exchange = self._ps_exchange(layout, placement)[1]
         else:
             exchange = self._local_exchange(kind)

@@ -413,7 +413,7 @@ def pushes_waiting(server) -> dict[int, list[int]]:
 
 
 def server_group(sgd):
-    """The engine's ``dsgd.server_group.ServerGroup`` ("ps" with several workers; else None)."""
+    """The engine's ``dsgd.cluster.server_group.ServerGroup`` ("ps" with several workers; else None)."""
     return sgd._cluster.servers
 
 

@@ -2,7 +2,7 @@
 
 Started by tests/test_multinode.py in its own process (``run_job``). Each node
 of ``ray.cluster_utils.Cluster`` has its own raylet and object store, so
-gradient shards really move between object stores, as on separate machines.
+gradient partitions really move between object stores, as on separate machines.
 
 A float32 engine steps 3 times; beside it, in lockstep on the same data
 (``compression_runs.lockstep``: each step from the float32 run's weights),
@@ -29,14 +29,14 @@ import json
 import ray
 
 import dsgd
-from dsgd.signals import shut_down
+from dsgd.transport.signals import shut_down
 from cluster_jobs import actor_node, local_cluster, wait_until_idle
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,
                               set_start_weights, ps_actors, server_group)
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
-SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
+PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
 ENGINES = {FLOAT32: {}, "bf16": dict(compression="bf16", use_ops=True),
            "fp16-python": dict(compression="fp16", use_ops=False)}
 
@@ -48,7 +48,7 @@ def _listed(weights: dict) -> dict:
 def run() -> dict:
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(dsgd.DistributedSGD(TanhNet, num_workers=2, devices_per_worker=1,
-                                                                 strategy="ps", grad_shard_bytes=SHARD_BYTES,
+                                                                 strategy="ps", grad_shard_bytes=PARTITION_BYTES,
                                                                  **kwargs))
                    for name, kwargs in ENGINES.items()}
         record = lockstep(engines, STEPS)
@@ -100,7 +100,7 @@ class SlowWorker1(StragglerNet):
 
 def run_with_backup() -> dict:
     """Worker 1 a straggler and one backup worker: every step is worker 0's alone, the replicas alike."""
-    with dsgd.DistributedSGD(SlowWorker1, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+    with dsgd.DistributedSGD(SlowWorker1, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
                              backup_workers=1) as sgd:
         start = set_start_weights(sgd)
         dropped = [sgd.step(fetch_stats=True)["dropped_gradients"] for _ in range(STEPS)]
@@ -120,7 +120,7 @@ def run_node_local() -> dict:
     """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions; then
     worker 3 is killed and ``STEPS`` more steps run through the recovery, then server 0 and ``STEPS`` more."""
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=4, devices_per_worker=1, strategy="ps",
-                             grad_shard_bytes=SHARD_BYTES) as sgd:
+                             grad_shard_bytes=PARTITION_BYTES) as sgd:
         start = set_start_weights(sgd)
         stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
         group = server_group(sgd)
@@ -153,7 +153,7 @@ def run_node_local() -> dict:
 def run_node_local_bf16() -> dict:
     """2 nodes x 2 workers under bf16 (op path): the relays' float32 partial sums cross, their 16-bit means come
     back; ``STEPS`` steps, each's weights before it and every replica's after it."""
-    with dsgd.DistributedSGD(TanhNet, num_workers=4, devices_per_worker=1, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+    with dsgd.DistributedSGD(TanhNet, num_workers=4, devices_per_worker=1, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
                              compression="bf16", use_ops=True) as sgd:
         set_start_weights(sgd)
         steps = []

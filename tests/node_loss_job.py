@@ -44,7 +44,7 @@ MIB = 1024 * 1024
 HEAD = {"num_cpus": 0, "object_store_memory": 100 * MIB,
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}}
 NODE = {"num_cpus": 2, "object_store_memory": 100 * MIB}
-SHARD_BYTES = 40  # 112 bytes of gradients -> 3 partitions on the 2 servers
+PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions on the 2 servers
 TIMEOUT_S = 60.0
 
 
@@ -77,7 +77,7 @@ def cpu_nodes() -> list[str]:
 
 def replaced(cluster, gate: Gate) -> dict:
     with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
-                             grad_shard_bytes=SHARD_BYTES, timeout_s=TIMEOUT_S) as sgd:
+                             grad_shard_bytes=PARTITION_BYTES, timeout_s=TIMEOUT_S) as sgd:
         start = set_start_weights(sgd)
         worker_nodes_before = [actor_node(w) for w in sgd.workers]
         ps_nodes_before = [actor_node(ps) for ps in ps_actors(sgd)]

@@ -3,7 +3,7 @@
 Run by tests/test_checkpoint.py, which SIGKILLs it there. Usage:
 ``save_loop_job.py PATH ELEMENTS``. Save i writes one float32 weight of
 ELEMENTS values, all equal to i, and applied_steps = i, through
-``dsgd.checkpoint.save`` (the function DistributedSGD.save writes with);
+``dsgd.driver.checkpoint.save`` (the function DistributedSGD.save writes with);
 once it has returned, the job prints ``SAVED i``. Save 1 stops once it has
 written half of the weight's bytes into its temporary file, prints
 ``HALF-WRITTEN 1`` and waits for the signal that kills it.
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from dsgd import checkpoint
+from dsgd.driver import checkpoint
 
 
 class StopsHalfWay:

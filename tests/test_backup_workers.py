@@ -8,8 +8,10 @@ import pytest
 import ray
 
 import dsgd
-from dsgd import checkpoint, object_store, ps_actor
-from dsgd.shards import VarSpec, plan_shards, segments
+from dsgd.driver import checkpoint
+from dsgd.transport import object_store
+from dsgd import ps_actor
+from dsgd.wire.partitions import VarSpec, plan_partitions, segments
 from dsgd_test_models import (LR, StragglerNet, TanhNet, actor_pids, assert_replicas_identical, assert_weights_close,
                               batch, kill, numpy_gradients, numpy_step, ps_actors, pushes_waiting, server_group, set_start_weights,
                               wait_until)
@@ -24,14 +26,14 @@ def _begun(server) -> dict[int, int]:
 
 # ---- the server's rule ------------------------------------------------------
 
-LAYOUT = plan_shards([VarSpec("a", (6,), np.dtype(np.float32))], 0)
+LAYOUT = plan_partitions([VarSpec("a", (6,), np.dtype(np.float32))], 0)
 
 
 def _push(server, step, worker, value):
-    [shard] = LAYOUT
-    flat = np.full(shard.size, value, np.float32)
+    [partition] = LAYOUT
+    flat = np.full(partition.size, value, np.float32)
     return server.push.remote(step, worker, 0, object_store.put([flat[s.start:s.start + s.size]
-                                                                 for s in segments(shard)]))
+                                                                 for s in segments(partition)]))
 
 
 def _mean(answer):
@@ -172,7 +174,7 @@ def test_backup_workers_with_bf16_partitions_through_a_resize(ray_session):
     """The three together: one backup worker, 16-bit partitions, 3 -> 4 -> 3 workers; replicas stay identical."""
     with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, compression="bf16",
                              grad_shard_bytes=40) as sgd:
-        half_of_float32 = sum(shard.size for shard in server_group(sgd).layout) * 2  # float32 elements, 2 bytes
+        half_of_float32 = sum(partition.size for partition in server_group(sgd).layout) * 2  # float32 elements, 2 bytes
         pids = actor_pids(*sgd.workers)
         # No straggler here, so which worker each partition leaves out depends on arrival order; a worker left
         # out of any partition counts as dropped, hence a range (the exact count is tested with a straggler).

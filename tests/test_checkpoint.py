@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import dsgd
-from dsgd import checkpoint
-from dsgd.shards import VarSpec
+from dsgd.driver import checkpoint
+from dsgd.wire.partitions import VarSpec
 from dsgd_test_models import AdamNet, TanhNet, assert_replicas_identical
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

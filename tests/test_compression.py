@@ -12,12 +12,12 @@ import pytest
 
 import dsgd
 from compression_runs import FLOAT32, check_lockstep, lockstep
-from dsgd import arrays, kernels, wire
-from dsgd.shards import VarSpec, pack, plan_shards, segments, unpack
+from dsgd.wire import arrays, codec, kernels
+from dsgd.wire.partitions import VarSpec, pack, plan_partitions, segments, unpack
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, HugeTargetsAtStep1, TanhNet, assert_replicas_identical,
                               kill, server_group, set_start_weights)
 
-SHARD_BYTES = 40  # TanhNet's 112 bytes of float32 gradients -> 3 partitions, variables split
+PARTITION_BYTES = 40  # TanhNet's 112 bytes of float32 gradients -> 3 partitions, variables split
 
 
 # ---- the conversions (no Ray) ------------------------------------------------
@@ -44,12 +44,12 @@ def bf16_backend(request, monkeypatch):
 
 def test_bf16_rounds_to_nearest_even_as_ml_dtypes_does(bf16_backend):
     x = _awkward_float32()
-    bits = wire.convert_into(np.empty(x.size, np.uint16), x)
+    bits = codec.convert_into(np.empty(x.size, np.uint16), x)
     np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
-    back = wire.convert_into(np.empty(x.size, np.float32), bits)
+    back = codec.convert_into(np.empty(x.size, np.float32), bits)
     np.testing.assert_array_equal(back, x.astype(ml_dtypes.bfloat16).astype(np.float32))
-    assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 2 ** -8]))[0] == 0x3F80  # tie: down to even
-    assert wire.convert_into(np.empty(1, np.uint16), np.float32([1 + 3 * 2 ** -8]))[0] == 0x3F82  # tie: up to even
+    assert codec.convert_into(np.empty(1, np.uint16), np.float32([1 + 2 ** -8]))[0] == 0x3F80  # tie: down to even
+    assert codec.convert_into(np.empty(1, np.uint16), np.float32([1 + 3 * 2 ** -8]))[0] == 0x3F82  # tie: up to even
 
 
 def _in_order_average(inputs: list[np.ndarray], divisor: int | None) -> np.ndarray:
@@ -72,7 +72,7 @@ def _bf16_averages(inputs: list[np.ndarray], divisor: int | None) -> tuple[np.nd
 def test_bf16_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch, count, divisor):
     x = _awkward_float32(30_011)  # not a whole number of the kernels' or numpy's blocks
     rng = np.random.default_rng(count)
-    inputs = [wire.convert_into(np.empty(x.size, np.uint16), rng.permutation(x)) for _ in range(count)]
+    inputs = [codec.convert_into(np.empty(x.size, np.uint16), rng.permutation(x)) for _ in range(count)]
     assert kernels.library() is not None, "the test install builds the wire kernels"
     kernel_mean, kernel_rounded = _bf16_averages(inputs, divisor)
     monkeypatch.setattr(kernels, "_library", [None])
@@ -82,9 +82,9 @@ def test_bf16_averages_in_the_kernels_and_in_numpy_agree_bit_for_bit(monkeypatch
     np.testing.assert_array_equal(np.isnan(kernel_mean), nan)
     np.testing.assert_array_equal(kernel_mean.view(np.uint32)[~nan], numpy_mean.view(np.uint32)[~nan])
     np.testing.assert_array_equal(kernel_rounded[~nan], numpy_rounded[~nan])
-    expected = _in_order_average([wire.to_float32(a) for a in inputs], divisor)
+    expected = _in_order_average([codec.to_float32(a) for a in inputs], divisor)
     np.testing.assert_array_equal(numpy_mean, expected)
-    np.testing.assert_array_equal(wire.to_float32(kernel_rounded[~nan]),
+    np.testing.assert_array_equal(codec.to_float32(kernel_rounded[~nan]),
                                   expected[~nan].astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
@@ -110,7 +110,7 @@ def test_a_rounded_average_needs_a_16_bit_output():
 
 
 def test_fp16_beyond_its_range_is_inf_without_a_warning(recwarn):
-    out = wire.convert_into(np.empty(4, np.float16), np.float32([65504, 65520, -1e6, 1e-9]))
+    out = codec.convert_into(np.empty(4, np.float16), np.float32([65504, 65520, -1e6, 1e-9]))
     assert out.tolist() == [65504, np.inf, -np.inf, 0]
     assert not recwarn.list
 
@@ -126,32 +126,32 @@ def test_a_server_averages_non_finite_fp16_pushes_without_a_warning(recwarn):
 def test_compressed_layout_is_float32_layout_at_half_the_bytes_and_other_dtypes_travel_as_they_are():
     specs = [VarSpec("a", (40_000,), np.dtype(np.float32)), VarSpec("b", (7, 3), np.dtype(np.float32)),
              VarSpec("c", (9,), np.dtype(np.float64))]
-    plain = plan_shards(specs, 50_000)
+    plain = plan_partitions(specs, 50_000)
     for compression, wire_dtype in [("bf16", np.uint16), ("fp16", np.float16)]:
-        layout = plan_shards(specs, 50_000, compression)
+        layout = plan_partitions(specs, 50_000, compression)
         assert [(s.size, s.pieces) for s in layout] == [(s.size, s.pieces) for s in plain]
-        for shard in layout:
-            if shard.dtype == np.float32:
-                assert shard.wire_dtype == wire_dtype and shard.wire_nbytes * 2 == shard.nbytes
+        for partition in layout:
+            if partition.dtype == np.float32:
+                assert partition.wire_dtype == wire_dtype and partition.wire_nbytes * 2 == partition.nbytes
                 # the large piece travels packed (converted), never as a view of the gradient
-                assert not any(seg.view for seg in segments(shard))
+                assert not any(seg.view for seg in segments(partition))
             else:
-                assert shard.compression is None and shard.wire_nbytes == shard.nbytes
-                assert segments(shard) == segments(plain[shard.index])
+                assert partition.compression is None and partition.wire_nbytes == partition.nbytes
+                assert segments(partition) == segments(plain[partition.index])
 
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_server_sums_16_bit_pushes_in_float32_and_rounds_the_mean_once(compression):
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
-    [shard] = plan_shards([VarSpec("g", (1000,), np.dtype(np.float32))], 0, compression)
-    pushed = [pack([g], shard, np.empty(shard.size, shard.wire_dtype)) for g in grads]
-    total = arrays.average_into(np.empty(shard.size, np.float32), pushed)
-    widened = [wire.to_float32(p).astype(np.float64) for p in pushed]
+    [partition] = plan_partitions([VarSpec("g", (1000,), np.dtype(np.float32))], 0, compression)
+    pushed = [pack([g], partition, np.empty(partition.size, partition.wire_dtype)) for g in grads]
+    total = arrays.average_into(np.empty(partition.size, np.float32), pushed)
+    widened = [codec.to_float32(p).astype(np.float64) for p in pushed]
     np.testing.assert_allclose(total, np.mean(widened, axis=0), rtol=2 ** -22)  # float32 sum, not 16-bit
-    mean = wire.convert_into(np.empty(shard.size, shard.wire_dtype), total)
-    [decoded] = unpack([mean], [shard], [VarSpec("g", (1000,), np.dtype(np.float32))])
-    np.testing.assert_array_equal(decoded, wire.to_float32(wire.convert_into(np.empty(1000, shard.wire_dtype), total)))
+    mean = codec.convert_into(np.empty(partition.size, partition.wire_dtype), total)
+    [decoded] = unpack([mean], [partition], [VarSpec("g", (1000,), np.dtype(np.float32))])
+    np.testing.assert_array_equal(decoded, codec.to_float32(codec.convert_into(np.empty(1000, partition.wire_dtype), total)))
 
 
 # ---- the engine on one node ---------------------------------------------------
@@ -162,7 +162,7 @@ COMPRESSED = {"bf16": dict(compression="bf16", use_ops=True), "bf16-python": dic
 
 @pytest.fixture(scope="module")
 def float32_engine(ray_session):
-    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES) as sgd:
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES) as sgd:
         yield sgd
 
 
@@ -172,7 +172,7 @@ def test_compressed_steps_against_float32_through_shared_memory_op_and_python_pa
     engines = {FLOAT32: float32_engine}
     try:
         for name in names:
-            engines[name] = dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+            engines[name] = dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
                                                 **COMPRESSED[name])
         for name in names:  # one node: every partition through shared memory, in 16-bit form
             ends = engines[name].foreach_worker(lambda w: [(type(e).__name__, str(next(iter(e.means[0].values())).dtype))
@@ -229,7 +229,7 @@ def test_compression_with_simple_is_refused_naming_the_argument():
 def test_recovery_and_checkpoints_with_compression(ray_session, tmp_path, caplog):
     """From a checkpoint, a run whose worker is killed equals the uninterrupted one bit for bit."""
     caplog.set_level(logging.WARNING, logger="dsgd")
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=SHARD_BYTES,
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
                              compression="bf16") as sgd:
         set_start_weights(sgd)
         sgd.step()

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 import dsgd
-from dsgd.cluster import WORKER_ENV_DEFAULTS, worker_env
+from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
                               assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
                               set_start_weights)
@@ -30,9 +30,9 @@ INITIAL: dict[str, list[dict[str, np.ndarray]]] = {}  # every replica's weights 
 
 @pytest.fixture(scope="module")
 def engines(ray_session):
-    """One 2x2 engine per exchange; "ps" with tiny shards so variables get split.
+    """One 2x2 engine per exchange; "ps" with tiny partitions so variables get split.
 
-    "ps" moves shards with the C++ ops (the default), "ps-python" without.
+    "ps" moves partitions with the C++ ops (the default), "ps-python" without.
     """
     options = {"simple": dict(strategy="simple"),
                "ps": dict(strategy="ps", grad_shard_bytes=24, use_ops=True),
@@ -51,7 +51,7 @@ def engines(ray_session):
 def test_a_workers_session_runs_on_its_cpus_and_its_idle_threads_sleep():
     """Threads: the worker's CPUs for each op, RECEIVE_THREADS more for the receives that wait; idle threads do
     not spin (they would take the cores the parameter servers share); only the subgraph a run needs is placed."""
-    from dsgd import worker_graph
+    from dsgd.worker.tf1 import worker_graph
     from dsgd.config import WorkerConfig
 
     config = WorkerConfig(exchange="ps", devices_per_worker=2, gpu=False, all_reduce_alg="simple", cpus_per_worker=3,
@@ -204,7 +204,7 @@ def test_strategies_give_the_same_weights(engines):
     for other in ("ps", "ps-python"):
         weights = engines[other].get_weights()
         for name in simple:
-            # One averaging function (dsgd.arrays.average_into) in the same order: bit for bit.
+            # One averaging function (dsgd.wire.arrays.average_into) in the same order: bit for bit.
             assert np.array_equal(weights[name], simple[name]), f"{other} {name}"
 
 
@@ -227,8 +227,8 @@ def exchange_path(stats: dict) -> str:
 def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, path):
     """Through the ops a worker checks each received partition and keeps no fed apply (it is built unchecked, for
     the optimizer's slots alone); through Python it applies fed means, checked per variable."""
-    built = {"ops": ("OpsParameterServers", True, False, ["partitions"]),
-             "python": ("PythonParameterServers", False, True, ["gradients"])}[path]
+    built = {"ops": ("PsWorkerOps", True, False, ["partitions"]),
+             "python": ("PsWorkerPython", False, True, ["gradients"])}[path]
     if use_ops is None:  # the default: the ops whenever the library builds and loads, as `make install` ensures
         from dsgd import ops
 
@@ -245,7 +245,7 @@ def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, p
 def _exchange_and_its_ops(worker) -> tuple[str, bool, bool, list[str]]:
     """The worker's exchange class, whether its graph holds the op library's ops (DsgdPack), whether it keeps a
     fed apply, and what its non-finite checks check (their name scopes: gradients, values, partitions)."""
-    from dsgd import worker_graph
+    from dsgd.worker.tf1 import worker_graph
 
     ops = worker.sess.graph.get_operations()
     checked = {op.name.split("/")[0].removeprefix(worker_graph.FINITE_SCOPE + "_").split("_")[0]
@@ -342,7 +342,7 @@ def test_workers_import_tensorflow_without_keras_and_a_model_can_still_import_it
     assert sgd.foreach_worker(lambda w: importlib.import_module("keras.src.optimizers").__name__) == [
         "keras.src.optimizers"] * WORKERS
 
-    from dsgd import keras_preload
+    from dsgd.worker import keras_preload
     monkeypatch.setenv(keras_preload.ENV, "1")
     monkeypatch.delitem(sys.modules, "keras.src.optimizers", raising=False)
     already = sys.modules.get("tf_keras.src.optimizers") or types.ModuleType("tf_keras.src.optimizers")

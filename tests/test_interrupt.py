@@ -9,7 +9,8 @@ import pytest
 import ray
 
 import dsgd
-from dsgd import calls, checkpoint
+from dsgd.common import calls
+from dsgd.driver import checkpoint
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, assert_replicas_identical, assert_weights_close,
                               known_actors, numpy_momentum_run, run_job, set_start_weights, wait_until,
                               weights_from_json)
@@ -125,7 +126,7 @@ def applied_steps_saved(path: str) -> int:
 
 
 def test_ctrl_c_while_a_set_of_calls_is_sent_raises_once_the_last_is_sent():
-    """What keeps set_weights from reaching some workers and not others (``dsgd.calls.sending``)."""
+    """What keeps set_weights from reaching some workers and not others (``dsgd.common.calls.sending``)."""
     sent = []
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI shell may have SIGINT ignored
     try:

@@ -215,4 +215,4 @@ def test_importing_dsgd_does_not_import_tf_keras():
             "print('tf_keras' in sys.modules, dsgd.KerasModel.__module__, 'tf_keras' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "dsgd.keras", "False"]
+    assert out.stdout.split() == ["False", "dsgd.integrations.keras", "False"]

@@ -34,7 +34,7 @@ def job() -> dict:
 def test_workers_run_on_both_nodes(job):
     assert len(job["nodes"]) == 2
     # One worker per node: whichever node a parameter server is on, some worker's
-    # shards and some worker's reads of the mean cross between object stores.
+    # partitions and some worker's reads of the mean cross between object stores.
     assert sorted(job["worker_nodes"]) == job["nodes"]
     # The GCS actor table, used for the parameter servers, agrees with the workers' own view.
     assert job["worker_nodes_gcs"] == job["worker_nodes"]

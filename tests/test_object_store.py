@@ -1,9 +1,9 @@
-"""dsgd.object_store: arrays go into one object in chunks and come back whole, without a copy."""
+"""dsgd.transport.object_store: arrays go into one object in chunks and come back whole, without a copy."""
 
 import numpy as np
 import pytest
 
-from dsgd import object_store
+from dsgd.transport import object_store
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import ray
 import tensorflow as tf
 
 import dsgd.ops as ops
-from dsgd.shards import VarSpec, pack as np_pack, plan_shards, segments, unpack as np_unpack
+from dsgd.wire.partitions import VarSpec, pack as np_pack, plan_partitions, segments, unpack as np_unpack
 
 if not ops.is_available():
     pytest.skip("dsgd op library cannot be built here", allow_module_level=True)
@@ -29,19 +29,19 @@ def _run(fetches, feed=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shard_bytes", [0, 200, 4096])
-def test_pack_unpack_round_trip(dtype, shard_bytes):
+@pytest.mark.parametrize("partition_bytes", [0, 200, 4096])
+def test_pack_unpack_round_trip(dtype, partition_bytes):
     specs = [VarSpec(f"v{i}", shape, np.dtype(dtype)) for i, shape in enumerate(SHAPES)]
     grads = _grads(specs)
-    layout = plan_shards(specs, shard_bytes)
+    layout = plan_partitions(specs, partition_bytes)
     with tf.Graph().as_default():
         grad_tensors = [tf.constant(g) for g in grads]
         packed = [ops.pack(grad_tensors, s) for s in layout]
         unpacked = ops.unpack(packed, layout, specs)
         packed_out, unpacked_out = _run((packed, unpacked))
-    for shard, out in zip(layout, packed_out):
-        expected = np_pack(grads, shard, np.zeros(shard.size, shard.dtype))
-        assert out.dtype == np.dtype(dtype) and out.shape == (shard.size,)
+    for partition, out in zip(layout, packed_out):
+        expected = np_pack(grads, partition, np.zeros(partition.size, partition.dtype))
+        assert out.dtype == np.dtype(dtype) and out.shape == (partition.size,)
         np.testing.assert_array_equal(out, expected)  # includes zeroed gaps
     for spec, g, out in zip(specs, grads, unpacked_out):
         assert out.shape == spec.shape and out.dtype == np.dtype(dtype)
@@ -53,7 +53,7 @@ def test_mixed_dtypes_and_type_check():
     specs = [VarSpec("a", (5, 3), np.dtype(np.float32)), VarSpec("b", (9,), np.dtype(np.float64)),
              VarSpec("c", (4,), np.dtype(np.float32))]
     grads = _grads(specs)
-    layout = plan_shards(specs, 0)
+    layout = plan_partitions(specs, 0)
     with tf.Graph().as_default():
         gt = [tf.constant(g) for g in grads]
         out = _run(ops.unpack([ops.pack(gt, s) for s in layout], layout, specs))
@@ -71,10 +71,10 @@ def _address_inside(address, array):
 def test_receive_aliases_object_store_memory(ray_session):
     specs = [VarSpec("w", (64, 33), np.dtype(np.float32)), VarSpec("b", (33,), np.dtype(np.float32)),
              VarSpec("odd", (7,), np.dtype(np.float32))]
-    layout = plan_shards(specs, 0)
-    [shard] = layout
+    layout = plan_partitions(specs, 0)
+    [partition] = layout
     grads = _grads(specs)
-    ref = ray.put(np_pack(grads, shard, np.zeros(shard.size, np.float32)))
+    ref = ray.put(np_pack(grads, partition, np.zeros(partition.size, np.float32)))
     fetched = []
 
     def fetch(s):
@@ -82,7 +82,7 @@ def test_receive_aliases_object_store_memory(ray_session):
         return fetched[-1]
 
     with tf.Graph().as_default():
-        grad_tensors = ops.unpack([ops.receive_shard(lambda s=s: fetch(s), s) for s in layout], layout, specs)
+        grad_tensors = ops.unpack([ops.receive_partition(lambda s=s: fetch(s), s) for s in layout], layout, specs)
         addresses = [ops.data_address(t) for t in grad_tensors]
         values, addresses = _run((grad_tensors, addresses))
     [array] = fetched
@@ -97,13 +97,13 @@ def test_receive_aliases_object_store_memory(ray_session):
 
 def test_misaligned_fetch_is_copied_and_released(ray_session):
     specs = [VarSpec("x", (10,), np.dtype(np.float32))]
-    [shard] = plan_shards(specs, 0)
-    raw = np.zeros(shard.size * 4 + 128, np.uint8)
+    [partition] = plan_partitions(specs, 0)
+    raw = np.zeros(partition.size * 4 + 128, np.uint8)
     start = (-raw.ctypes.data) % 64 + 4  # deliberately 4 bytes past a 64-byte boundary
-    array = raw[start:start + shard.size * 4].view(np.float32)
-    array[:] = np.arange(shard.size)
+    array = raw[start:start + partition.size * 4].view(np.float32)
+    array[:] = np.arange(partition.size)
     with tf.Graph().as_default():
-        t = ops.receive_shard(lambda: array, shard)
+        t = ops.receive_partition(lambda: array, partition)
         value, address = _run((t, ops.data_address(t)))
     np.testing.assert_array_equal(value, array)
     assert not _address_inside(address, array)
@@ -111,8 +111,8 @@ def test_misaligned_fetch_is_copied_and_released(ray_session):
 
 
 def test_object_alive_while_tensor_alive(ray_session):
-    [shard] = plan_shards([VarSpec("x", (1000,), np.dtype(np.float32))], 0)
-    ref = ray.put(np.arange(shard.size, dtype=np.float32))
+    [partition] = plan_partitions([VarSpec("x", (1000,), np.dtype(np.float32))], 0)
+    ref = ray.put(np.arange(partition.size, dtype=np.float32))
     object_id = ref.hex()
     holder = []
 
@@ -121,14 +121,14 @@ def test_object_alive_while_tensor_alive(ray_session):
         holder.append(weakref.ref(array))
         return array
 
-    tensor = ops.receive_shard(fetch, shard)  # eager: the tensor outlives the call
+    tensor = ops.receive_partition(fetch, partition)  # eager: the tensor outlives the call
     [array_alive] = holder
     del ref
     gc.collect()
     assert ops.drain_released() == 0 and ops.live_buffers() == 1
     assert array_alive() is not None
-    np.testing.assert_array_equal(tensor.numpy(), np.arange(shard.size))
-    sliced = ops.unpack([tensor], [shard], [VarSpec("x", (10, 100), np.dtype(np.float32))])[0]
+    np.testing.assert_array_equal(tensor.numpy(), np.arange(partition.size))
+    sliced = ops.unpack([tensor], [partition], [VarSpec("x", (10, 100), np.dtype(np.float32))])[0]
     del tensor
     gc.collect()
     assert ops.drain_released() == 0  # the unpacked gradient still aliases the buffer
@@ -141,10 +141,10 @@ def test_object_alive_while_tensor_alive(ray_session):
     assert object_id not in counts
 
 
-def test_send_hands_the_shard_over_as_segments():
+def test_send_hands_the_partition_over_as_segments():
     specs = [VarSpec(f"v{i}", shape, np.dtype(np.float32)) for i, shape in enumerate(SHAPES)]
     grads = _grads(specs)
-    layout = plan_shards(specs, 1024)
+    layout = plan_partitions(specs, 1024)
     sent = {}
     with tf.Graph().as_default():
         gt = [tf.constant(g) for g in grads]
@@ -159,17 +159,17 @@ def test_send_hands_the_shard_over_as_segments():
         arrays, st = sent[s.index]
         assert st == 7
         parts = segments(s, 64)
-        shard = np.zeros(s.size, np.float32)
+        partition = np.zeros(s.size, np.float32)
         assert [a.size for a in arrays] == [seg.size for seg in parts]
         for seg, got in zip(parts, arrays):
-            shard[seg.start:seg.start + seg.size] = got
-        np.testing.assert_array_equal(shard, np_pack(grads, s, np.zeros(s.size, np.float32)))
+            partition[seg.start:seg.start + seg.size] = got
+        np.testing.assert_array_equal(partition, np_pack(grads, s, np.zeros(s.size, np.float32)))
 
 
 def test_bad_fetch_and_unknown_handle(ray_session):
-    [shard] = plan_shards([VarSpec("x", (8,), np.dtype(np.float32))], 0)
+    [partition] = plan_partitions([VarSpec("x", (8,), np.dtype(np.float32))], 0)
     with tf.Graph().as_default():
-        t = ops.receive_shard(lambda: np.zeros(9, np.float32), shard)
+        t = ops.receive_partition(lambda: np.zeros(9, np.float32), partition)
         with pytest.raises(Exception, match="must return a numpy array of 8 float32"):
             _run(t)
         bogus = ops.load().dsgd_alias_tensor(tf.constant(10**12, tf.int64), T=tf.float32, size=8)
@@ -190,28 +190,28 @@ def _wide_range_grads(specs, seed=0):
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_compressed_pack_send_receive_unpack_convert_as_numpy_does_bit_for_bit(compression):
-    """The op path's 16-bit bytes equal the Python path's (dsgd.shards.pack / unpack), both ways."""
+    """The op path's 16-bit bytes equal the Python path's (dsgd.wire.partitions.pack / unpack), both ways."""
     specs = [VarSpec(f"v{i}", shape, np.dtype(np.float32)) for i, shape in enumerate(SHAPES)]
     specs.append(VarSpec("other", (5,), np.dtype(np.float64)))  # travels as it is
     grads = _wide_range_grads(specs[:-1]) + [np.arange(5, dtype=np.float64) / 3]
-    layout = plan_shards(specs, 1024, compression)
+    layout = plan_partitions(specs, 1024, compression)
     expected = [np_pack(grads, s, np.zeros(s.size, s.wire_dtype)) for s in layout]
     sent = {}
     with tf.Graph().as_default():
         gt = [tf.constant(g) for g in grads]
         tokens = [ops.build_send(gt, s, lambda s, arrays: sent.setdefault(s.index, [a.copy() for a in arrays]))
                   for s in layout]
-        received = [ops.receive_shard(lambda e=e: e, s) for s, e in zip(layout, expected)]
+        received = [ops.receive_partition(lambda e=e: e, s) for s, e in zip(layout, expected)]
         unpacked = ops.unpack(received, layout, specs)
         _, got = _run((tokens, unpacked))
     for s, want in zip(layout, expected):
         parts = segments(s)
         assert not any(seg.view for seg in parts) or s.compression is None
-        shard = np.zeros(s.size, s.wire_dtype)
+        partition = np.zeros(s.size, s.wire_dtype)
         for seg, a in zip(parts, sent[s.index]):
             assert a.dtype == s.wire_dtype
-            shard[seg.start:seg.start + seg.size] = a
-        np.testing.assert_array_equal(shard.view(np.uint8), want.view(np.uint8))
+            partition[seg.start:seg.start + seg.size] = a
+        np.testing.assert_array_equal(partition.view(np.uint8), want.view(np.uint8))
     for want, g in zip(np_unpack(expected, layout, specs), got):
         assert g.dtype == want.dtype
         np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))
@@ -221,7 +221,7 @@ def test_compressed_pack_send_receive_unpack_convert_as_numpy_does_bit_for_bit(c
 
 def test_pack_refuses_a_conversion_other_than_float32_to_16_bits():
     with tf.Graph().as_default():
-        packed = ops.load().dsgd_pack([tf.zeros([4], tf.float64)], W=tf.float16, shard_size=4, piece_input=[0],
-                                      piece_var_offset=[0], piece_shard_offset=[0], piece_size=[4])
+        packed = ops.load().dsgd_pack([tf.zeros([4], tf.float64)], W=tf.float16, partition_size=4, piece_input=[0],
+                                      piece_var_offset=[0], piece_partition_offset=[0], piece_size=[4])
         with pytest.raises(tf.errors.InvalidArgumentError, match="cannot convert double to half"):
             _run(packed)

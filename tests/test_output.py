@@ -1,4 +1,4 @@
-"""What a user sees: the examples' own lines, TensorFlow's start-up lines only when asked for (dsgd.tf_logs), and
+"""What a user sees: the examples' own lines, TensorFlow's start-up lines only when asked for (dsgd.worker.tf_logs), and
 progress while the engine is being built."""
 
 import logging
@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import dsgd
-from dsgd import calls, tf_logs
+from dsgd.common import calls
+from dsgd.worker import tf_logs
 from dsgd_test_models import slow_to_build_on_worker_1
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
@@ -78,6 +79,6 @@ def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, c
     monkeypatch.setattr(calls, "PROGRESS_AFTER_S", 1.0)  # worker 1 builds for 3 s longer
     with caplog.at_level(logging.INFO, logger="dsgd"):
         dsgd.DistributedSGD(slow_to_build_on_worker_1, num_workers=2, strategy="simple").shutdown()
-    waits = [r.getMessage() for r in caplog.records if r.name == "dsgd.calls" and r.getMessage().startswith("waiting")]
+    waits = [r.getMessage() for r in caplog.records if r.name == "dsgd.common.calls" and r.getMessage().startswith("waiting")]
     building = [m for m in waits if "for the workers to build their models: " in m]
     assert building and all(m.split("; not yet: ")[1].endswith("worker 1") for m in building), waits

@@ -4,8 +4,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dsgd.placement import place_new_workers, reserved_cpus
-from dsgd.server_group import plan_servers
+from dsgd.cluster.placement import place_new_workers, reserved_cpus
+from dsgd.cluster.server_group import plan_servers
 
 ONE_CPU = {"CPU": 1}
 

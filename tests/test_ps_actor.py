@@ -8,18 +8,20 @@ import numpy as np
 import pytest
 import ray
 
-from dsgd import object_store, ps_actor, streams, wire
+from dsgd.transport import object_store, streams
+from dsgd import ps_actor
+from dsgd.wire import codec
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
-from dsgd.ps_client import ParameterServerClient
-from dsgd.shards import VarSpec, plan_shards, segments
-from dsgd.signals import shut_down
-from dsgd.transport import StreamWorkerEnd
+from dsgd.exchange.ps_client import ParameterServerClient
+from dsgd.wire.partitions import VarSpec, plan_partitions, segments
+from dsgd.transport.signals import shut_down
+from dsgd.transport.ends import StreamWorkerEnd
 from dsgd_test_models import pushes_waiting, wait_until
 
 # Two partitions: one of two small variables (packed together), one of a large one (its own segment).
 SPECS = [VarSpec("a", (5,), np.dtype(np.float32)), VarSpec("b", (3,), np.dtype(np.float32)),
          VarSpec("c", (20000,), np.dtype(np.float32))]
-LAYOUT = plan_shards(SPECS, 50_000)  # 80 KB in 2 partitions
+LAYOUT = plan_partitions(SPECS, 50_000)  # 80 KB in 2 partitions
 SEGMENT_0 = segments(LAYOUT[0])[0].size
 
 
@@ -30,22 +32,22 @@ def _server(num_workers, timeout_s=30.0):
 def _data(rng, layout=LAYOUT):
     """One worker's flat copy of every partition (alignment gaps zero)."""
     out = []
-    for shard in layout:
-        flat = np.zeros(shard.size, np.float32)
-        for p in shard.pieces:
-            flat[p.shard_offset:p.shard_offset + p.size] = rng.standard_normal(p.size)
+    for partition in layout:
+        flat = np.zeros(partition.size, np.float32)
+        for p in partition.pieces:
+            flat[p.partition_offset:p.partition_offset + p.size] = rng.standard_normal(p.size)
         out.append(flat)
     return out
 
 
-def _segments_of(shard, flat):
+def _segments_of(partition, flat):
     """A worker's copy of a partition as it travels: one array per segment."""
-    return [flat[s.start:s.start + s.size] for s in segments(shard)]
+    return [flat[s.start:s.start + s.size] for s in segments(partition)]
 
 
-def _stored(shard, flat):
+def _stored(partition, flat):
     """What a remote worker pushes: the partition's segments as one object."""
-    return object_store.put(_segments_of(shard, flat))
+    return object_store.put(_segments_of(partition, flat))
 
 
 def _local_worker(server, worker_index):
@@ -74,23 +76,23 @@ def test_one_server_sums_many_partitions_in_worker_order_over_both_transports(ra
     for step, order in enumerate([(0, 1, 2), (2, 1, 0)]):
         parts = [_data(rng) for _ in range(3)]
         expected = _expected(parts)
-        for shard in reversed(LAYOUT):  # partitions complete independently, in any order
+        for partition in reversed(LAYOUT):  # partitions complete independently, in any order
             pushes = {}
             for w in order:
                 if w == 1:  # the local worker announces its push on its signal channel
-                    local.send(shard, step, _segments_of(shard, parts[w][shard.index]))
+                    local.send(partition, step, _segments_of(partition, parts[w][partition.index]))
                 else:
-                    pushes[w] = server.push.remote(step, w, shard.index, _stored(shard, parts[w][shard.index]))
-            local_mean = local.receive(shard, step)  # read in place in the shared mean buffer
-            assert local.averaged[shard.index] == (0, 1, 2)
-            np.testing.assert_array_equal(local_mean, expected[shard.index])  # bit for bit
+                    pushes[w] = server.push.remote(step, w, partition.index, _stored(partition, parts[w][partition.index]))
+            local_mean = local.receive(partition, step)  # read in place in the shared mean buffer
+            assert local.averaged[partition.index] == (0, 1, 2)
+            np.testing.assert_array_equal(local_mean, expected[partition.index])  # bit for bit
             answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
             assert {w: averaged for w, (_, averaged) in answers.items()} == {0: (0, 1, 2), 2: (0, 1, 2)}
             replies = {w: reply for w, (reply, _) in answers.items()}
             for w in (0, 2):
                 [ref] = replies[w]
-                [mean] = object_store.join(ray.get(ref, timeout=30), [shard.size])
-                np.testing.assert_array_equal(mean, expected[shard.index])
+                [mean] = object_store.join(ray.get(ref, timeout=30), [partition.size])
+                np.testing.assert_array_equal(mean, expected[partition.index])
             assert replies[0] == replies[2]  # one object of the mean, shared by the remote workers
     ray.kill(server)
 
@@ -102,7 +104,7 @@ def _remote_worker(server, worker_index, layout=LAYOUT):
     return StreamWorkerEnd(info["stream"], info["slots"], layout, connect_timeout_s=30, send_timeout_s=30)
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, plan_shards(SPECS, 1_000_000)], ids=["2 partitions", "2 segments"])
+@pytest.mark.parametrize("layout", [LAYOUT, plan_partitions(SPECS, 1_000_000)], ids=["2 partitions", "2 segments"])
 def test_a_worker_on_another_node_pushes_down_a_stream_and_reads_the_same_mean(ray_session, layout):
     """Workers 0 and 2 on another node, worker 1 on the server's; one partition of two segments (with an
     alignment gap between them) lands in place as well."""
@@ -114,15 +116,15 @@ def test_a_worker_on_another_node_pushes_down_a_stream_and_reads_the_same_mean(r
     for step in range(3):
         parts = [_data(rng, layout) for _ in range(3)]
         expected = _expected(parts)
-        for shard in layout:
+        for partition in layout:
             for w, end in streams.items():
-                end.push(server, w, shard, step, end.write(shard, segments(shard), _segments_of(shard, parts[w][shard.index])))
-            local.send(shard, step, _segments_of(shard, parts[1][shard.index]))
-            np.testing.assert_array_equal(local.receive(shard, step), expected[shard.index])  # bit for bit
+                end.push(server, w, partition, step, end.write(partition, segments(partition), _segments_of(partition, parts[w][partition.index])))
+            local.send(partition, step, _segments_of(partition, parts[1][partition.index]))
+            np.testing.assert_array_equal(local.receive(partition, step), expected[partition.index])  # bit for bit
             for w, end in streams.items():
-                reply, averaged = end.answer(shard, step, timeout_s=30)
+                reply, averaged = end.answer(partition, step, timeout_s=30)
                 assert reply == [] and averaged == (0, 1, 2)
-                np.testing.assert_array_equal(end.read_mean(shard, step, reply, None), expected[shard.index])
+                np.testing.assert_array_equal(end.read_mean(partition, step, reply, None), expected[partition.index])
     # The remote workers' pushes came down their streams, counted as from another node.
     assert ray.get(server.traffic.remote(), timeout=30) == {s.index: 2 * 3 for s in layout}
     ray.kill(server)
@@ -130,11 +132,11 @@ def test_a_worker_on_another_node_pushes_down_a_stream_and_reads_the_same_mean(r
 
 def test_a_stream_push_of_the_wrong_size_fails_the_step_and_the_stream_goes_on(ray_session):
     server = _server(2)
-    shard = LAYOUT[1]
+    partition = LAYOUT[1]
     end = _remote_worker(server, 0)
-    end.stream.send(0, shard.index, [np.zeros(7, np.float32)])
-    with pytest.raises(ValueError, match=f"expects {shard.wire_nbytes} bytes of partition 1 from worker 0, it sent 28"):
-        end.answer(shard, 0, timeout_s=30)
+    end.stream.send(0, partition.index, [np.zeros(7, np.float32)])
+    with pytest.raises(ValueError, match=f"expects {partition.wire_nbytes} bytes of partition 1 from worker 0, it sent 28"):
+        end.answer(partition, 0, timeout_s=30)
     end.stream.send(0, 5, [np.zeros(3, np.float32)])
     with pytest.raises(ValueError, match=r"does not serve partition 5 \(worker 0 pushed it\); it serves \[0, 1\]"):
         end.stream.wait(0, 5, timeout_s=30)
@@ -149,30 +151,30 @@ def test_a_stream_sees_its_server_die_at_once_and_refuses_a_wrong_token(ray_sess
         wrong = StreamWorkerEnd((host, port, bytes(len(token))), 1, LAYOUT, 30, 30)
         wrong.answer(LAYOUT[0], 0, timeout_s=30)
     end = StreamWorkerEnd(info["stream"], 1, LAYOUT, 30, 30)  # the right one still gets in
-    shard = LAYOUT[0]
-    end.push(server, 0, shard, 0, _segments_of(shard, _data(np.random.default_rng(4))[0]))
+    partition = LAYOUT[0]
+    end.push(server, 0, partition, 0, _segments_of(partition, _data(np.random.default_rng(4))[0]))
     ray.kill(server)  # worker 1 never pushes: the wait ends with the server, not at the timeout
     with pytest.raises(ConnectionError):
-        end.answer(shard, 0, timeout_s=60)
+        end.answer(partition, 0, timeout_s=60)
 
 
 def test_a_push_waits_for_every_worker(ray_session):
     server = _server(2)
-    shard = LAYOUT[0]
+    partition = LAYOUT[0]
     flat = _data(np.random.default_rng(2))[0]
-    first = server.push.remote(0, 0, 0, _stored(shard, flat))
+    first = server.push.remote(0, 0, 0, _stored(partition, flat))
     wait_until(lambda: pushes_waiting(server) == {0: [1]})  # worker 0's push arrived; the partition waits for 1
     assert not ray.wait([first], timeout=0)[0]
-    ray.get(server.push.remote(0, 1, 0, _stored(shard, flat)), timeout=30)
+    ray.get(server.push.remote(0, 1, 0, _stored(partition, flat)), timeout=30)
     [ref], _ = ray.get(first, timeout=30)
-    np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], flat)
+    np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], flat)
     ray.kill(server)
 
 
 def test_a_push_waits_at_most_the_step_timeout_and_names_the_missing_workers(ray_session):
     server = _server(3, timeout_s=1.0)
-    shard = LAYOUT[0]
-    first = server.push.remote(0, 0, 0, _stored(shard, _data(np.random.default_rng(3))[0]))
+    partition = LAYOUT[0]
+    first = server.push.remote(0, 0, 0, _stored(partition, _data(np.random.default_rng(3))[0]))
     with pytest.raises(DSGDTimeoutError, match=r"parameter server 0 waited more than 1s for workers \[1, 2\] "
                                                     r"to push partition 0 of step 0"):
         ray.get(first, timeout=30)
@@ -185,12 +187,12 @@ def test_a_push_waits_at_most_the_step_timeout_and_names_the_missing_workers(ray
 ])
 def test_a_bad_push_fails_the_step_for_every_pusher(ray_session, bad, message):
     server = _server(3)
-    shard = LAYOUT[0]
+    partition = LAYOUT[0]
     good = _data(np.random.default_rng(3))[0]
-    waiting = server.push.remote(0, 0, 0, _stored(shard, good))
+    waiting = server.push.remote(0, 0, 0, _stored(partition, good))
     with pytest.raises(ValueError, match=message):
         ray.get(server.push.remote(0, 1, 0, object_store.put(bad)), timeout=30)
-    for ref in (waiting, server.push.remote(0, 2, 0, _stored(shard, good))):
+    for ref in (waiting, server.push.remote(0, 2, 0, _stored(partition, good))):
         with pytest.raises(ValueError, match=message):
             ray.get(ref, timeout=30)  # an error at once, not a wait for a sum that cannot come
     ray.kill(server)
@@ -198,17 +200,17 @@ def test_a_bad_push_fails_the_step_for_every_pusher(ray_session, bad, message):
 
 def test_push_of_the_wrong_step_partition_or_twice_is_refused(ray_session):
     server = _server(2)
-    shard = LAYOUT[0]
+    partition = LAYOUT[0]
     flat = _data(np.random.default_rng(1))[0]
-    waiting = server.push.remote(0, 0, 0, _stored(shard, flat))
+    waiting = server.push.remote(0, 0, 0, _stored(partition, flat))
     with pytest.raises(ValueError, match="pushed partition 0 of step 0 twice"):
-        ray.get(server.push.remote(0, 0, 0, _stored(shard, flat)), timeout=30)
+        ray.get(server.push.remote(0, 0, 0, _stored(partition, flat)), timeout=30)
     with pytest.raises(ValueError, match="is summing step 0 of partition 0 but worker 1 pushed step 5"):
-        ray.get(server.push.remote(5, 1, 0, _stored(shard, flat)), timeout=30)
+        ray.get(server.push.remote(5, 1, 0, _stored(partition, flat)), timeout=30)
     with pytest.raises(ValueError, match="twice"):
         ray.get(waiting, timeout=30)  # the step failed for its waiting push too
     with pytest.raises(ValueError, match=r"does not serve partition 9 .* it serves \[0, 1\]"):
-        ray.get(server.push.remote(0, 0, 9, _stored(shard, flat)), timeout=30)
+        ray.get(server.push.remote(0, 0, 9, _stored(partition, flat)), timeout=30)
     with pytest.raises(ValueError, match="no shared input buffer"):
         ray.get(server.push.remote(0, 1, 1), timeout=30)  # no data and not attached on this node
     ray.kill(server)
@@ -217,17 +219,17 @@ def test_push_of_the_wrong_step_partition_or_twice_is_refused(ray_session):
 @pytest.mark.parametrize("release", ["abort", "reset"])
 def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     server = _server(2)
-    shard = LAYOUT[1]
+    partition = LAYOUT[1]
     flat = _data(np.random.default_rng(5))[1]
-    waiting = server.push.remote(0, 0, 1, _stored(shard, flat))
+    waiting = server.push.remote(0, 0, 1, _stored(partition, flat))
     wait_until(lambda: pushes_waiting(server) == {1: [1]})  # the push waits
     ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
     with pytest.raises(StepAborted):
         ray.get(waiting, timeout=30)
     ray.get(server.reset.remote(0), timeout=30)
-    pushes = [server.push.remote(0, w, 1, _stored(shard, flat)) for w in range(2)]  # usable again
+    pushes = [server.push.remote(0, w, 1, _stored(partition, flat)) for w in range(2)]  # usable again
     [ref], _ = ray.get(pushes[1], timeout=30)
-    np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], flat)
+    np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], flat)
     ray.kill(server)
 
 
@@ -236,10 +238,10 @@ def test_abort_and_reset_reach_a_local_worker_blocked_on_its_signal(ray_session,
     """A local worker's wait is on its signal channel, not on Ray: the driver's abort or reset still ends it."""
     server = _server(2)
     local = _local_worker(server, 1)
-    shard = LAYOUT[1]
-    local.send(shard, 0, _segments_of(shard, _data(np.random.default_rng(5))[1]))
+    partition = LAYOUT[1]
+    local.send(partition, 0, _segments_of(partition, _data(np.random.default_rng(5))[1]))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        receiving = pool.submit(local.receive, shard, 0)
+        receiving = pool.submit(local.receive, partition, 0)
         wait_until(lambda: pushes_waiting(server) == {1: [0]})  # the push waits for worker 0
         assert not receiving.done()
         ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
@@ -253,8 +255,8 @@ def test_a_local_worker_drops_the_answers_of_a_failed_step(ray_session):
     server = _server(2)
     local = _local_worker(server, 1)
     parts = [_data(np.random.default_rng(7)) for _ in range(2)]
-    for shard in LAYOUT:  # step 0, both partitions: worker 0 never comes
-        local.send(shard, 0, _segments_of(shard, parts[1][shard.index]))
+    for partition in LAYOUT:  # step 0, both partitions: worker 0 never comes
+        local.send(partition, 0, _segments_of(partition, parts[1][partition.index]))
     wait_until(lambda: pushes_waiting(server) == {0: [0]})  # partition 1 is announced behind partition 0
     ray.get(server.abort.remote(), timeout=30)
     with pytest.raises(StepAborted):
@@ -262,11 +264,11 @@ def test_a_local_worker_drops_the_answers_of_a_failed_step(ray_session):
     local.forget_pushes()
     ray.get(server.reset.remote(0), timeout=30)
     expected = _expected(parts)
-    for shard in LAYOUT:  # step 0 again, both workers
-        local.send(shard, 0, _segments_of(shard, parts[1][shard.index]))
-        ray.get(server.push.remote(0, 0, shard.index, _stored(shard, parts[0][shard.index])), timeout=30)
-    for shard in LAYOUT:
-        np.testing.assert_array_equal(local.receive(shard, 0), expected[shard.index])
+    for partition in LAYOUT:  # step 0 again, both workers
+        local.send(partition, 0, _segments_of(partition, parts[1][partition.index]))
+        ray.get(server.push.remote(0, 0, partition.index, _stored(partition, parts[0][partition.index])), timeout=30)
+    for partition in LAYOUT:
+        np.testing.assert_array_equal(local.receive(partition, 0), expected[partition.index])
     ray.kill(server)
 
 
@@ -356,29 +358,29 @@ def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(
     sum once (float32, also when the workers push bf16); the mean is ((w0 + w1) + (w2 + w3)) / 4 in float32
     (rounded once to bf16), the same for every worker, bit for bit."""
     rng = np.random.default_rng(7)
-    layout = plan_shards(SPECS, 50_000, compression)
+    layout = plan_partitions(SPECS, 50_000, compression)
     home, relay = _relayed_pair(layout)
     client = ParameterServerClient(2, layout, [0] * len(layout), step_timeout_s=30, startup_timeout_s=30)
     client.connect([home, relay], routes=[1] * len(layout))
     for step in range(2):
-        parts = [[wire.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
+        parts = [[codec.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
                  for _ in range(4)]  # what each worker pushes, in the wire dtype
-        for shard in layout:
-            j = shard.index
-            pushes = {w: home.push.remote(step, w, j, _stored(shard, parts[w][j])) for w in (0, 1)}
-            pushes[3] = relay.push.remote(step, 3, j, _stored(shard, parts[3][j]))
-            client.send(shard, step, _segments_of(shard, parts[2][j]))  # on its signal channel
+        for partition in layout:
+            j = partition.index
+            pushes = {w: home.push.remote(step, w, j, _stored(partition, parts[w][j])) for w in (0, 1)}
+            pushes[3] = relay.push.remote(step, 3, j, _stored(partition, parts[3][j]))
+            client.send(partition, step, _segments_of(partition, parts[2][j]))  # on its signal channel
             answers = {w: ray.get(push, timeout=30) for w, push in pushes.items()}
-            received = client.receive(shard, step)  # in the relay's mean buffer
+            received = client.receive(partition, step)  # in the relay's mean buffer
             assert {w: averaged for w, (_, averaged) in answers.items()} == {w: (0, 1, 2, 3) for w in (0, 1, 3)}
             assert client.averaged[j] == (0, 1, 2, 3)
-            w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
+            w0, w1, w2, w3 = (codec.to_float32(part[j]) for part in parts)
             mean = ((w0 + w1) + (w2 + w3)) / np.float32(4)
-            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), mean)
+            expected = codec.convert_into(np.empty(partition.size, partition.wire_dtype), mean)
             np.testing.assert_array_equal(received, expected)
             for w in (0, 1, 3):
                 [ref] = answers[w][0]
-                np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
+                np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
             assert answers[3][0] == answers[0][0]  # the relay hands on the server's mean, not a copy
     # Per partition and step: workers 0 and 1 and the relay's one partial sum came through the object store.
     assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
@@ -392,7 +394,7 @@ def test_a_relay_on_another_node_pushes_its_float32_partial_sum_down_a_stream(ra
     sums of workers 2 and 3 go down it in float32 and the means come back in the wire dtype, the same as workers
     0 and 1 read; a second attach (the relaying server was replaced) closes the first stream."""
     rng = np.random.default_rng(12)
-    layout = plan_shards(SPECS, 50_000, compression)
+    layout = plan_partitions(SPECS, 50_000, compression)
     home = ps_actor.start(0, 4, layout, 30.0, node_sums={s.index: [(2, 3)] for s in layout})
     partitions = [s.index for s in layout]
     with pytest.raises(ValueError, match=r"expects no partial sum of partition 0 as worker 3's"):
@@ -408,21 +410,21 @@ def test_a_relay_on_another_node_pushes_its_float32_partial_sum_down_a_stream(ra
     with pytest.raises(ConnectionError):  # the server closed the replaced relay's stream
         first.wait(0, 0, timeout_s=30)
     for step in range(2):
-        parts = [[wire.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
+        parts = [[codec.convert_into(np.empty(s.size, s.wire_dtype), flat) for s, flat in zip(layout, _data(rng))]
                  for _ in range(4)]
-        for shard in layout:
-            j = shard.index
-            pushes = {w: home.push.remote(step, w, j, _stored(shard, parts[w][j])) for w in (0, 1)}
-            w0, w1, w2, w3 = (wire.to_float32(part[j]) for part in parts)
-            stream.send(step, j, _segments_of(shard, w2 + w3))
+        for partition in layout:
+            j = partition.index
+            pushes = {w: home.push.remote(step, w, j, _stored(partition, parts[w][j])) for w in (0, 1)}
+            w0, w1, w2, w3 = (codec.to_float32(part[j]) for part in parts)
+            stream.send(step, j, _segments_of(partition, w2 + w3))
             assert stream.wait(step, j, timeout_s=30) == (0, 1, 2, 3)
             mean = ((w0 + w1) + (w2 + w3)) / np.float32(4)
-            expected = wire.convert_into(np.empty(shard.size, shard.wire_dtype), mean)
+            expected = codec.convert_into(np.empty(partition.size, partition.wire_dtype), mean)
             np.testing.assert_array_equal(means[j], expected)
             for w, push in pushes.items():
                 [ref], averaged = ray.get(push, timeout=30)
                 assert averaged == (0, 1, 2, 3)
-                np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
+                np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
     # Per partition and step: workers 0 and 1 through the object store and the partial sum down the stream.
     assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
     ray.kill(home)
@@ -446,16 +448,16 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
         relay.reset(0)
         assert relay.relay_transports() == {0: "stream"} and not relay.relay_streams[0].broken
         assert first._socket.fileno() == -1  # the old one closed
-        shard = LAYOUT[0]
+        partition = LAYOUT[0]
         parts = [_data(rng)[0] for _ in range(4)]
-        pushes = {w: home.push.remote(0, w, 0, _stored(shard, parts[w])) for w in (0, 1)}
+        pushes = {w: home.push.remote(0, w, 0, _stored(partition, parts[w])) for w in (0, 1)}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the node's workers, into the relay
-            relayed = [pool.submit(relay.push, 0, w, 0, ray.get(_stored(shard, parts[w]))) for w in (2, 3)]
+            relayed = [pool.submit(relay.push, 0, w, 0, ray.get(_stored(partition, parts[w]))) for w in (2, 3)]
             assert [f.result(timeout=30)[1] for f in relayed] == [(0, 1, 2, 3)] * 2
         [ref], averaged = ray.get(pushes[0], timeout=30)
         assert averaged == (0, 1, 2, 3)
         expected = ((parts[0] + parts[1]) + (parts[2] + parts[3])) / np.float32(4)
-        np.testing.assert_array_equal(object_store.join(ray.get(ref), [shard.size])[0], expected)
+        np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
     finally:
         for stream in relay.relay_streams.values():
             stream.close()
@@ -464,19 +466,19 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
 
 def test_a_worker_of_a_relayed_node_pushing_to_the_server_is_refused(ray_session):
     home, relay = _relayed_pair()
-    shard = LAYOUT[0]
+    partition = LAYOUT[0]
     with pytest.raises(ValueError, match=r"expects partition 0 from \[0, 1, 2\] .* not from worker 3"):
-        ray.get(home.push.remote(0, 3, 0, _stored(shard, _data(np.random.default_rng(8))[0])), timeout=30)
+        ray.get(home.push.remote(0, 3, 0, _stored(partition, _data(np.random.default_rng(8))[0])), timeout=30)
     for actor in (home, relay):
         ray.kill(actor)
 
 
 def test_a_relay_whose_server_is_aborted_fails_its_workers_pushes(ray_session):
     home, relay = _relayed_pair()
-    shard = LAYOUT[0]
+    partition = LAYOUT[0]
     flat = _data(np.random.default_rng(9))[0]
     ray.get(home.abort.remote(), timeout=30)
-    pushes = [relay.push.remote(0, w, 0, _stored(shard, flat)) for w in (2, 3)]
+    pushes = [relay.push.remote(0, w, 0, _stored(partition, flat)) for w in (2, 3)]
     for push in pushes:
         with pytest.raises(StepAborted):
             ray.get(push, timeout=30)

@@ -11,7 +11,8 @@ import ray
 import tensorflow as tf
 
 import dsgd
-from dsgd import shards, step_runner, worker_graph
+from dsgd.wire import partitions
+from dsgd.worker.tf1 import step_runner, worker_graph
 from dsgd.config import WorkerConfig
 from dsgd_test_models import (REPLICAS_2x1, BatchNormNet, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue,
                               KillOnCue, NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
@@ -300,10 +301,10 @@ def _upstream(op: tf.Operation) -> set[tf.Operation]:
 def test_the_partition_check_names_the_variable_and_ignores_the_gaps_between_pieces(wire, bad):
     """"ps" through the ops checks each received partition once; a non-finite element in a piece names its
     variable (a gradient, or a value for the exchange's non-trainable tail), one between pieces does not count."""
-    specs = [shards.VarSpec("a", (5,), np.dtype(np.float32)), shards.VarSpec("b", (70_000,), np.dtype(np.float32)),
-             shards.VarSpec("c", (3,), np.dtype(np.float32))]
-    layout = shards.plan_shards(specs, 1 << 30)
-    assert [(p.shard_offset, p.size) for p in layout[0].pieces] == [(0, 5), (16, 70_000), (70_016, 3)]
+    specs = [partitions.VarSpec("a", (5,), np.dtype(np.float32)), partitions.VarSpec("b", (70_000,), np.dtype(np.float32)),
+             partitions.VarSpec("c", (3,), np.dtype(np.float32))]
+    layout = partitions.plan_partitions(specs, 1 << 30)
+    assert [(p.partition_offset, p.size) for p in layout[0].pieces] == [(0, 5), (16, 70_000), (70_016, 3)]
     config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto", cpus_per_worker=1,
                           step_timeout_s=10, startup_timeout_s=10)
     values = np.ones(layout[0].size, np.float32)

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from dsgd.server_group import ServerGroup, assign_partitions, home_for, plan_relays, plan_servers
-from dsgd.shards import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_shards
+from dsgd.cluster.server_group import ServerGroup, assign_partitions, home_for, plan_relays, plan_servers
+from dsgd.wire.partitions import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_partitions
 
 
 def test_default_is_one_server_per_worker_node_plus_one_per_two_spare_cpus():
@@ -33,7 +33,7 @@ def test_a_new_server_stays_beside_its_workers_or_leaves_a_lost_node_for_the_lea
 
 def test_partitions_are_balanced_over_servers_by_bytes_in_backprop_order():
     specs = [VarSpec(f"v{i}", (n,), np.dtype(np.float32)) for i, n in enumerate([100, 100, 100, 100, 300, 100])]
-    layout = plan_shards(specs, 400)  # 3200 bytes -> 8 partitions of about 100 floats
+    layout = plan_partitions(specs, 400)  # 3200 bytes -> 8 partitions of about 100 floats
     placement = assign_partitions(layout, 3)
     assert placement[:3] == [0, 1, 2]  # neighbours go to different servers
     loads = [sum(s.nbytes for s, j in zip(layout, placement) if j == k) for k in range(3)]
@@ -53,14 +53,14 @@ def test_default_partition_size_gives_each_server_a_few_partitions_of_at_least_1
 
 def test_default_splits_a_variable_only_across_servers():
     huge = floats(22_250_000, 22_250_000)  # two 89 MB variables
-    assert len(plan_shards(huge, default_partition_bytes(huge, 1))) == 2  # each whole
-    layout = plan_shards(huge, default_partition_bytes(huge, 2))
+    assert len(plan_partitions(huge, default_partition_bytes(huge, 1))) == 2  # each whole
+    layout = plan_partitions(huge, default_partition_bytes(huge, 2))
     assert len(layout) == 4  # each in two pieces, one per server
     assert assign_partitions(layout, 2) == [0, 1, 0, 1]
 
 
 def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhere():
-    layout = plan_shards([VarSpec("v", (4000,), np.dtype(np.float32))], 4000)  # 4 partitions of 4 KB
+    layout = plan_partitions([VarSpec("v", (4000,), np.dtype(np.float32))], 4000)  # 4 partitions of 4 KB
     placement = assign_partitions(layout, 3)  # servers 0, 1, 2, 0
     assert placement == [0, 1, 2, 0]
     servers = ["a", "b", "b"]
@@ -79,7 +79,7 @@ def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhe
     assert plan_relays(layout, placement, servers, ["a", "b"]) == {}
     assert ServerGroup(layout, servers, 4, 30.0, backup_workers=1, worker_nodes=["a", "a", "b", "b"]).relays == {}
     # Compressed: workers push 16 bits, a relay's partial sum crosses in float32.
-    bf16 = plan_shards([VarSpec("v", (4000,), np.dtype(np.float32))], 4000, "bf16")
+    bf16 = plan_partitions([VarSpec("v", (4000,), np.dtype(np.float32))], 4000, "bf16")
     group = ServerGroup(bf16, servers, 5, 30.0, worker_nodes=["a", "a", "b", "b", "c"])
     assert group.relays == plan_relays(bf16, group.placement, servers, ["a", "a", "b", "b", "c"]) != {}
     sent = group.node_sent_bytes(["a", "a", "b", "b", "c"])

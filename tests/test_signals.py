@@ -1,4 +1,4 @@
-"""The signal channel of a same-node worker-server pair (dsgd.signals), in one process: no Ray."""
+"""The signal channel of a same-node worker-server pair (dsgd.transport.signals), in one process: no Ray."""
 
 import concurrent.futures
 import os
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from dsgd import signals
+from dsgd.transport import signals
 
 
 def _threads(name: str) -> list[threading.Thread]:

@@ -1,4 +1,4 @@
-"""A worker's stream to a parameter server on another node (dsgd.streams), both ends in this process."""
+"""A worker's stream to a parameter server on another node (dsgd.transport.streams), both ends in this process."""
 
 import itertools
 import socket
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from dsgd import streams
+from dsgd.transport import streams
 
 SIZE = 10  # float32 elements of the one partition (0) in these tests
 _names = itertools.count()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dsgd.tensorboard import ScalarLogger
+from dsgd.integrations.tensorboard import ScalarLogger
 
 
 def read_scalars(logdir) -> dict[str, list[tuple[int, float, str]]]:

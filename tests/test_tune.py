@@ -15,7 +15,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 
 import dsgd
 import dsgd.tune as dsgd_tune
-from dsgd import checkpoint
+from dsgd.driver import checkpoint
 from dsgd_test_models import batch
 
 W_TRUE = np.array([1.0, -2.0, 0.5, 3.0, -1.0], np.float32)

@@ -1,17 +1,17 @@
 """Loader and graph helpers for the dsgd C++ op library.
 
-Write side: ``build_send`` hands a shard to a Python callback from inside the
-graph, so each shard leaves as soon as its gradients exist. The shard travels
-as segments (``dsgd.shards.segments``): large pieces as zero-copy views of the
+Write side: ``build_send`` hands a partition to a Python callback from inside the
+graph, so each partition leaves as soon as its gradients exist. The partition travels
+as segments (``dsgd.wire.partitions.segments``): large pieces as zero-copy views of the
 gradient tensors, runs of small pieces packed by ``pack`` (one C++ pass); the
-callback (``dsgd.ps_exchanges``, through ``dsgd.transport``) copies them
-once, into a shared buffer or the object store. A compressed shard
-(``dsgd.wire``) has no views: ``pack`` converts float32 to its 16-bit wire
+callback (``dsgd.exchange.ps``, through ``dsgd.transport.ends``) copies them
+once, into a shared buffer or the object store. A compressed partition
+(``dsgd.wire.codec``) has no views: ``pack`` converts float32 to its 16-bit wire
 form while it copies, and ``unpack`` converts the 16-bit mean back.
 
-Read side: ``receive_shard`` turns the numpy array a fetch function returns
+Read side: ``receive_partition`` turns the numpy array a fetch function returns
 (a view of a shared-memory mean buffer, or the zero-copy view ``ray.get``
-gives of an object) into a tensor aliasing the same memory; ``unpack`` splits shards into per-variable gradients that alias them.
+gives of an object) into a tensor aliasing the same memory; ``unpack`` splits partitions into per-variable gradients that alias them.
 The array is kept in a registry until the last tensor using its memory dies;
 the C++ side then queues its handle and ``drain_released`` drops the array.
 
@@ -31,11 +31,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dsgd import arrays
-from dsgd.shards import VIEW_BYTES, Segment, Shard, VarSpec, piece_view, segments
+from dsgd.wire import arrays
+from dsgd.wire.partitions import VIEW_BYTES, Segment, Partition, VarSpec, piece_view, segments
 
 __all__ = [
-    "is_available", "load", "pack", "build_send", "receive_shard", "unpack",
+    "is_available", "load", "pack", "build_send", "receive_partition", "unpack",
     "drain_released", "discard_unclaimed", "live_buffers", "data_address",
 ]
 
@@ -80,8 +80,8 @@ def _tf_dtype(dtype: np.dtype) -> tf.DType:
     return tf.as_dtype(np.dtype(dtype))
 
 
-def _tf_wire_dtype(part: Shard | Segment) -> tf.DType:
-    """The TensorFlow dtype of a shard's wire form: bf16, which numpy holds as uint16, is tf.bfloat16."""
+def _tf_wire_dtype(part: Partition | Segment) -> tf.DType:
+    """The TensorFlow dtype of a partition's wire form: bf16, which numpy holds as uint16, is tf.bfloat16."""
     if part.wire_dtype == part.dtype:
         return _tf_dtype(part.dtype)
     return tf.bfloat16 if part.wire_dtype == np.dtype(np.uint16) else _tf_dtype(part.wire_dtype)
@@ -92,19 +92,19 @@ def _piece_attrs(items) -> dict[str, list[int]]:
     return {
         "piece_input": [i for i, _ in items],
         "piece_var_offset": [p.var_offset for _, p in items],
-        "piece_shard_offset": [p.shard_offset for _, p in items],
+        "piece_partition_offset": [p.partition_offset for _, p in items],
         "piece_size": [p.size for _, p in items],
     }
 
 
-def _check_dtype(grad: tf.Tensor, var_index: int, part: Shard | Segment) -> None:
+def _check_dtype(grad: tf.Tensor, var_index: int, part: Partition | Segment) -> None:
     if grad.dtype != _tf_dtype(part.dtype):
-        raise TypeError(f"grads[{var_index}] has dtype {grad.dtype.name}, but its shard holds "
+        raise TypeError(f"grads[{var_index}] has dtype {grad.dtype.name}, but its partition holds "
                         f"{np.dtype(part.dtype).name}")
 
 
-def pack(grads: Sequence[tf.Tensor], part: Shard | Segment) -> tf.Tensor:
-    """Flat 1-D tensor of ``part.size`` holding the pieces of ``grads`` of a shard or segment.
+def pack(grads: Sequence[tf.Tensor], part: Partition | Segment) -> tf.Tensor:
+    """Flat 1-D tensor of ``part.size`` holding the pieces of ``grads`` of a partition or segment.
 
     ``grads`` are indexed by ``Piece.var_index`` (all variables' gradients, in
     the order of the specs the layout was planned from); only the ones this
@@ -117,27 +117,27 @@ def pack(grads: Sequence[tf.Tensor], part: Shard | Segment) -> tf.Tensor:
     inputs = [tf.convert_to_tensor(grads[v]) for v in used]
     for v, t in zip(used, inputs):
         _check_dtype(t, v, part)
-    return load().dsgd_pack(inputs, W=_tf_wire_dtype(part), shard_size=part.size,
+    return load().dsgd_pack(inputs, W=_tf_wire_dtype(part), partition_size=part.size,
                             **_piece_attrs([(position[p.var_index], p) for p in part.pieces]))
 
 
-def build_send(grads: Sequence[tf.Tensor], shard: Shard,
-               on_ready: Callable[[Shard, Any], None],
+def build_send(grads: Sequence[tf.Tensor], partition: Partition,
+               on_ready: Callable[[Partition, Any], None],
                inputs: Sequence[tf.Tensor] = (), view_bytes: int = VIEW_BYTES) -> tf.Tensor:
-    """Hand ``shard``'s gradients to ``on_ready`` from inside the graph.
+    """Hand ``partition``'s gradients to ``on_ready`` from inside the graph.
 
-    When the graph runs, as soon as the shard's gradients exist,
-    ``on_ready(shard, arrays, *input_values)`` is called with one flat array
+    When the graph runs, as soon as the partition's gradients exist,
+    ``on_ready(partition, arrays, *input_values)`` is called with one flat array
     per segment in the wire dtype (zero-copy views of large pieces, packed runs
     of small ones, converted if compressed; valid only during the call),
-    which typically copies them to the shard's
+    which typically copies them to the partition's
     parameter server. ``inputs`` are extra tensors whose numpy values are
     passed along (e.g. a step number); control dependencies on the returned
     token order sends.
-    ``view_bytes``: see ``dsgd.shards.segments``.
-    Returns an int64 scalar token (the shard index) to fetch or depend on.
+    ``view_bytes``: see ``dsgd.wire.partitions.segments``.
+    Returns an int64 scalar token (the partition index) to fetch or depend on.
     """
-    parts = segments(shard, view_bytes)
+    parts = segments(partition, view_bytes)
     tensors = []
     for seg in parts:
         if seg.view:
@@ -149,11 +149,11 @@ def build_send(grads: Sequence[tf.Tensor], shard: Shard,
 
     def send(*values: np.ndarray) -> np.int64:
         arrays = [piece_view(a, seg.pieces[0]) if seg.view else a.view(seg.wire_dtype) for a, seg in zip(values, parts)]
-        on_ready(shard, arrays, *values[len(parts):])
-        return np.int64(shard.index)
+        on_ready(partition, arrays, *values[len(parts):])
+        return np.int64(partition.index)
 
     token = tf.numpy_function(send, [*tensors, *inputs], tf.int64, stateful=True,
-                              name=f"dsgd_send_{shard.index}")
+                              name=f"dsgd_send_{partition.index}")
     token.set_shape([])
     return token
 
@@ -167,50 +167,50 @@ def _register(array: np.ndarray) -> int:
     return handle
 
 
-def receive_shard(fetch: Callable[..., np.ndarray], shard: Shard,
+def receive_partition(fetch: Callable[..., np.ndarray], partition: Partition,
                   inputs: Sequence[tf.Tensor] = ()) -> tf.Tensor:
-    """1-D tensor of ``shard`` that aliases the array ``fetch`` returns.
+    """1-D tensor of ``partition`` that aliases the array ``fetch`` returns.
 
     ``fetch(*input_values)`` runs inside the graph (it may block, e.g. on
-    ``ray.get``) and must return a C-contiguous array of ``shard.size``
-    elements of ``shard.wire_dtype``; the tensor is in the matching
+    ``ray.get``) and must return a C-contiguous array of ``partition.size``
+    elements of ``partition.wire_dtype``; the tensor is in the matching
     TensorFlow dtype. The array is kept alive until TensorFlow
     drops every tensor using its memory (see ``drain_released``).
     """
     load()
-    dtype = shard.wire_dtype
+    dtype = partition.wire_dtype
 
     def fetch_and_register(*values: np.ndarray) -> np.int64:
         array = fetch(*values)
-        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.size != shard.size:
+        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.size != partition.size:
             raise ValueError(
-                f"fetch for shard {shard.index} must return a numpy array of {shard.size} "
+                f"fetch for partition {partition.index} must return a numpy array of {partition.size} "
                 f"{dtype.name} elements, got {type(array).__name__} "
                 f"{getattr(array, 'dtype', '')} of size {getattr(array, 'size', '?')}")
         return np.int64(_register(array))
 
     handle = tf.numpy_function(fetch_and_register, list(inputs), tf.int64, stateful=True,
-                               name=f"dsgd_fetch_{shard.index}")
+                               name=f"dsgd_fetch_{partition.index}")
     handle.set_shape([])
-    return _ops.dsgd_alias_tensor(handle, T=_tf_wire_dtype(shard), size=shard.size)
+    return _ops.dsgd_alias_tensor(handle, T=_tf_wire_dtype(partition), size=partition.size)
 
 
-def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
+def unpack(partition_tensors: Sequence[tf.Tensor], layout: Sequence[Partition],
            specs: Sequence[VarSpec]) -> list[tf.Tensor]:
-    """Per-variable gradients (shapes of ``specs``) from the layout's shards.
+    """Per-variable gradients (shapes of ``specs``) from the layout's partitions.
 
-    ``shard_tensors[i]`` holds ``layout[i]``, in its wire form. A variable
-    held in one piece aliases its shard; one split over several shards, or
-    in a compressed shard (converted to float32 here), is copied together
-    (one op per group of variables spanning the same shards, so a group only
-    waits for its own shards). Zero-size variables get zero-size constants.
+    ``partition_tensors[i]`` holds ``layout[i]``, in its wire form. A variable
+    held in one piece aliases its partition; one split over several partitions, or
+    in a compressed partition (converted to float32 here), is copied together
+    (one op per group of variables spanning the same partitions, so a group only
+    waits for its own partitions). Zero-size variables get zero-size constants.
     """
     load()
     pieces = defaultdict(list)  # var_index -> [(layout position, piece)]
-    for position, shard in enumerate(layout):
-        for p in shard.pieces:
+    for position, partition in enumerate(layout):
+        for p in partition.pieces:
             pieces[p.var_index].append((position, p))
-    groups = defaultdict(list)  # shard positions -> var indices
+    groups = defaultdict(list)  # partition positions -> var indices
     for v, owned in pieces.items():
         groups[tuple(sorted({pos for pos, _ in owned}))].append(v)
     grads: list[tf.Tensor | None] = [None] * len(specs)
@@ -219,7 +219,7 @@ def unpack(shard_tensors: Sequence[tf.Tensor], layout: Sequence[Shard],
         output_of = {v: k for k, v in enumerate(var_indices)}
         flat = [(pos, p) for v in var_indices for pos, p in pieces[v]]
         outputs = _ops.dsgd_unpack(
-            [shard_tensors[pos] for pos in positions],
+            [partition_tensors[pos] for pos in positions],
             T=_tf_dtype(specs[var_indices[0]].dtype),
             num_outputs=len(var_indices),
             shapes=[specs[v].shape for v in var_indices],

@@ -1,7 +1,7 @@
 """Compile the dsgd op library against the installed TensorFlow, and the wire kernels.
 
 ``python -m dsgd.ops.build`` builds both (the Makefile install step runs
-this); ``dsgd.native`` does the compiling and caching. The op library's
+this); ``dsgd.wire.native`` does the compiling and caching. The op library's
 cache key also covers the TensorFlow version and its compiler flags, so a
 changed TensorFlow triggers a rebuild.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dsgd import native
-from dsgd.native import BuildError
+from dsgd.wire import native
+from dsgd.wire.native import BuildError
 
 __all__ = ["BuildError", "build", "library_path", "main"]
 

@@ -1,10 +1,10 @@
-// TensorFlow ops that move gradient shards between tensors and memory that
+// TensorFlow ops that move gradient partitions between tensors and memory that
 // Python hands them (a shared-memory buffer or a Ray object-store object):
-//   DsgdPack          gradient pieces -> one flat shard tensor (one pass; float32
+//   DsgdPack          gradient pieces -> one flat partition tensor (one pass; float32
 //                     -> bfloat16 / half while copying, for wire compression)
 //   DsgdAliasTensor   registered buffer -> tensor aliasing it
-//   DsgdUnpack        flat shard tensors -> per-variable gradients (aliasing
-//                     the shard whenever a variable lies in one aligned piece
+//   DsgdUnpack        flat partition tensors -> per-variable gradients (aliasing
+//                     the partition whenever a variable lies in one aligned piece
 //                     of the same dtype; bfloat16 / half -> float32 while copying)
 //   DsgdDataAddress   a tensor's data address (for tests and debugging)
 #include <cstdint>
@@ -24,12 +24,12 @@ namespace {
 
 constexpr char kTypes[] =
     "T: {half, bfloat16, float, double, int8, uint8, int16, int32, int64}";
-// The dtype a shard travels in: T itself, or a 16-bit form of a float32 T.
+// The dtype a partition travels in: T itself, or a 16-bit form of a float32 T.
 constexpr char kWireTypes[] =
     "W: {half, bfloat16, float, double, int8, uint8, int16, int32, int64}";
 constexpr uintptr_t kAlignBytes = 64;
 
-// Whether a shard of `from` elements can be copied into `to` elements:
+// Whether a partition of `from` elements can be copied into `to` elements:
 // the same dtype, or float32 and one of its 16-bit wire forms either way.
 bool Convertible(DataType from, DataType to) {
   if (from == to) return true;
@@ -69,7 +69,7 @@ absl::Status CheckConvertible(DataType from, DataType to) {
   if (Convertible(from, to)) return absl::OkStatus();
   return errors::InvalidArgument("cannot convert ", DataTypeString(from), " to ",
                                  DataTypeString(to),
-                                 ": a shard travels as its gradients' dtype, or "
+                                 ": a partition travels as its gradients' dtype, or "
                                  "float32 as bfloat16 or half");
 }
 
@@ -126,33 +126,33 @@ class AliasBuffer : public TensorBuffer {
   const size_t nbytes_;
 };
 
-// One contiguous run of elements copied between a variable and a shard.
+// One contiguous run of elements copied between a variable and a partition.
 struct Piece {
   int64_t output;  // unpack: output index; pack: unused
   int64_t input;
   int64_t var_offset;
-  int64_t shard_offset;
+  int64_t partition_offset;
   int64_t size;
 };
 
 absl::Status ReadPieces(OpKernelConstruction* ctx, bool with_output,
                         std::vector<Piece>* pieces) {
-  std::vector<int64_t> out, in, var_off, shard_off, size;
+  std::vector<int64_t> out, in, var_off, partition_off, size;
   if (with_output) TF_RETURN_IF_ERROR(ctx->GetAttr("piece_output", &out));
   TF_RETURN_IF_ERROR(ctx->GetAttr("piece_input", &in));
   TF_RETURN_IF_ERROR(ctx->GetAttr("piece_var_offset", &var_off));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("piece_shard_offset", &shard_off));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("piece_partition_offset", &partition_off));
   TF_RETURN_IF_ERROR(ctx->GetAttr("piece_size", &size));
   size_t n = in.size();
-  if (var_off.size() != n || shard_off.size() != n || size.size() != n ||
+  if (var_off.size() != n || partition_off.size() != n || size.size() != n ||
       (with_output && out.size() != n)) {
     return errors::InvalidArgument("piece_* attrs must have equal lengths");
   }
   for (size_t i = 0; i < n; ++i) {
-    if (var_off[i] < 0 || shard_off[i] < 0 || size[i] < 0) {
+    if (var_off[i] < 0 || partition_off[i] < 0 || size[i] < 0) {
       return errors::InvalidArgument("piece ", i, " has a negative offset or size");
     }
-    pieces->push_back({with_output ? out[i] : 0, in[i], var_off[i], shard_off[i], size[i]});
+    pieces->push_back({with_output ? out[i] : 0, in[i], var_off[i], partition_off[i], size[i]});
   }
   return absl::OkStatus();
 }
@@ -169,26 +169,26 @@ absl::Status CheckRange(const char* what, int64_t index, int64_t offset,
 
 REGISTER_OP("DsgdPack")
     .Input("grads: N * T")
-    .Output("shard: W")
+    .Output("partition: W")
     .Attr(kTypes)
     .Attr(kWireTypes)
     .Attr("N: int >= 1")
-    .Attr("shard_size: int >= 0")
+    .Attr("partition_size: int >= 0")
     .Attr("piece_input: list(int)")
     .Attr("piece_var_offset: list(int)")
-    .Attr("piece_shard_offset: list(int)")
+    .Attr("piece_partition_offset: list(int)")
     .Attr("piece_size: list(int)")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       int64_t size;
-      TF_RETURN_IF_ERROR(c->GetAttr("shard_size", &size));
+      TF_RETURN_IF_ERROR(c->GetAttr("partition_size", &size));
       c->set_output(0, c->Vector(size));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Copies pieces of the flattened `grads` into one flat shard in a single pass.
+Copies pieces of the flattened `grads` into one flat partition in a single pass.
 Piece i copies `piece_size[i]` elements of `grads[piece_input[i]]` starting at
-`piece_var_offset[i]` to `shard[piece_shard_offset[i]:]`. Pieces must be in
-increasing, non-overlapping shard order; the gaps between them are zeroed.
+`piece_var_offset[i]` to `partition[piece_partition_offset[i]:]`. Pieces must be in
+increasing, non-overlapping partition order; the gaps between them are zeroed.
 `W` is `T`, or bfloat16 or half for a float32 `T`: then each element is
 rounded (to nearest, ties to even) while it is copied.
 )doc");
@@ -198,7 +198,7 @@ class PackOp : public OpKernel {
   explicit PackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     int num_inputs;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_inputs));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_size", &shard_size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("partition_size", &partition_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &grad_dtype_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("W", &wire_dtype_));
     OP_REQUIRES_OK(ctx, CheckConvertible(grad_dtype_, wire_dtype_));
@@ -209,11 +209,11 @@ class PackOp : public OpKernel {
       OP_REQUIRES(ctx, p.input >= 0 && p.input < num_inputs,
                   errors::InvalidArgument("piece ", i, " names input ", p.input,
                                           " but there are ", num_inputs));
-      OP_REQUIRES(ctx, p.shard_offset >= end,
+      OP_REQUIRES(ctx, p.partition_offset >= end,
                   errors::InvalidArgument("pieces must be sorted and disjoint"));
-      end = p.shard_offset + p.size;
+      end = p.partition_offset + p.size;
     }
-    OP_REQUIRES_OK(ctx, CheckRange("shard", 0, 0, end, shard_size_));
+    OP_REQUIRES_OK(ctx, CheckRange("partition", 0, 0, end, partition_size_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -223,24 +223,24 @@ class PackOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CheckRange("grads", p.input, p.var_offset, p.size,
                                      grads[p.input].NumElements()));
     }
-    Tensor* shard = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shard_size_}), &shard));
+    Tensor* partition = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({partition_size_}), &partition));
     const size_t item = DataTypeSize(wire_dtype_);
     const size_t grad_item = DataTypeSize(grad_dtype_);
-    char* out = MutableData(shard);
+    char* out = MutableData(partition);
     int64_t filled = 0;
     for (const Piece& p : pieces_) {
-      std::memset(out + filled * item, 0, (p.shard_offset - filled) * item);
+      std::memset(out + filled * item, 0, (p.partition_offset - filled) * item);
       const char* in = Data(grads[p.input]);
       CopyElements(grad_dtype_, wire_dtype_, in + p.var_offset * grad_item,
-                   out + p.shard_offset * item, p.size);
-      filled = p.shard_offset + p.size;
+                   out + p.partition_offset * item, p.size);
+      filled = p.partition_offset + p.size;
     }
-    std::memset(out + filled * item, 0, (shard_size_ - filled) * item);
+    std::memset(out + filled * item, 0, (partition_size_ - filled) * item);
   }
 
  private:
-  int64_t shard_size_;
+  int64_t partition_size_;
   DataType grad_dtype_;
   DataType wire_dtype_;
   std::vector<Piece> pieces_;
@@ -248,7 +248,7 @@ class PackOp : public OpKernel {
 
 REGISTER_OP("DsgdAliasTensor")
     .Input("handle: int64")
-    .Output("shard: T")
+    .Output("partition: T")
     .Attr(kTypes)
     .Attr("size: int >= 0")
     .SetIsStateful()
@@ -308,7 +308,7 @@ class AliasTensorOp : public OpKernel {
 };
 
 REGISTER_OP("DsgdUnpack")
-    .Input("shards: N * W")
+    .Input("partitions: N * W")
     .Output("grads: num_outputs * T")
     .Attr(kTypes)
     .Attr(kWireTypes)
@@ -318,7 +318,7 @@ REGISTER_OP("DsgdUnpack")
     .Attr("piece_output: list(int)")
     .Attr("piece_input: list(int)")
     .Attr("piece_var_offset: list(int)")
-    .Attr("piece_shard_offset: list(int)")
+    .Attr("piece_partition_offset: list(int)")
     .Attr("piece_size: list(int)")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       std::vector<PartialTensorShape> shapes;
@@ -331,10 +331,10 @@ REGISTER_OP("DsgdUnpack")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Rebuilds gradients of the given `shapes` from flat shards (inverse of
-DsgdPack). An output held by one 64-byte-aligned piece of a shard of its
-own dtype aliases its shard; any other output is copied together, and
-bfloat16 or half shards (`W`) are widened to a float32 `T` on the way.
+Rebuilds gradients of the given `shapes` from flat partitions (inverse of
+DsgdPack). An output held by one 64-byte-aligned piece of a partition of its
+own dtype aliases its partition; any other output is copied together, and
+bfloat16 or half partitions (`W`) are widened to a float32 `T` on the way.
 )doc");
 
 class UnpackOp : public OpKernel {
@@ -381,27 +381,27 @@ class UnpackOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList shards;
-    OP_REQUIRES_OK(ctx, ctx->input_list("shards", &shards));
+    OpInputList partitions;
+    OP_REQUIRES_OK(ctx, ctx->input_list("partitions", &partitions));
     for (int k = 0; k < static_cast<int>(pieces_.size()); ++k) {
       for (const Piece& p : pieces_[k]) {
-        OP_REQUIRES_OK(ctx, CheckRange("shard", p.input, p.shard_offset, p.size,
-                                       shards[p.input].NumElements()));
+        OP_REQUIRES_OK(ctx, CheckRange("partition", p.input, p.partition_offset, p.size,
+                                       partitions[p.input].NumElements()));
       }
-      OP_REQUIRES_OK(ctx, Output(ctx, shards, k));
+      OP_REQUIRES_OK(ctx, Output(ctx, partitions, k));
     }
   }
 
  private:
-  absl::Status Output(OpKernelContext* ctx, const OpInputList& shards, int k) {
+  absl::Status Output(OpKernelContext* ctx, const OpInputList& partitions, int k) {
     const std::vector<Piece>& pieces = pieces_[k];
     const size_t item = DataTypeSize(wire_dtype_);
     const size_t grad_item = DataTypeSize(grad_dtype_);
     if (pieces.size() == 1 && wire_dtype_ == grad_dtype_) {
-      const Tensor& shard = shards[pieces[0].input];
-      char* data = const_cast<char*>(Data(shard)) + pieces[0].shard_offset * item;
+      const Tensor& partition = partitions[pieces[0].input];
+      char* data = const_cast<char*>(Data(partition)) + pieces[0].partition_offset * item;
       if (IsAligned(data)) {
-        core::RefCountPtr<TensorBuffer> alias(new AliasBuffer(shard, data, pieces[0].size * item));
+        core::RefCountPtr<TensorBuffer> alias(new AliasBuffer(partition, data, pieces[0].size * item));
         ctx->set_output(k, Tensor(grad_dtype_, shapes_[k], std::move(alias)));
         return absl::OkStatus();
       }
@@ -410,8 +410,8 @@ class UnpackOp : public OpKernel {
     TF_RETURN_IF_ERROR(ctx->allocate_output(k, shapes_[k], &out));
     char* dst = MutableData(out);
     for (const Piece& p : pieces) {
-      const char* src = Data(shards[p.input]);
-      CopyElements(wire_dtype_, grad_dtype_, src + p.shard_offset * item,
+      const char* src = Data(partitions[p.input]);
+      CopyElements(wire_dtype_, grad_dtype_, src + p.partition_offset * item,
                    dst + p.var_offset * grad_item, p.size);
     }
     return absl::OkStatus();

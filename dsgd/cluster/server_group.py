@@ -1,0 +1,274 @@
+"""The driver's parameter servers: how many, where, which partitions each sums.
+
+Partitions and server processes are separate choices. A partition (about
+``grad_shard_bytes``) is what travels and is pipelined with back-propagation;
+a server process sums many partitions. By default the driver starts a few
+servers on the nodes that hold workers, from each node's CPUs and the
+workers placed there (``plan_servers``), and picks the partition size from
+the model and the server count (``dsgd.wire.partitions.default_partition_bytes``);
+partitions are spread over the servers by bytes (``assign_partitions``).
+Workers reach a server on their own node through shared memory, others
+down a stream (``dsgd.exchange.ps_client``). Node-local aggregation
+(``plan_relays``): on a node with several workers, a server there sums their
+copies of each partition summed elsewhere and pushes one partial sum per
+partition and step across (``dsgd.ps_actor.Relay``), down a stream of its own
+to the partition's server (``link``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import ray
+
+from dsgd import ps_actor
+from dsgd.wire import partitions
+from dsgd.config import Options
+from dsgd.cluster.placement import actor_placement, live_node_resources, reserved_cpus
+from dsgd.wire.partitions import Partition, VarSpec
+
+logger = logging.getLogger(__name__)
+
+CPUS_PER_SERVER = 2  # spare CPUs on a node that justify one more server there
+
+
+def plan_servers(worker_nodes: Sequence[str], node_cpus: dict[str, float], cpus_per_worker: int,
+                 requested: int | None) -> list[str]:
+    """The node of every server to start.
+
+    ``requested`` servers are spread round robin over the nodes holding
+    workers (most workers first). ``None`` picks per such node: one server
+    for every ``CPUS_PER_SERVER`` CPUs the node's workers leave free, at
+    least one and at most one per worker there.
+    """
+    counts: dict[str, int] = {}
+    for node in worker_nodes:
+        counts[node] = counts.get(node, 0) + 1
+    nodes = sorted(counts, key=lambda n: (-counts[n], n))
+    if requested is not None:
+        return [nodes[j % len(nodes)] for j in range(requested)]
+    plan = []
+    for node in nodes:
+        spare = node_cpus.get(node, 0) - counts[node] * cpus_per_worker
+        plan += [node] * max(1, min(counts[node], int(spare // CPUS_PER_SERVER)))
+    return plan
+
+
+def assign_partitions(layout: Sequence[Partition], num_servers: int) -> list[int]:
+    """``placement[j]``: the server of partition j, balancing bytes.
+
+    In layout order (the order back-propagation produces gradients) each
+    partition goes to the server with the fewest bytes so far, so partitions
+    ready at about the same time are summed by different servers.
+    """
+    load = [0] * num_servers
+    placement = []
+    for partition in layout:
+        j = min(range(num_servers), key=lambda k: (load[k], k))
+        placement.append(j)
+        load[j] += partition.wire_nbytes
+    return placement
+
+
+def plan_relays(layout: Sequence[Partition], placement: Sequence[int], server_nodes: Sequence[str],
+                worker_nodes: Sequence[str]) -> dict[int, dict[int, tuple[int, ...]]]:
+    """Node-local aggregation: ``relays[j] = {server r: the workers whose copies of partition j r sums}``.
+
+    For every partition j and every node that is not its server's, holds at
+    least two workers and a server: that node's server with the fewest bytes
+    to sum so far (its own partitions, then the relayed ones in layout order)
+    sums the node's workers' copies of j and pushes the sum to j's server, so
+    one copy of j leaves the node per step instead of one per worker. A node
+    with one worker pushes directly (the same bytes, one hop fewer).
+    """
+    workers_on: dict[str, list[int]] = {}
+    for w, node in enumerate(worker_nodes):
+        workers_on.setdefault(node, []).append(w)
+    load = [0] * len(server_nodes)
+    for partition, j in zip(layout, placement):
+        load[j] += partition.wire_nbytes
+    relays: dict[int, dict[int, tuple[int, ...]]] = {}
+    for partition, home in zip(layout, placement):
+        for node, workers in sorted(workers_on.items()):
+            here = [r for r, n in enumerate(server_nodes) if n == node]
+            if node == server_nodes[home] or len(workers) < 2 or not here:
+                continue
+            r = min(here, key=lambda k: (load[k], k))
+            load[r] += partition.wire_nbytes
+            relays.setdefault(partition.index, {})[r] = tuple(workers)
+    return relays
+
+
+def home_for(server_nodes: Sequence[str], server: int, worker_nodes: Sequence[str]) -> str:
+    """The node for a new server ``server`` (``server_nodes[j]``: where server j ran), beside the live workers.
+
+    It stays on its node if a worker runs there; else that node was lost, and
+    it moves to the worker node with the fewest servers. Ray lists a lost
+    node as alive for seconds after its actors fail: only the nodes of the
+    workers, which answered just now, are known to be up.
+    """
+    if server_nodes[server] in worker_nodes:
+        return server_nodes[server]
+    return min(worker_nodes, key=lambda n: (list(server_nodes).count(n), n))
+
+
+class ServerGroup:
+    """Starts, replaces, aborts, resets and traces the parameter servers of one engine."""
+
+    def __init__(self, layout: Sequence[Partition], nodes: Sequence[str], num_workers: int, step_timeout_s: float,
+                 backup_workers: int = 0, worker_nodes: Sequence[str] | None = None):
+        """``nodes[j]``: where server j runs; ``step_timeout_s`` bounds a push's wait for the others; a step
+        averages the first ``num_workers - backup_workers`` workers' pushes.
+
+        ``worker_nodes[w]``: worker w's node, for node-local aggregation
+        (``plan_relays``); without it, or with backup workers, every worker
+        pushes every partition to its server.
+        """
+        self.layout = list(layout)
+        self.nodes = list(nodes)
+        self.num_workers = num_workers
+        self.step_timeout_s = step_timeout_s
+        self.backup_workers = backup_workers
+        self.placement = assign_partitions(self.layout, len(self.nodes))
+        self.actors: list[Any] = [None] * len(self.nodes)
+        self.relays = self._plan_relays(worker_nodes)
+
+    def plan(self) -> tuple:
+        """What the group was planned as: two groups of one plan are interchangeable (a server holds nothing
+        across steps)."""
+        return (self.layout, self.nodes, self.placement, self.relays, self.num_workers, self.step_timeout_s,
+                self.backup_workers)
+
+    def _plan_relays(self, worker_nodes: Sequence[str] | None) -> dict[int, dict[int, tuple[int, ...]]]:
+        """``plan_relays``, where node-local aggregation applies: without backup workers (a node's partial sum
+        would wait for its slowest worker)."""
+        if worker_nodes is None or self.backup_workers:
+            return {}
+        return plan_relays(self.layout, self.placement, self.nodes, worker_nodes)
+
+    def partitions_of(self, server: int) -> list[Partition]:
+        return [s for s, j in zip(self.layout, self.placement) if j == server]
+
+    def relays_of(self, server: int) -> list[ps_actor.Relay]:
+        """The partitions of other servers that ``server`` sums for its node's workers."""
+        return [ps_actor.Relay(self.layout[j], self.placement[j], by[server])
+                for j, by in sorted(self.relays.items()) if server in by]
+
+    def routes(self, worker: int) -> list[int]:
+        """``routes[j]``: the server ``worker`` pushes partition j to: its node's relay of j, else j's server."""
+        return [next((r for r, workers in self.relays.get(j, {}).items() if worker in workers), self.placement[j])
+                for j in range(len(self.layout))]
+
+    def node_sent_bytes(self, worker_nodes: Sequence[str]) -> dict[str, int]:
+        """Node -> the gradient bytes its workers (or its relays) push to servers on other nodes per step; a
+        relay's partial sum is float32 (``Partition.nbytes``) under compression too."""
+        sent: dict[str, int] = {}
+        for w, node in enumerate(worker_nodes):
+            for partition, r in zip(self.layout, self.routes(w)):
+                if self.nodes[r] != node:
+                    sent[node] = sent.get(node, 0) + partition.wire_nbytes
+        for j, by in self.relays.items():
+            for r in by:
+                sent[self.nodes[r]] = sent.get(self.nodes[r], 0) + self.layout[j].nbytes
+        return sent
+
+    def start(self, indices: Sequence[int] | None = None) -> list:
+        """Start servers (all, or ``indices``) on their nodes; the actors started (they start in the background).
+
+        Each has hard affinity to its node: Ray's SPREAD does not spread actors
+        that reserve no CPU, and soft affinity spills them to other nodes under
+        load, so placement is explicit. Inside a placement group (a Tune
+        trial): the group's bundle on that node.
+        """
+        indices = range(len(self.nodes)) if indices is None else indices
+        for j in indices:
+            node_sums = {k: list(by.values()) for k, by in self.relays.items() if self.placement[k] == j}
+            self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.step_timeout_s,
+                                            self.backup_workers, self.relays_of(j), node_sums,
+                                            scheduling_strategy=actor_placement(self.nodes[j]))
+        return [self.actors[j] for j in indices]
+
+    def link(self) -> list:
+        """Refs of giving every relaying server the actors it pushes to (after any start, before workers push): it
+        opens its streams to them (``ParameterServer.set_peers``), closing those to the servers before."""
+        return [actor.set_peers.remote(self.actors) for j, actor in enumerate(self.actors) if self.relays_of(j)]
+
+    def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:
+        """Kill what is left of servers ``dead`` and start new ones (``home_for``); the new actors.
+
+        ``worker_nodes``: the nodes of the (live) workers. If they change
+        which servers relay what (``plan_relays``), every server is started
+        anew with the new plan (a server holds nothing across steps).
+        """
+        for j in dead:
+            self.nodes[j] = home_for(self.nodes, j, worker_nodes)
+        relays = self._plan_relays(worker_nodes)
+        if relays != self.relays:
+            self.relays, dead = relays, range(len(self.nodes))
+        for j in dead:
+            ray.kill(self.actors[j])
+        return self.start(dead)
+
+    def abort(self) -> None:
+        """Fail every waiting and future push until ``reset`` (fire and forget)."""
+        for actor in self.actors:
+            actor.abort.remote()
+
+    def excuse(self, worker_index: int) -> None:
+        """Close steps without waiting for the dead worker ``worker_index`` until ``reset`` (fire and forget)."""
+        for actor in self.actors:
+            actor.excuse.remote(worker_index)
+
+    def reset(self, step_id: int) -> list:
+        """Refs of every server's reset to expect ``step_id`` next."""
+        return [actor.reset.remote(step_id) for actor in self.actors]
+
+    def traces(self, step_id: int) -> list:
+        return [actor.trace.remote(step_id) for actor in self.actors]
+
+    def describe(self) -> str:
+        """'4 partitions of up to 42.5 MiB on 1 parameter server (178.2 MiB)', for the log (bytes on the wire);
+        with relays, how many partitions each node's workers sum before they cross ('; summed within the node
+        first: 2 partitions on node 1a2b3c4d, ...')."""
+        loads = ", ".join(f"{sum(s.wire_nbytes for s in self.partitions_of(j)) / 2**20:.1f}"
+                          for j in range(len(self.nodes)))
+        largest = max(s.wire_nbytes for s in self.layout) / 2**20
+        relayed: dict[str, int] = {}
+        for by in self.relays.values():
+            for r in by:
+                relayed[self.nodes[r]] = relayed.get(self.nodes[r], 0) + 1
+        return (f"{len(self.layout)} partition{'s' * (len(self.layout) != 1)} of up to {largest:.1f} MiB on "
+                f"{len(self.nodes)} parameter server{'s' * (len(self.nodes) != 1)} ({loads} MiB)"
+                + ("; summed within the node first: " + ", ".join(f"{n} partitions on node {node[:8]}"
+                                                                  for node, n in sorted(relayed.items()))
+                   if relayed else ""))
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            if actor is not None:
+                ray.kill(actor)
+        self.actors = [None] * len(self.nodes)
+
+
+def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequence[str]) -> ServerGroup:
+    """The servers (``plan_servers``) and partitions (``dsgd.wire.partitions``) for ``exchange``, not started yet.
+
+    The nodes' CPUs are the engine's placement group's inside a Tune trial,
+    else the live nodes'. The choice is logged.
+    """
+    node_cpus = reserved_cpus()  # inside a Tune trial: its bundles, not the nodes' CPUs
+    if node_cpus is None:
+        node_cpus = {node: have.get("CPU", 0) for node, have in live_node_resources().items()}
+    nodes = plan_servers(worker_nodes, node_cpus, options.cpus_per_worker, options.num_parameter_servers)
+    partition_bytes = options.grad_shard_bytes
+    if partition_bytes is None:
+        partition_bytes = partitions.default_partition_bytes(exchange, len(nodes))
+    layout = partitions.plan_partitions(exchange, partition_bytes, options.compression)
+    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s, options.backup_workers,
+                        worker_nodes)
+    chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
+    logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
+                group.describe(), "" if chosen else
+                f" (grad_shard_bytes={options.grad_shard_bytes}, num_parameter_servers={options.num_parameter_servers})")
+    return group

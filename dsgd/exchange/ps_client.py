@@ -1,0 +1,189 @@
+"""The worker's side of the parameter-server protocol (``dsgd.ps_actor`` is the other).
+
+A worker sends each partition of its averaged gradients to the server that
+sums it and reads back the mean. ``connect`` attaches to every server and
+picks the transport of each worker-server pair (``dsgd.transport.ends``): shared
+memory with a server on the worker's own node, a stream with one elsewhere
+(the object store where a stream cannot be used).
+
+Per partition and step the worker pushes once and waits (bounded) for the
+answer, through its transport end: with shared memory, a message on the
+pair's signal channel each way; with a stream, the partition's bytes one way
+and the mean's the other; neither makes a Ray call. With the object store,
+an actor call (``push``) and a wait for its reply. With backup workers, a
+step starts with ``begin``: one call per server, which says which partitions
+of the step are closed already.
+
+No TensorFlow here: the worker's exchanges (``dsgd.exchange.ps``) call
+``send`` / ``send_gradients`` and ``receive``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence, Union
+
+import numpy as np
+import ray
+
+from dsgd.transport import shared_memory, signals, streams
+from dsgd.common import timeline
+from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+from dsgd.wire.partitions import Partition, segments
+from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd
+
+WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
+EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
+
+
+class ParameterServerClient:
+    """Pushes one worker's partitions to their servers and reads back the means."""
+
+    def __init__(self, worker_index: int, layout: Sequence[Partition], placement: Sequence[int],
+                 step_timeout_s: float, startup_timeout_s: float):
+        """``placement[j]``: the index of the server that sums ``layout[j]``.
+
+        ``step_timeout_s`` bounds each wait for a mean, ``startup_timeout_s``
+        each wait for a server to attach.
+        """
+        self.worker_index = worker_index
+        self.averaged: dict[int, tuple[int, ...]] = {}  # partition -> the workers its last mean averaged
+        self.layout = list(layout)
+        self.placement = list(placement)
+        self.step_timeout_s = step_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.segments = [segments(partition) for partition in self.layout]
+        self.sent_bytes = sum(seg.wire_nbytes for parts in self.segments for seg in parts)  # per step
+        self.servers: list[Any] = []
+        self.server_ends: list[WorkerEnd] = []  # per server: its transport
+        self.ends: list[WorkerEnd] = []  # per partition: its route's transport
+        self.routes = list(self.placement)  # partition -> the server it is pushed to (``connect``)
+
+    def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None) -> int:
+        """Attach to every server and pick each pair's transport; the number reached through shared memory.
+
+        ``routes[j]`` (default: the placement): the server partition j is pushed to, its node's relay or its own.
+        """
+        self.close()
+        self.servers = list(servers)
+        self.routes = list(self.placement if routes is None else routes)
+        node = ray.get_runtime_context().get_node_id()
+        infos = self._wait([s.attach.remote(self.worker_index, node) for s in self.servers],
+                           "the parameter servers to attach", self.startup_timeout_s)
+        self.server_ends = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
+        self.ends = [self.server_ends[j] for j in self.routes]
+        return sum(isinstance(end, SharedMemoryWorkerEnd) for end in self.server_ends)
+
+    def close(self) -> None:
+        """Close every transport end (its signal channel) and drop it, unmapping the servers' shared buffers: the
+        servers were replaced (a recovery re-attaches, a resize starts new ones).
+
+        The old exchange's graph ops may keep this client alive, but not its buffers or sockets.
+        """
+        for end in self.server_ends:
+            end.close()
+        self.server_ends, self.ends, self.servers = [], [], []
+
+    def _end(self, j: int, server: Any, info: dict | None) -> WorkerEnd:
+        """Server ``j``'s transport: the shared buffers or the stream it offered (``info``), else the object
+        store."""
+        if info is not None:
+            try:
+                if "stream" in info:
+                    return StreamWorkerEnd(info["stream"], info["slots"],
+                                           [s for s, k in zip(self.layout, self.routes) if k == j],
+                                           min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
+                return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
+                                             shared_memory.attach(info["mean"], writable=False), info["offsets"],
+                                             info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],
+                                             signals.Channel(info["signal"], self.step_timeout_s))
+            except OSError:  # same node but another PID or network namespace, or no route to the stream
+                self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
+                           self.startup_timeout_s)
+        return ObjectStoreWorkerEnd()
+
+    def send(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
+             trace: timeline.Recorder | None = None) -> None:
+        """Push ``arrays``, one per segment of ``partition`` (``dsgd.wire.partitions.segments``); ``trace``: the step's
+        timeline, while one is recorded (the write and the push are spans of it)."""
+        with timeline.maybe_span(trace, f"write partition {partition.index}", EXCHANGE_TRACK):
+            stored = self.ends[partition.index].write(partition, self.segments[partition.index], arrays)
+        self._push(partition, step_id, stored, trace)
+
+    def send_gradients(self, partition: Partition, step_id: int, grads: Sequence[np.ndarray],
+                       trace: timeline.Recorder | None = None) -> None:
+        """Push ``partition``'s pieces of ``grads`` (every exchange tensor, in layout order)."""
+        with timeline.maybe_span(trace, f"write partition {partition.index}", EXCHANGE_TRACK):
+            stored = self.ends[partition.index].write_gradients(partition, self.segments[partition.index], grads)
+        self._push(partition, step_id, stored, trace)
+
+    def _push(self, partition: Partition, step_id: int, stored: ray.ObjectRef | None,
+              trace: timeline.Recorder | None) -> None:
+        server = self.routes[partition.index]
+        with timeline.maybe_span(trace, f"push partition {partition.index}", EXCHANGE_TRACK), \
+                self._bounded(f"parameter server {server} to take partition {partition.index}, step {step_id}",
+                              self.step_timeout_s):
+            self.ends[partition.index].push(self.servers[server], self.worker_index, partition, step_id, stored)
+
+    def receive(self, partition: Partition, step_id: int, trace: timeline.Recorder | None = None) -> np.ndarray:
+        """The mean of ``partition`` for ``step_id`` (read-only; valid until the next step's push); ``trace`` as
+        for ``send`` (the wait for the answer and the read of the mean are spans of it)."""
+        what = f"parameter server {self.routes[partition.index]}'s sum of partition {partition.index}, step {step_id}"
+        with timeline.maybe_span(trace, f"wait for the answer of partition {partition.index}", EXCHANGE_TRACK), \
+                self._bounded(what, self.step_timeout_s):
+            answer = self.ends[partition.index].answer(partition, step_id, self.step_timeout_s)
+        with timeline.maybe_span(trace, f"read the mean of partition {partition.index}", EXCHANGE_TRACK):
+            return self.read(partition, step_id, answer)
+
+    def read(self, partition: Partition, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:
+        """The mean of ``partition`` for ``step_id`` from its server's ``answer`` (to a push, or from ``begin``)."""
+        reply, self.averaged[partition.index] = answer
+        return self.ends[partition.index].read_mean(partition, step_id, reply,
+                                                lambda ref, mean: self._wait(ref, f"{mean}, step {step_id}"))
+
+    def begin(self, step_id: int) -> dict[int, tuple[list, tuple[int, ...]]]:
+        """Tell every server this worker starts ``step_id`` (backup workers); the partitions already closed, each
+        with its server's answer for ``read``."""
+        answers = self._wait([s.begin.remote(step_id, self.worker_index) for s in self.servers],
+                             f"the parameter servers to say which partitions of step {step_id} are closed")
+        return {j: answer for per_server in answers for j, answer in per_server.items()}
+
+    def kept(self) -> list[int]:
+        """The workers whose gradients every partition of the last step read averaged, in order."""
+        return sorted(set.intersection(*(set(a) for a in self.averaged.values())))
+
+    def forget_pushes(self) -> None:
+        """Drop the pushes of a failed step and their answers (the driver aborts and resets the servers); open
+        anew every stream that ended while its server may live on (a send cut short), so the re-run of the step
+        does not fail on it again. A server that does not answer is dead: the recovery replaces it and
+        ``connect`` attaches anew."""
+        for end in set(self.ends):  # one end per server, shared by its partitions
+            end.forget()
+        node = ray.get_runtime_context().get_node_id()
+        for j, end in enumerate(self.server_ends):
+            if end.broken:
+                end.close()
+                try:
+                    info = ray.get(self.servers[j].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
+                    self.server_ends[j] = self._end(j, self.servers[j], info)
+                except (ray.exceptions.RayError, OSError, DSGDError):
+                    pass  # left broken: a dead server, which the recovery replaces
+        self.ends = [self.server_ends[j] for j in self.routes]
+
+    def _wait(self, refs, what: str, timeout_s: float | None = None):
+        timeout_s = self.step_timeout_s if timeout_s is None else timeout_s
+        with self._bounded(what, timeout_s):
+            return ray.get(refs, timeout=timeout_s)
+
+    @contextlib.contextmanager
+    def _bounded(self, what: str, timeout_s: float) -> Iterator[None]:
+        """A wait for ``what`` that ran out (TimeoutError) as DSGDTimeoutError, a server whose signal channel
+        closed (ConnectionError: it died) as ActorFailure; both name this worker and ``what``."""
+        try:
+            yield
+        except TimeoutError as e:
+            raise DSGDTimeoutError(
+                f"worker {self.worker_index} waited more than {timeout_s:.0f}s for {what}; "
+                "a worker or parameter server is stuck or dead") from e
+        except ConnectionError as e:
+            raise ActorFailure(f"worker {self.worker_index} lost {what}: {e}") from e

@@ -1,0 +1,66 @@
+"""The "simple" exchange: the driver gathers every worker's gradients and sends back their mean.
+
+A step is two calls on each worker. The driver half (``SimpleDriver``)
+calls ``step`` without means and gets each worker's gradients, averages
+them with the parameter servers' function (``dsgd.wire.arrays.average_into``,
+so both strategies agree bit for bit), and calls ``step`` again with the
+mean, which the worker half (``SimpleWorker``) applies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Sequence
+
+import numpy as np
+import ray
+
+from dsgd.exchange.base import DriverHalf, Exchange
+from dsgd.wire.arrays import average_into
+from dsgd.worker.tf1.step_runner import StepRunner
+
+
+class SimpleWorker(Exchange):
+    """"simple": the driver gathers every worker's gradients and sends back their mean.
+
+    The first call of a step returns ``(gradients, stats)``; the second,
+    given ``means``, applies them and returns the stats kept from the first.
+    """
+
+    def __init__(self, runner: StepRunner):
+        super().__init__(runner)
+        self._stats: dict[str, float] = {}  # the step's stats, from its gradients' call to its apply
+
+    def step(self, step_id: int, fetch_stats: bool,
+             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
+        runner = self.runner
+        built = runner.built
+        if means is None:
+            out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
+                             runner.feed_dict(), "compute")
+            self._stats = runner.stats(out["stats"], sent_bytes=sum(m.nbytes for m in out["means"]))
+            return out["means"], self._stats
+        applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, means)))
+        return {**self._stats, **runner.result({}, applied, sent_bytes=0)}
+
+
+class SimpleDriver(DriverHalf):
+    """"simple": the driver gathers every worker's gradients, averages them, sends the mean back.
+
+    ``call(refs, what)`` is the driver's bounded wait; ``span(name)`` its
+    timeline span. The gather blocks; the applies are returned in flight.
+    """
+
+    def __init__(self, call: Callable[[list, str], list], span: Callable[[str], ContextManager]):
+        self.call = call
+        self.span = span
+
+    def submit(self, workers, step_id, fetch_stats):
+        with self.span("gather gradients"):
+            results = self.call([w.step.remote(step_id, fetch_stats) for w in workers],
+                                f"the workers' gradients of step {step_id}")
+        with self.span("average"):
+            per_worker = [grads for grads, _ in results]
+            means = [average_into(np.empty_like(g), [grads[k] for grads in per_worker])
+                     for k, g in enumerate(per_worker[0])]
+            means_ref = ray.put(means)
+        return [w.step.remote(step_id, fetch_stats, means_ref) for w in workers]

@@ -1,0 +1,220 @@
+"""Requests and answers between two processes of one host, without Ray: a Unix socket per pair.
+
+A parameter server and a worker on its node share buffers (``dsgd.transport.shared_memory``);
+what they still need is to tell each other "partition j of step s is in my
+buffer" and "its mean is ready". This module carries those signals over a
+connected ``AF_UNIX`` ``SOCK_SEQPACKET`` socket (one message per send, in
+order), created by the server (``Listener``) and joined by the worker
+(``Channel``) through an abstract address the worker learns when it attaches:
+
+- a request is two integers (the step and the partition), packed; an answer
+  is whatever the server's handler returned or raised, pickled, so a
+  ``StepAborted`` or a bad push's ``ValueError`` reaches the worker as itself;
+- each side sees the other's death at once: its end of the socket reads
+  end-of-file (an ``eventfd`` or a futex in shared memory would only show it
+  as a timeout, and an ``eventfd`` cannot be opened through ``/proc/<pid>/fd``);
+- only the intended peers talk: the server accepts one connection, from its
+  own user (``SO_PEERCRED``), and the worker checks that it reached the
+  server's pid; the server never unpickles what it receives.
+
+Every wait for an answer is bounded by its caller. The server answers a
+channel's requests one at a time, in order, on one thread per channel (a
+worker sends its partitions in layout order, so it never waits for an answer
+queued behind another), except those its ``apart`` test picks, each answered
+on a thread of its own (a relay's push, which waits on another node). No
+TensorFlow here: the parameter servers import it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+REQUEST = struct.Struct("<qqq")  # (epoch, a, b): a request of the channel's current epoch
+MAX_ANSWER_BYTES = 1 << 16
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of ``sock``."""
+    pid, uid, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return pid, uid
+
+
+def shut_down(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways, which wakes a thread blocked on it (in recv, or in accept on Linux);
+    nothing if it is closed already."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def available() -> bool:
+    """Whether this host has what a channel needs (Linux: abstract Unix sockets, peer credentials)."""
+    return hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "SOCK_SEQPACKET")
+
+
+class Listener:
+    """The server's end: accepts one worker's channel and answers its requests in order, on its own thread."""
+
+    def __init__(self, name: str, answer: Callable[[int, int], Any], accept_timeout_s: float,
+                 apart: Callable[[int, int], bool] = lambda a, b: False):
+        """``answer(a, b)`` is called for each request ``(a, b)``; what it returns or raises goes back. Requests
+        for which ``apart(a, b)`` is true are answered on a thread of their own, so the next ones need not wait.
+
+        The worker must connect within ``accept_timeout_s`` of this call.
+        """
+        self._answer = answer
+        self._apart = apart
+        self._sending = threading.Lock()  # answers from several threads go out whole
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._server.bind(f"\0dsgd-{name}-{os.getpid()}-{secrets.token_hex(8)}")
+        self._server.listen(1)
+        self._server.settimeout(accept_timeout_s)
+        self.address: tuple[int, bytes] = (os.getpid(), self._server.getsockname())
+        self._lock = threading.Lock()
+        self._closed = False
+        self._connection: socket.socket | None = None
+        threading.Thread(target=self._serve, name=f"dsgd signals {name}", daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            connection, _ = self._server.accept()
+        except OSError:  # closed, or nobody came within the timeout
+            return
+        finally:
+            self._server.close()
+        with connection:
+            connection.setblocking(True)  # between steps it waits for the next request as long as it takes
+            with self._lock:
+                if self._closed or _peer(connection)[1] != os.getuid():
+                    return
+                self._connection = connection
+            while True:
+                try:
+                    request = connection.recv(REQUEST.size)
+                except OSError:  # closed (a re-attach) while waiting
+                    return
+                if len(request) != REQUEST.size:  # end of file: the worker closed its end or died
+                    return
+                epoch, a, b = REQUEST.unpack(request)
+                if self._apart(a, b):
+                    threading.Thread(target=self._respond, args=(connection, epoch, a, b), daemon=True,
+                                     name=f"dsgd signals request {a}, {b}").start()
+                elif not self._respond(connection, epoch, a, b):
+                    return
+
+    def _respond(self, connection: socket.socket, epoch: int, a: int, b: int) -> bool:
+        """Answer request ``(a, b)``; False if the worker is gone."""
+        try:
+            answer = self._answer(a, b)
+        except Exception as e:  # the worker raises it
+            answer = e
+        try:
+            with self._sending:
+                connection.send(pickle.dumps((epoch, a, b, answer)))
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop answering; the worker's waits read end-of-file."""
+        with self._lock:
+            self._closed = True
+            connection = self._connection
+        if connection is not None:
+            shut_down(connection)  # wakes the thread blocked in recv
+            return
+        try:  # the thread may still be in accept, which nothing but a connection wakes: connect, it sees closed
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as wake:
+                wake.setblocking(False)
+                wake.connect(self.address[1])
+        except OSError:  # it is past accept already (or the worker is connected and it will see closed)
+            pass
+
+
+class Channel:
+    """The worker's end: sends requests and waits, from any thread, for the answer to each."""
+
+    def __init__(self, address: tuple[int, bytes], send_timeout_s: float):
+        """Connect to the ``Listener`` at ``address``; OSError if this process cannot reach it.
+
+        A send blocks only while the server's socket buffer is full (it stopped reading), at most
+        ``send_timeout_s`` (then TimeoutError)."""
+        pid, name = address
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._socket.settimeout(send_timeout_s)
+            self._socket.connect(name)
+            if _peer(self._socket)[0] != pid:
+                raise ConnectionRefusedError(f"the socket {name!r} is not held by process {pid}")
+        except BaseException:
+            self._socket.close()
+            raise
+        self._changed = threading.Condition()  # guards everything below
+        self._epoch = 0  # answers to requests of earlier epochs are dropped
+        self._answers: dict[tuple[int, int], Any] = {}  # (a, b) -> its answer, arrived and not yet taken
+        self._reading = False  # a waiting thread is reading the socket for all of them
+        self._gone = False
+
+    def send(self, a: int, b: int) -> None:
+        """Request ``(a, b)``; ConnectionError if the server is gone."""
+        self._socket.send(REQUEST.pack(self._epoch, a, b))
+
+    def wait(self, a: int, b: int, timeout_s: float) -> Any:
+        """The answer to request ``(a, b)``, raised if it is an exception; TimeoutError after ``timeout_s``,
+        ConnectionError if the server closed the channel (it died, or the worker re-attached)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while (a, b) not in self._answers:
+                remaining = deadline - time.monotonic()
+                if self._gone:
+                    raise ConnectionResetError("the parameter server closed the channel (it died or was replaced)")
+                if remaining <= 0:
+                    raise TimeoutError(f"no answer to request {(a, b)} within {timeout_s:.0f}s")
+                if self._reading:  # another thread reads for everyone; it wakes us
+                    self._changed.wait(remaining)
+                else:
+                    self._read(remaining)
+            answer = self._answers.pop((a, b))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _read(self, timeout_s: float) -> None:
+        """Read one message (under the lock, which it releases while it waits) into ``_answers``."""
+        self._reading = True
+        self._changed.release()
+        try:
+            poller = select.poll()
+            poller.register(self._socket, select.POLLIN)
+            message = self._socket.recv(MAX_ANSWER_BYTES) if poller.poll(timeout_s * 1000) else None
+        except OSError:
+            message = b""
+        finally:
+            self._changed.acquire()
+            self._reading = False
+            self._changed.notify_all()
+        if message == b"":
+            self._gone = True
+        elif message is not None:
+            epoch, a, b, answer = pickle.loads(message)
+            if epoch == self._epoch:
+                self._answers[(a, b)] = answer
+
+    def forget(self) -> None:
+        """Drop the answers to every request sent so far (a failed step's), arrived or still to come."""
+        with self._changed:
+            self._epoch += 1
+            self._answers.clear()
+
+    def close(self) -> None:
+        self._socket.close()

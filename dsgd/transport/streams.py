@@ -1,0 +1,351 @@
+"""Partitions and their means between a worker and a parameter server on another node: a TCP stream per pair.
+
+The same stream carries a relaying server's partial sums to the partition's
+server on another node (node-local aggregation, ``dsgd.ps_actor``): the
+relaying server is then the stream's pushing end, as a worker is.
+
+Across nodes, the object store moves each push and each mean through Ray's
+object manager: a ``ray.put`` into the sender's store, a pull into the
+receiver's, and an actor call per push. On this project's 2-core machine the
+raylets alone spent about 0.8 s of CPU per ResNet-101 step moving 2 x 89 MB
+each way (``benchmarks/step_breakdown.py``). A stream carries the same bytes
+with the kernel's copies only: the worker sends a partition's segments
+straight from its gradient arrays, the server receives them into that
+worker's input buffer, sums as for a worker on its node, and sends the mean
+back from its mean buffer into the worker's.
+
+- **Frames.** A push is a header (epoch, step, partition, byte count) and
+  the partition's bytes in the wire dtype. An answer is a header (epoch,
+  step, partition, answer length, mean length), the pickled answer (the
+  workers the mean averages, or the exception the server's push raised),
+  and the mean's bytes if there is one. The server never unpickles
+  anything.
+- **Who talks.** The server listens on its node's address (the one Ray knows
+  it by) on a port the kernel picks, for ``accept_timeout_s``, and accepts
+  the connection that first sends the 16-byte token it gave the worker in
+  its ``attach`` reply (a relaying server: ``attach_relay``; an
+  authenticated Ray call). Anything else is closed. A pushing end that
+  cannot connect within ``CONNECT_TIMEOUT_S`` goes through the object store.
+- **Order.** One thread per stream on the server reads pushes as they come
+  (so a worker's next partition is never held up behind a sum that waits for
+  other workers) and queues them; another answers them in order, except
+  those its ``apart`` test picks, each answered on a thread of its own (a
+  relayed partition, which waits on another node).
+- **Failures.** Either side's death closes the stream: the other reads
+  end-of-file at once. A wait for an answer is bounded by its caller, a send
+  by ``send_timeout_s``. Answers to a failed step's pushes (an earlier
+  epoch) are read and dropped, and a wait for one fails (``Forgotten``).
+
+No TensorFlow here: the parameter servers import it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import pickle
+import queue
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from dsgd.transport.signals import shut_down
+
+PUSH = struct.Struct("<qqqQ")  # epoch, step, partition, bytes that follow
+ANSWER = struct.Struct("<qqqQQ")  # epoch, step, partition, answer bytes, mean bytes
+TOKEN_BYTES = 16
+# A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
+# takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
+CONNECT_TIMEOUT_S = 10.0
+
+
+class Forgotten(Exception):
+    """The push a wait was for was dropped by ``Stream.forget`` (a failed step's) while it waited."""
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
+def _receive_into(sock: socket.socket, target: memoryview) -> None:
+    """Fill ``target`` from ``sock``; ConnectionError at end-of-file."""
+    while target:
+        n = sock.recv_into(target)
+        if n == 0:
+            raise ConnectionResetError("the stream's other end closed")
+        target = target[n:]
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    _receive_into(sock, memoryview(buffer))
+    return bytes(buffer)
+
+
+class StreamListener:
+    """The server's end: accepts one pushing end's stream (a worker's or a relaying server's), takes its pushes
+    and answers them."""
+
+    def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
+                 answer: Callable[[int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
+                 apart: Callable[[int, int], bool] = lambda step, partition: False):
+        """``target(partition, nbytes)``: where a push of ``partition`` goes, its bytes filling each view in turn
+        (ValueError if ``nbytes`` is not their size); ``answer(step, partition)``: the server's push, returning what goes back and the mean to send
+        (or raising, which goes back too). The worker must connect within ``accept_timeout_s``."""
+        self._target, self._answer, self._apart = target, answer, apart
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self._server = socket.create_server((host, 0))
+        self._server.settimeout(accept_timeout_s)
+        self.address: tuple[str, int, bytes] = (host, self._server.getsockname()[1], self.token)
+        self._sending = threading.Lock()  # answers from several threads go out whole
+        self._lock = threading.Lock()
+        self._closed = False
+        self._connection: socket.socket | None = None
+        self._pushes: queue.SimpleQueue = queue.SimpleQueue()  # (epoch, step, partition, error); None: the end
+        threading.Thread(target=self._read, name=f"dsgd stream {name}", daemon=True).start()
+        threading.Thread(target=self._serve, name=f"dsgd stream {name} answers", daemon=True).start()
+
+    def _accept(self) -> socket.socket | None:
+        """The first connection that presents the token (others are closed), or None (closed, or timed out)."""
+        deadline = time.monotonic() + self._server.gettimeout()
+        try:
+            while time.monotonic() < deadline:
+                connection, _ = self._server.accept()
+                connection.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    if hmac.compare_digest(_receive(connection, TOKEN_BYTES), self.token):
+                        connection.settimeout(None)  # between steps it waits as long as it takes
+                        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        return connection
+                except OSError:
+                    pass
+                connection.close()
+        except OSError:  # closed, or nobody came within the timeout
+            pass
+        finally:
+            self._server.close()
+        return None
+
+    def _read(self) -> None:
+        """Read pushes into their targets and queue them for ``_serve``, until the stream ends."""
+        connection = self._accept()
+        with self._lock:
+            if connection is not None and self._closed:
+                connection.close()
+                connection = None
+            self._connection = connection
+        try:
+            while connection is not None:
+                epoch, step, partition, nbytes = PUSH.unpack(_receive(connection, PUSH.size))
+                try:
+                    targets = self._target(partition, nbytes)
+                except ValueError as e:  # a bad push: read past its bytes, fail it
+                    _receive(connection, nbytes)
+                    self._pushes.put((epoch, step, partition, e))
+                    continue
+                for target in targets:
+                    _receive_into(connection, target)
+                self._pushes.put((epoch, step, partition, None))
+        except OSError:  # end of file, or closed: the worker died or re-attached, or the server closed it
+            pass
+        finally:
+            self._pushes.put(None)
+
+    def _serve(self) -> None:
+        while (push := self._pushes.get()) is not None:
+            if self._apart(push[1], push[2]):
+                threading.Thread(target=self._respond, args=push, daemon=True,
+                                 name=f"dsgd stream push {push[1]}, {push[2]}").start()
+            elif not self._respond(*push):
+                return
+
+    def _respond(self, epoch: int, step: int, partition: int, error: Exception | None) -> bool:
+        """Answer a push; False if the worker is gone."""
+        mean = None
+        try:
+            if error is not None:
+                raise error
+            answer, mean = self._answer(step, partition)
+        except Exception as e:  # the worker raises it
+            answer = e
+        meta = pickle.dumps(answer)
+        payload = _bytes(mean) if mean is not None else memoryview(b"")
+        try:
+            with self._sending:
+                connection = self._connection
+                if connection is None:
+                    return False
+                connection.sendall(ANSWER.pack(epoch, step, partition, len(meta), payload.nbytes) + meta)
+                connection.sendall(payload)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop: the stream (or the wait for it) ends, and the worker reads end-of-file."""
+        with self._lock:
+            self._closed = True
+            connection = self._connection
+        if connection is not None:
+            shut_down(connection)  # wakes the reader blocked in recv
+            connection.close()
+        else:  # still accepting: shutting the listening socket down wakes the thread blocked in accept
+            shut_down(self._server)
+            self._server.close()
+
+
+class Stream:
+    """The pushing end (a worker, or a relaying server): sends pushes, and waits, from any thread, for each
+    answer, its mean read into ``means(step, partition)``."""
+
+    def __init__(self, address: tuple[str, int, bytes], means: Callable[[int, int], np.ndarray],
+                 connect_timeout_s: float, send_timeout_s: float):
+        """Connect to the ``StreamListener`` at ``address``; OSError if this process cannot reach it within
+        ``connect_timeout_s``. ``send_timeout_s`` bounds each send (the server stopped reading) and the rest
+        of an answer that started to arrive."""
+        host, port, token = address
+        self._means = means
+        self._socket = socket.create_connection((host, port), timeout=connect_timeout_s)
+        try:
+            self._socket.settimeout(send_timeout_s)
+            self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socket.sendall(token)
+        except BaseException:
+            self._socket.close()
+            raise
+        self._sending = threading.Lock()  # a push goes out whole
+        self._changed = threading.Condition()  # guards everything below
+        self._epoch = 0  # answers to pushes of earlier epochs are dropped
+        self._answers: dict[tuple[int, int], Any] = {}  # (step, partition) -> its answer, arrived, not yet taken
+        self._reading = False  # a waiting thread is reading the stream for all of them
+        self._gone = False
+        self._wakeup = socket.socketpair()  # ``forget`` wakes the reading thread out of its poll
+        for end in self._wakeup:
+            end.setblocking(False)
+
+    def send(self, step: int, partition: int, arrays: Sequence[np.ndarray]) -> int:
+        """Push ``arrays`` (one partition's segments, in the wire dtype) as ``(step, partition)``; the push's epoch
+        (for ``wait``). OSError: a ConnectionError if the server is gone, TimeoutError if it stopped reading."""
+        views = [_bytes(a) for a in arrays]
+        with self._sending:
+            epoch = self._epoch
+            try:
+                self._socket.sendall(PUSH.pack(epoch, step, partition, sum(v.nbytes for v in views)))
+                for view in views:
+                    self._socket.sendall(view)
+            except OSError:  # a frame cut short: the server would misread what follows
+                self._end()
+                raise
+        return epoch
+
+    def _end(self) -> None:
+        """Mark the stream gone: every wait, now or later, fails as the stream's end."""
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
+
+    @property
+    def broken(self) -> bool:
+        """The stream ended (the server closed it, a send or an answer was cut short, or ``close``): every later
+        push and wait on it fails; a new one must be opened."""
+        return self._gone
+
+    def wait(self, step: int, partition: int, timeout_s: float, epoch: int | None = None) -> Any:
+        """The answer to push ``(step, partition)``, raised if it is an exception (its mean is in
+        ``means(step, partition)``); TimeoutError after ``timeout_s``, ConnectionError if the stream ended,
+        ``Forgotten`` if the push (sent in ``epoch``, as ``send`` returned) was forgotten meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        key = (step, partition)
+        with self._changed:
+            while True:
+                if epoch is not None and epoch != self._epoch:
+                    raise Forgotten(f"the push of partition {partition}, step {step} was dropped (its step failed)")
+                if key in self._answers:
+                    break
+                remaining = deadline - time.monotonic()
+                if self._gone:
+                    raise ConnectionResetError("the parameter server closed the stream (it died or was replaced)")
+                if remaining <= 0:
+                    raise TimeoutError(f"no answer to the push of partition {partition}, step {step} "
+                                       f"within {timeout_s:.0f}s")
+                if self._reading:  # another thread reads for everyone; it wakes us
+                    self._changed.wait(remaining)
+                else:
+                    self._read(remaining)
+            answer = self._answers.pop(key)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _read(self, timeout_s: float) -> None:
+        """Read one answer (under the lock, which it releases meanwhile) into ``_answers`` and its mean.
+
+        Waits at most ``timeout_s`` for an answer to start; one that started must arrive whole within the
+        socket's timeout, else the stream counts as broken (its next bytes would be misread)."""
+        self._reading = True
+        self._changed.release()
+        answer, gone = None, False
+        try:
+            poller = select.poll()
+            poller.register(self._socket, select.POLLIN)
+            poller.register(self._wakeup[0], select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
+            if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
+                _drain(self._wakeup[0])
+            elif ready:
+                epoch, step, partition, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
+                value = pickle.loads(_receive(self._socket, meta_bytes))
+                if mean_bytes:
+                    _receive_into(self._socket, _bytes_of(self._means(step, partition), mean_bytes))
+                answer = (epoch, step, partition, value)
+        except OSError:  # end of file, closed, or an answer cut off
+            gone = True
+        finally:
+            self._changed.acquire()
+            self._reading = False
+            self._changed.notify_all()
+        if gone:
+            self._gone = True
+        elif answer is not None and answer[0] == self._epoch:
+            self._answers[answer[1:3]] = answer[3]
+
+    def forget(self) -> None:
+        """Drop the answers to every push sent so far (a failed step's), arrived or still to come."""
+        with self._changed:
+            self._epoch += 1
+            self._answers.clear()
+            try:
+                self._wakeup[1].send(b"\0")
+            except BlockingIOError:  # it is awake already
+                pass
+            self._changed.notify_all()  # waits for those pushes fail
+
+    def close(self) -> None:
+        """End the stream: a wait from now on fails as if the server had closed it."""
+        self._end()
+        shut_down(self._socket)
+        self._socket.close()
+        for end in self._wakeup:
+            end.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read whatever is waiting on non-blocking ``sock``."""
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _bytes_of(array: np.ndarray, nbytes: int) -> memoryview:
+    """``array``'s memory as bytes, checked to hold exactly ``nbytes``."""
+    view = memoryview(array).cast("B")
+    if view.nbytes != nbytes:
+        raise ConnectionAbortedError(f"the server sent a mean of {nbytes} bytes for a buffer of {view.nbytes}")
+    return view

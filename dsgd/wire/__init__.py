@@ -1,0 +1,1 @@
+"""What travels, with no TensorFlow: the partition layout (``partitions``), 16-bit compression (``codec``), the deterministic average (``arrays``) and its native kernels (``kernels``, built by ``native``)."""
