@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-OPS_DIR = Path(__file__).resolve().parent / "ops"
+OPS_DIR = Path(__file__).resolve().parents[1] / "ops"
 REPO_ROOT = OPS_DIR.parents[1]  # sources include "dsgd/ops/cc/..."
 WIRE_SOURCES = ("cc/wire_kernels.cc",)
 WIRE_HEADERS = ("cc/wire_kernels.h",)
