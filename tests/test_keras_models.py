@@ -66,6 +66,9 @@ def test_application_model_with_batch_norm_trains_with_identical_replicas(ray_se
     assert all(np.isfinite(losses))
     moving = [name for name in got if name.endswith("moving_mean")]
     assert moving and not all(np.array_equal(got[name], start[name]) for name in moving)
+    # Moving statistics move without any gradient applied: the kernels show the steps trained.
+    kernels = [name for name in got if name.endswith("kernel")]
+    assert kernels and all(not np.array_equal(got[name], start[name]) for name in kernels)
 
 
 # ---- in-process: KerasModel built in a graph like a dsgd worker builds it, no Ray --------------

@@ -32,6 +32,16 @@ def _leftovers() -> list[str]:
            [line for line in processes.splitlines() if "dsgd-ln-" in line and "ray" in line]
 
 
+def _qdisc(node: int) -> tuple[str, str]:
+    """`tc qdisc show` of node ``node``'s link: its head end here, its node end in the node's namespace."""
+    names = linked_cluster.LinkedCluster(nodes=2, link_gbit=LIMIT_GBIT, temp_dir="")  # the script's naming
+    head_end, node_end = names.veths(node)
+    show = ["tc", "qdisc", "show", "dev"]
+    return (subprocess.run([*show, head_end], capture_output=True, text=True).stdout,
+            subprocess.run(["ip", "netns", "exec", names.namespace(node), *show, node_end],
+                           capture_output=True, text=True).stdout)
+
+
 def test_token_bucket_burst_fits_an_offloaded_segment_and_one_millisecond():
     assert tbf_args(1.0)[:5] == ["tbf", "rate", "1000mbit", "burst", str(128 << 10)]
     assert tbf_args(10.0)[4] == str(int(10e9 / 8 / 1000))
@@ -55,6 +65,7 @@ def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
             if match:
                 rates += [float(match[2]), float(match[3])]
                 if len(rates) == 4:  # both nodes of the first rate measured: interrupt the second
+                    qdiscs = [_qdisc(node) for node in (1, 2)]
                     job.send_signal(signal.SIGINT)
             if time.monotonic() > deadline:
                 break
@@ -65,6 +76,11 @@ def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
             job.wait()
     text = "".join(output)
     assert len(rates) >= 4, text[-3000:]
+    # Load on this machine can only lower a measured rate, so the bound below holds even if tc did nothing:
+    # the token buckets themselves are asserted, on both ends of both links, at the rate asked for.
+    for head_end, node_end in qdiscs:
+        assert re.search(rf"qdisc tbf .* rate {LIMIT_GBIT * 1000:.0f}Mbit", head_end), head_end
+        assert re.search(rf"qdisc tbf .* rate {LIMIT_GBIT * 1000:.0f}Mbit", node_end), node_end
     assert max(rates) <= LIMIT_GBIT * 1.1, f"a link beat its {LIMIT_GBIT} Gbit/s limit: {rates}"
     assert "KeyboardInterrupt" in text, text[-3000:]  # stopped by Ctrl-C, not finished
     assert job.returncode != 0
