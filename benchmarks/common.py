@@ -70,7 +70,7 @@ def bench_config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Flags for dsgd.DistributedSGD's tuning arguments; each left unset runs the engine's default."""
-    parser.add_argument("--grad-partition-bytes", type=int, default=None,
+    parser.add_argument("--grad-shard-bytes", type=int, default=None,
                         help="partition size (default: the engine's choice)")
     parser.add_argument("--num-parameter-servers", type=int, default=None,
                         help="parameter-server processes (default: the engine's choice)")

@@ -1,6 +1,6 @@
 """ResNet on synthetic ImageNet trained with dsgd: images/s per step and a summary.
 
-dsgd runs at its defaults; the engine flags (--grad-partition-bytes,
+dsgd runs at its defaults; the engine flags (--grad-shard-bytes,
 --num-parameter-servers, --nan-policy, --no-ops) override them one by one.
 From the repository root:
 

@@ -80,7 +80,7 @@ def test_engine_flags_pass_only_what_was_given():
     parser = argparse.ArgumentParser()
     common.add_engine_flags(parser)
     assert common.engine_kwargs(parser.parse_args([])) == {}
-    given = parser.parse_args(["--grad-partition-bytes", "1000", "--num-parameter-servers", "2",
+    given = parser.parse_args(["--grad-shard-bytes", "1000", "--num-parameter-servers", "2",
                                "--nan-policy", "ignore", "--no-ops"])
     assert common.engine_kwargs(given) == {"grad_shard_bytes": 1000, "num_parameter_servers": 2,
                                            "nan_policy": "ignore", "use_ops": False}

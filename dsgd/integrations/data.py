@@ -39,7 +39,7 @@ _INSTALL_HINT = "Ray Data is an optional extra: pip install 'dsgd[data]'"
 class _Replica:
     worker_index: int
     device_index: int
-    partitions: dict[str, Any] | None  # name -> this replica's DataIterator; None: no datasets= given
+    shards: dict[str, Any] | None  # name -> this replica's DataIterator; None: no datasets= given
 
 
 _current: _Replica | None = None  # the replica model_creator is building in this process, if any
@@ -60,14 +60,14 @@ def get_dataset_shard(name: str) -> "ray.data.DataIterator":
         raise RuntimeError(
             f"dsgd.get_dataset_shard({name!r}) was called outside model_creator; call it inside "
             "model_creator, where it returns that replica's split of DistributedSGD(datasets=...)")
-    if replica.partitions is None:
+    if replica.shards is None:
         raise ValueError(
             f"dsgd.get_dataset_shard({name!r}): this DistributedSGD was given no datasets; pass "
             f"DistributedSGD(..., datasets={{{name!r}: ray.data.Dataset}})")
-    if name not in replica.partitions:
+    if name not in replica.shards:
         raise ValueError(f"dsgd.get_dataset_shard({name!r}): no dataset named {name!r}; "
-                         f"DistributedSGD was given datasets {sorted(replica.partitions)}")
-    return replica.partitions[name]
+                         f"DistributedSGD was given datasets {sorted(replica.shards)}")
+    return replica.shards[name]
 
 
 def check_datasets(datasets: Any) -> dict[str, "ray.data.Dataset"] | None:
@@ -181,8 +181,8 @@ class ShardedModelCreator:
 
     def __call__(self, worker_index: int, device_index: int) -> "Model":
         global _current
-        partitions = None if self.splits is None else {name: s[device_index] for name, s in self.splits.items()}
-        previous, _current = _current, _Replica(worker_index, device_index, partitions)
+        shards = None if self.splits is None else {name: s[device_index] for name, s in self.splits.items()}
+        previous, _current = _current, _Replica(worker_index, device_index, shards)
         try:
             return self.model_creator(worker_index, device_index)
         finally:
