@@ -60,12 +60,12 @@ def check_ops(shape: str) -> tuple[tf.Graph, dict[str, tf.Operation], int]:
                                       name=spec.name.replace(":", "_"))
             names.append(spec.name)
             tensors.append(v.read_value())
-        partitions = [tf.compat.v1.Variable(rng.standard_normal(s.size).astype(np.float32)).read_value()
-                      for s in layout]
+        flat = [tf.compat.v1.Variable(rng.standard_normal(s.size).astype(np.float32)).read_value()
+                for s in layout]
         ops = {"checknumerics": tf.group(*[tf.debugging.check_numerics(t, f"non-finite {n}")
                                            for t, n in zip(tensors, names)]),
                "tensors": tf.group(*worker_graph._finite(tensors, names, "gradient", config)),
-               "partitions": tf.group(*worker_graph.finite_partitions(partitions, layout, specs, len(specs), config)),
+               "partitions": tf.group(*worker_graph.finite_partitions(flat, layout, specs, len(specs), config)),
                "init": tf.compat.v1.global_variables_initializer()}
     return graph, ops, sum(s.size for s in specs)
 
