@@ -10,6 +10,7 @@ import ray
 
 from dsgd.transport import object_store, streams
 from dsgd import ps_actor
+from dsgd.server.relays import Relay
 from dsgd.wire import codec
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.exchange.ps_client import ParameterServerClient
@@ -347,7 +348,7 @@ def test_a_worker_closes_its_signal_channels_on_reattach_and_close(ray_session):
 def _relayed_pair(layout=LAYOUT, timeout_s=30.0):
     """Server 0 sums both partitions; server 1 relays them for workers 2 and 3 (as on another node)."""
     home = ps_actor.start(0, 4, layout, timeout_s, node_sums={s.index: [(2, 3)] for s in layout})
-    relay = ps_actor.start(1, 4, [], timeout_s, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in layout])
+    relay = ps_actor.start(1, 4, [], timeout_s, relays=[Relay(s, 0, (2, 3)) for s in layout])
     ray.get(relay.set_peers.remote([home, relay]), timeout=30)
     return home, relay
 
@@ -436,17 +437,17 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
     partial sum and the mean travel on it."""
     rng = np.random.default_rng(13)
     home = ps_actor.start(0, 4, LAYOUT, 30.0, node_sums={s.index: [(2, 3)] for s in LAYOUT})
-    relay = ps_actor.ParameterServer(1, 4, [], 30.0, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in LAYOUT])
-    relay.node_id = "another node"
+    relay = ps_actor.ParameterServer(1, 4, [], 30.0, relays=[Relay(s, 0, (2, 3)) for s in LAYOUT])
+    relay.transports.node_id = "another node"
     try:
         relay.set_peers([home, None])
-        first = relay.relay_streams[0]
+        first = relay.links.streams[0]
         shut_down(first._socket)
         with pytest.raises(OSError):
             first.send(0, 0, [np.zeros(LAYOUT[0].size, np.float32)])
         assert first.broken
         relay.reset(0)
-        assert relay.relay_transports() == {0: "stream"} and not relay.relay_streams[0].broken
+        assert relay.relay_transports() == {0: "stream"} and not relay.links.streams[0].broken
         assert first._socket.fileno() == -1  # the old one closed
         partition = LAYOUT[0]
         parts = [_data(rng)[0] for _ in range(4)]
@@ -459,7 +460,7 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
         expected = ((parts[0] + parts[1]) + (parts[2] + parts[3])) / np.float32(4)
         np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
     finally:
-        for stream in relay.relay_streams.values():
+        for stream in relay.links.streams.values():
             stream.close()
         ray.kill(home)
 

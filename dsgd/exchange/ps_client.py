@@ -20,17 +20,17 @@ No TensorFlow here: the worker's exchanges (``dsgd.exchange.ps``) call
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, ContextManager, Sequence, Union
 
 import numpy as np
 import ray
 
 from dsgd.transport import shared_memory, signals, streams
 from dsgd.common import timeline
-from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+from dsgd.common.calls import peer_errors
+from dsgd.errors import ActorFailure, DSGDError
 from dsgd.wire.partitions import Partition, segments
-from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd
+from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd, connect_or_fall_back
 
 WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
 EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
@@ -87,20 +87,22 @@ class ParameterServerClient:
     def _end(self, j: int, server: Any, info: dict | None) -> WorkerEnd:
         """Server ``j``'s transport: the shared buffers or the stream it offered (``info``), else the object
         store."""
-        if info is not None:
-            try:
-                if "stream" in info:
-                    return StreamWorkerEnd(info["stream"], info["slots"],
-                                           [s for s, k in zip(self.layout, self.routes) if k == j],
-                                           min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
-                return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
-                                             shared_memory.attach(info["mean"], writable=False), info["offsets"],
-                                             info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],
-                                             signals.Channel(info["signal"], self.step_timeout_s))
-            except OSError:  # same node but another PID or network namespace, or no route to the stream
-                self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
-                           self.startup_timeout_s)
-        return ObjectStoreWorkerEnd()
+        end = connect_or_fall_back(
+            info, lambda offer: self._offered_end(j, offer),
+            lambda: self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
+                               self.startup_timeout_s))
+        return ObjectStoreWorkerEnd() if end is None else end
+
+    def _offered_end(self, j: int, info: dict) -> StreamWorkerEnd | SharedMemoryWorkerEnd:
+        """The end server ``j`` offered; OSError if this process cannot reach it (same node but another PID or
+        network namespace, or no route to the stream)."""
+        partitions = [s for s, k in zip(self.layout, self.routes) if k == j]
+        if "stream" in info:
+            return StreamWorkerEnd(info["stream"], info["slots"], partitions,
+                                   min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
+        return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
+                                     shared_memory.attach(info["mean"], writable=False), info["offsets"],
+                                     info["slots"], partitions, signals.Channel(info["signal"], self.step_timeout_s))
 
     def send(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
              trace: timeline.Recorder | None = None) -> None:
@@ -175,15 +177,9 @@ class ParameterServerClient:
         with self._bounded(what, timeout_s):
             return ray.get(refs, timeout=timeout_s)
 
-    @contextlib.contextmanager
-    def _bounded(self, what: str, timeout_s: float) -> Iterator[None]:
-        """A wait for ``what`` that ran out (TimeoutError) as DSGDTimeoutError, a server whose signal channel
+    def _bounded(self, what: str, timeout_s: float) -> ContextManager[None]:
+        """A wait for ``what`` that ran out (TimeoutError) as DSGDTimeoutError, a server whose channel or stream
         closed (ConnectionError: it died) as ActorFailure; both name this worker and ``what``."""
-        try:
-            yield
-        except TimeoutError as e:
-            raise DSGDTimeoutError(
-                f"worker {self.worker_index} waited more than {timeout_s:.0f}s for {what}; "
-                "a worker or parameter server is stuck or dead") from e
-        except ConnectionError as e:
-            raise ActorFailure(f"worker {self.worker_index} lost {what}: {e}") from e
+        return peer_errors(f"worker {self.worker_index} waited more than {timeout_s:.0f}s for {what}; "
+                           "a worker or parameter server is stuck or dead",
+                           lambda e: ActorFailure(f"worker {self.worker_index} lost {what}: {e}"))

@@ -46,13 +46,30 @@ No TensorFlow here: the parameter servers import this module.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence, TypeVar
 
 import numpy as np
 import ray
 
 from dsgd.transport import object_store, shared_memory, signals, streams
 from dsgd.wire.partitions import Segment, Partition, pack, segment_arrays
+
+Offer = TypeVar("Offer")
+End = TypeVar("End")
+
+
+def connect_or_fall_back(offer: Offer | None, connect: Callable[[Offer], End],
+                         fall_back: Callable[[], Any]) -> End | None:
+    """The end ``connect`` opens to what a server offered (``offer``: shared buffers, or a stream); None if it
+    offered nothing, or if its offer cannot be reached (``connect`` raises OSError), in which case ``fall_back``
+    tells the server to take the pushes through the object store instead."""
+    if offer is None:
+        return None
+    try:
+        return connect(offer)
+    except OSError:
+        fall_back()
+        return None
 
 
 # ---- the worker's end ------------------------------------------------------

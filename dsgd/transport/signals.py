@@ -34,8 +34,9 @@ import select
 import socket
 import struct
 import threading
-import time
 from typing import Any, Callable
+
+from dsgd.transport.answers import Answers
 
 REQUEST = struct.Struct("<qqq")  # (epoch, a, b): a request of the channel's current epoch
 MAX_ANSWER_BYTES = 1 << 16
@@ -159,62 +160,32 @@ class Channel:
         except BaseException:
             self._socket.close()
             raise
-        self._changed = threading.Condition()  # guards everything below
-        self._epoch = 0  # answers to requests of earlier epochs are dropped
-        self._answers: dict[tuple[int, int], Any] = {}  # (a, b) -> its answer, arrived and not yet taken
-        self._reading = False  # a waiting thread is reading the socket for all of them
-        self._gone = False
+        self._answers = Answers(self._read_answer, "the channel")
 
     def send(self, a: int, b: int) -> None:
         """Request ``(a, b)``; ConnectionError if the server is gone."""
-        self._socket.send(REQUEST.pack(self._epoch, a, b))
+        self._socket.send(REQUEST.pack(self._answers.epoch, a, b))
 
     def wait(self, a: int, b: int, timeout_s: float) -> Any:
         """The answer to request ``(a, b)``, raised if it is an exception; TimeoutError after ``timeout_s``,
         ConnectionError if the server closed the channel (it died, or the worker re-attached)."""
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while (a, b) not in self._answers:
-                remaining = deadline - time.monotonic()
-                if self._gone:
-                    raise ConnectionResetError("the parameter server closed the channel (it died or was replaced)")
-                if remaining <= 0:
-                    raise TimeoutError(f"no answer to request {(a, b)} within {timeout_s:.0f}s")
-                if self._reading:  # another thread reads for everyone; it wakes us
-                    self._changed.wait(remaining)
-                else:
-                    self._read(remaining)
-            answer = self._answers.pop((a, b))
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
+        return self._answers.wait((a, b), timeout_s, f"request {(a, b)}")
 
-    def _read(self, timeout_s: float) -> None:
-        """Read one message (under the lock, which it releases while it waits) into ``_answers``."""
-        self._reading = True
-        self._changed.release()
-        try:
-            poller = select.poll()
-            poller.register(self._socket, select.POLLIN)
-            message = self._socket.recv(MAX_ANSWER_BYTES) if poller.poll(timeout_s * 1000) else None
-        except OSError:
-            message = b""
-        finally:
-            self._changed.acquire()
-            self._reading = False
-            self._changed.notify_all()
-        if message == b"":
-            self._gone = True
-        elif message is not None:
-            epoch, a, b, answer = pickle.loads(message)
-            if epoch == self._epoch:
-                self._answers[(a, b)] = answer
+    def _read_answer(self, timeout_s: float) -> tuple[int, tuple[int, int], Any] | None:
+        """The next answer, if one arrives within ``timeout_s``; OSError at end of file."""
+        poller = select.poll()
+        poller.register(self._socket, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):
+            return None
+        message = self._socket.recv(MAX_ANSWER_BYTES)
+        if not message:
+            raise ConnectionResetError("the channel's other end closed")
+        epoch, a, b, answer = pickle.loads(message)
+        return epoch, (a, b), answer
 
     def forget(self) -> None:
         """Drop the answers to every request sent so far (a failed step's), arrived or still to come."""
-        with self._changed:
-            self._epoch += 1
-            self._answers.clear()
+        self._answers.forget()
 
     def close(self) -> None:
         self._socket.close()

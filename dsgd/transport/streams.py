@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dsgd.transport.answers import Answers
 from dsgd.transport.signals import shut_down
 
 PUSH = struct.Struct("<qqqQ")  # epoch, step, partition, bytes that follow
@@ -62,10 +63,6 @@ TOKEN_BYTES = 16
 # A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
 # takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
 CONNECT_TIMEOUT_S = 10.0
-
-
-class Forgotten(Exception):
-    """The push a wait was for was dropped by ``Stream.forget`` (a failed step's) while it waited."""
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -219,11 +216,7 @@ class Stream:
             self._socket.close()
             raise
         self._sending = threading.Lock()  # a push goes out whole
-        self._changed = threading.Condition()  # guards everything below
-        self._epoch = 0  # answers to pushes of earlier epochs are dropped
-        self._answers: dict[tuple[int, int], Any] = {}  # (step, partition) -> its answer, arrived, not yet taken
-        self._reading = False  # a waiting thread is reading the stream for all of them
-        self._gone = False
+        self._answers = Answers(self._read_answer, "the stream")
         self._wakeup = socket.socketpair()  # ``forget`` wakes the reading thread out of its poll
         for end in self._wakeup:
             end.setblocking(False)
@@ -233,101 +226,59 @@ class Stream:
         (for ``wait``). OSError: a ConnectionError if the server is gone, TimeoutError if it stopped reading."""
         views = [_bytes(a) for a in arrays]
         with self._sending:
-            epoch = self._epoch
+            epoch = self._answers.epoch
             try:
                 self._socket.sendall(PUSH.pack(epoch, step, partition, sum(v.nbytes for v in views)))
                 for view in views:
                     self._socket.sendall(view)
             except OSError:  # a frame cut short: the server would misread what follows
-                self._end()
+                self._answers.end()
                 raise
         return epoch
-
-    def _end(self) -> None:
-        """Mark the stream gone: every wait, now or later, fails as the stream's end."""
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
 
     @property
     def broken(self) -> bool:
         """The stream ended (the server closed it, a send or an answer was cut short, or ``close``): every later
         push and wait on it fails; a new one must be opened."""
-        return self._gone
+        return self._answers.gone
 
     def wait(self, step: int, partition: int, timeout_s: float, epoch: int | None = None) -> Any:
         """The answer to push ``(step, partition)``, raised if it is an exception (its mean is in
         ``means(step, partition)``); TimeoutError after ``timeout_s``, ConnectionError if the stream ended,
         ``Forgotten`` if the push (sent in ``epoch``, as ``send`` returned) was forgotten meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        key = (step, partition)
-        with self._changed:
-            while True:
-                if epoch is not None and epoch != self._epoch:
-                    raise Forgotten(f"the push of partition {partition}, step {step} was dropped (its step failed)")
-                if key in self._answers:
-                    break
-                remaining = deadline - time.monotonic()
-                if self._gone:
-                    raise ConnectionResetError("the parameter server closed the stream (it died or was replaced)")
-                if remaining <= 0:
-                    raise TimeoutError(f"no answer to the push of partition {partition}, step {step} "
-                                       f"within {timeout_s:.0f}s")
-                if self._reading:  # another thread reads for everyone; it wakes us
-                    self._changed.wait(remaining)
-                else:
-                    self._read(remaining)
-            answer = self._answers.pop(key)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
+        return self._answers.wait((step, partition), timeout_s, f"the push of partition {partition}, step {step}",
+                                  epoch)
 
-    def _read(self, timeout_s: float) -> None:
-        """Read one answer (under the lock, which it releases meanwhile) into ``_answers`` and its mean.
-
-        Waits at most ``timeout_s`` for an answer to start; one that started must arrive whole within the
-        socket's timeout, else the stream counts as broken (its next bytes would be misread)."""
-        self._reading = True
-        self._changed.release()
-        answer, gone = None, False
-        try:
-            poller = select.poll()
-            poller.register(self._socket, select.POLLIN)
-            poller.register(self._wakeup[0], select.POLLIN)
-            ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
-            if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
-                _drain(self._wakeup[0])
-            elif ready:
-                epoch, step, partition, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
-                value = pickle.loads(_receive(self._socket, meta_bytes))
-                if mean_bytes:
-                    _receive_into(self._socket, _bytes_of(self._means(step, partition), mean_bytes))
-                answer = (epoch, step, partition, value)
-        except OSError:  # end of file, closed, or an answer cut off
-            gone = True
-        finally:
-            self._changed.acquire()
-            self._reading = False
-            self._changed.notify_all()
-        if gone:
-            self._gone = True
-        elif answer is not None and answer[0] == self._epoch:
-            self._answers[answer[1:3]] = answer[3]
+    def _read_answer(self, timeout_s: float) -> tuple[int, tuple[int, int], Any] | None:
+        """The next answer, its mean read into its buffer, if one starts within ``timeout_s`` (and ``forget`` does
+        not wake the poll); one that started must arrive whole within the socket's timeout, else the stream
+        counts as broken (its next bytes would be misread): OSError."""
+        poller = select.poll()
+        poller.register(self._socket, select.POLLIN)
+        poller.register(self._wakeup[0], select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
+        if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
+            _drain(self._wakeup[0])
+            return None
+        if not ready:
+            return None
+        epoch, step, partition, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
+        value = pickle.loads(_receive(self._socket, meta_bytes))
+        if mean_bytes:
+            _receive_into(self._socket, _bytes_of(self._means(step, partition), mean_bytes))
+        return epoch, (step, partition), value
 
     def forget(self) -> None:
         """Drop the answers to every push sent so far (a failed step's), arrived or still to come."""
-        with self._changed:
-            self._epoch += 1
-            self._answers.clear()
-            try:
-                self._wakeup[1].send(b"\0")
-            except BlockingIOError:  # it is awake already
-                pass
-            self._changed.notify_all()  # waits for those pushes fail
+        self._answers.forget()  # waits for those pushes fail
+        try:
+            self._wakeup[1].send(b"\0")
+        except BlockingIOError:  # it is awake already
+            pass
 
     def close(self) -> None:
         """End the stream: a wait from now on fails as if the server had closed it."""
-        self._end()
+        self._answers.end()
         shut_down(self._socket)
         self._socket.close()
         for end in self._wakeup:
