@@ -97,11 +97,13 @@ class ParameterServer:
                                    2 if backup_workers else 1, shared_memory.available() and signals.available())
         node_sums = {p.index: node_sums.get(p.index, ()) for p in partitions} if node_sums else {}
         places = self.layout.places
-        self.partitions = {p.index: PartitionSteps(places[p.index], contributors(num_workers, node_sums.get(p.index, ())),
-                                                   self.quorum) for p in partitions}
-        self.partitions.update({r.partition.index: PartitionSteps(places[r.partition.index],
-                                                                  {w: (w,) for w in sorted(r.workers)}, len(r.workers))
-                                for r in relays})
+        self.partitions = {
+            p.index: PartitionSteps(places[p.index], contributors(num_workers, node_sums.get(p.index, ())), self.quorum)
+            for p in partitions}
+        self.partitions.update({
+            r.partition.index: PartitionSteps(places[r.partition.index], {w: (w,) for w in sorted(r.workers)},
+                                              len(r.workers))
+            for r in relays})
         self.relayed = {r.partition.index: RelayedPartition.of(r) for r in relays}
         self.node_sums = NodeSums(server_index, node_sums, partitions)
         self.changed = threading.Condition()  # guards everything that changes below
@@ -114,12 +116,12 @@ class ParameterServer:
         self.traces = Traces()
         self.crossings = Traffic()
 
-    def _mean(self, step_id: int, partition: int) -> np.ndarray:
-        return self.layout.places[partition].mean(step_id)
+    def _mean(self, step_id: int, j: int) -> np.ndarray:
+        return self.layout.places[j].mean(step_id)
 
     def _pushes_of(self, key: int) -> Callable[[int, int], tuple[list, tuple[int, ...]]]:
         """``key``'s pushes as a transport end makes them (looked up on each call: tests wrap ``push``)."""
-        return lambda step_id, partition: self.push(step_id, key, partition)
+        return lambda step_id, j: self.push(step_id, key, j)
 
     # ---- connection --------------------------------------------------------
 
@@ -158,9 +160,9 @@ class ParameterServer:
                                           list(self.relayed))
 
     def attach_relay(self, relay: int, key: int, node_id: str | None,
-                     partitions: Sequence[int]) -> tuple[str, int, bytes] | None:
-        """Connect server ``relay``, which pushes its node's partial sums of ``partitions`` as ``key`` (the node's
-        lowest worker), and pick their transport; how it reaches this server.
+                     indices: Sequence[int]) -> tuple[str, int, bytes] | None:
+        """Connect server ``relay``, which pushes its node's partial sums of the partitions ``indices`` as ``key``
+        (the node's lowest worker), and pick their transport; how it reaches this server.
 
         A relay on another node (``node_id``) gets an input buffer here (every
         partial sum pushed here, in float32) and a stream: its address, for
@@ -169,21 +171,21 @@ class ParameterServer:
         stream) the object store: ``None``.
         """
         with self.changed:
-            for j in partitions:
+            for j in indices:
                 if j not in self.partitions or not self.node_sums.expects(j, key):
                     raise ValueError(f"{self.name} expects no partial sum of partition {j} as worker {key}'s "
                                      f"(from parameter server {relay})")
-            end = self.transports.relay_end(key, node_id, [self.layout.places[j] for j in partitions],
+            end = self.transports.relay_end(key, node_id, [self.layout.places[j] for j in indices],
                                             self.node_sums.offsets, self.node_sums.nbytes, self._pushes_of(key),
                                             self._mean)
-            self.node_sums.attach(relay, key, partitions, end)
+            self.node_sums.attach(relay, key, indices, end)
             return end.address()["stream"] if isinstance(end, StreamServerEnd) else None
 
     # ---- pushes ------------------------------------------------------------
 
-    def push(self, step_id: int, worker_index: int, partition: int,
+    def push(self, step_id: int, worker_index: int, j: int,
              stored: list[np.ndarray] | None = None) -> tuple[list, tuple[int, ...]]:
-        """One worker's copy of ``partition`` for ``step_id`` is ready; wait for the step's mean.
+        """One worker's copy of partition j for ``step_id`` is ready; wait for the step's mean.
 
         ``stored`` is what ``object_store.put`` stored (a remote worker's
         call), or None (a local worker's announcement on its signal channel:
@@ -198,7 +200,7 @@ class ParameterServer:
         start = timeline.now_us()
         inputs = None
         with self.changed:
-            p = self._partition(partition, worker_index)
+            p = self._partition(j, worker_index)
             self._check_not_aborted(p, step_id)
             resets = self.resets
             late = self.quorum < self.num_workers and p.is_late(step_id)
@@ -225,16 +227,16 @@ class ParameterServer:
             what = "late push" if late else "push"
             workers = p.contributors.get(worker_index, (worker_index,))
             who = f"worker {worker_index}'s" if len(workers) == 1 else f"the partial sum of workers {list(workers)}:"
-            self.traces.recorder(step_id).add(f"{who} {what} of partition {partition} (waits for the sum)",
+            self.traces.recorder(step_id).add(f"{who} {what} of partition {j} (waits for the sum)",
                                               start, timeline.now_us(), "pushes")
             ref, averaged = p.done[step_id]
             return self._end(p, worker_index).reply(ref), averaged
 
-    def _partition(self, index: int, worker_index: int) -> PartitionSteps:
-        if index not in self.partitions:
-            raise ValueError(f"{self.name} does not serve partition {index} (worker {worker_index} pushed it); it "
+    def _partition(self, j: int, worker_index: int) -> PartitionSteps:
+        if j not in self.partitions:
+            raise ValueError(f"{self.name} does not serve partition {j} (worker {worker_index} pushed it); it "
                              f"serves {sorted(self.partitions)}")
-        return self.partitions[index]
+        return self.partitions[j]
 
     def _take(self, p: PartitionSteps, step_id: int, key: int, stored: list | None) -> None:
         """Accept a push (under the lock) into ``p.waiting``, checked (the expected step, sizes and dtype, no second

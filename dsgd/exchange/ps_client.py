@@ -70,8 +70,9 @@ class ParameterServerClient:
         node = ray.get_runtime_context().get_node_id()
         infos = self._wait([s.attach.remote(self.worker_index, node) for s in self.servers],
                            "the parameter servers to attach", self.startup_timeout_s)
-        self.server_ends = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
-        self.ends = [self.server_ends[j] for j in self.routes]
+        self.server_ends = [self._end(index, server, info)
+                            for index, (server, info) in enumerate(zip(self.servers, infos))]
+        self.ends = [self.server_ends[server] for server in self.routes]
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in self.server_ends)
 
     def close(self) -> None:
@@ -84,19 +85,19 @@ class ParameterServerClient:
             end.close()
         self.server_ends, self.ends, self.servers = [], [], []
 
-    def _end(self, j: int, server: Any, info: dict | None) -> WorkerEnd:
-        """Server ``j``'s transport: the shared buffers or the stream it offered (``info``), else the object
+    def _end(self, index: int, server: Any, info: dict | None) -> WorkerEnd:
+        """Server ``index``'s transport: the shared buffers or the stream it offered (``info``), else the object
         store."""
         end = connect_or_fall_back(
-            info, lambda offer: self._offered_end(j, offer),
+            info, lambda offer: self._offered_end(index, offer),
             lambda: self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
                                self.startup_timeout_s))
         return ObjectStoreWorkerEnd() if end is None else end
 
-    def _offered_end(self, j: int, info: dict) -> StreamWorkerEnd | SharedMemoryWorkerEnd:
-        """The end server ``j`` offered; OSError if this process cannot reach it (same node but another PID or
+    def _offered_end(self, index: int, info: dict) -> StreamWorkerEnd | SharedMemoryWorkerEnd:
+        """The end server ``index`` offered; OSError if this process cannot reach it (same node but another PID or
         network namespace, or no route to the stream)."""
-        partitions = [s for s, k in zip(self.layout, self.routes) if k == j]
+        partitions = [p for p, server in zip(self.layout, self.routes) if server == index]
         if "stream" in info:
             return StreamWorkerEnd(info["stream"], info["slots"], partitions,
                                    min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
@@ -162,15 +163,15 @@ class ParameterServerClient:
         for end in set(self.ends):  # one end per server, shared by its partitions
             end.forget()
         node = ray.get_runtime_context().get_node_id()
-        for j, end in enumerate(self.server_ends):
+        for index, end in enumerate(self.server_ends):
             if end.broken:
                 end.close()
                 try:
-                    info = ray.get(self.servers[j].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
-                    self.server_ends[j] = self._end(j, self.servers[j], info)
+                    info = ray.get(self.servers[index].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
+                    self.server_ends[index] = self._end(index, self.servers[index], info)
                 except (ray.exceptions.RayError, OSError, DSGDError):
                     pass  # left broken: a dead server, which the recovery replaces
-        self.ends = [self.server_ends[j] for j in self.routes]
+        self.ends = [self.server_ends[server] for server in self.routes]
 
     def _wait(self, refs, what: str, timeout_s: float | None = None):
         timeout_s = self.step_timeout_s if timeout_s is None else timeout_s

@@ -32,9 +32,10 @@ class Traffic:
     def __init__(self):
         self._crossed: Counter[int] = Counter()
 
-    def count(self, partition: int, crosses_nodes: bool) -> None:
+    def count(self, j: int, crosses_nodes: bool) -> None:
+        """A push of partition j came through an end that ``crosses_nodes`` or not."""
         if crosses_nodes:
-            self._crossed[partition] += 1
+            self._crossed[j] += 1
 
     def of(self, partitions) -> dict[int, int]:
         return {j: self._crossed[j] for j in partitions}

@@ -37,7 +37,8 @@ from dsgd.wire.partitions import Partition
 
 @dataclass(frozen=True)
 class Relay:
-    """This server sums ``workers``' copies of ``partition`` (its node's workers) and pushes the sum to server ``home``."""
+    """This server sums ``workers``' copies of ``partition`` (its node's workers) and pushes the sum to server
+    ``home``."""
 
     partition: Partition
     home: int
@@ -82,15 +83,16 @@ class NodeSums:
     def expects(self, j: int, key: int) -> bool:
         return self.end(j, key) is not None
 
-    def attach(self, relay: int, key: int, partitions: Sequence[int],
+    def attach(self, relay: int, key: int, indices: Sequence[int],
                end: StreamServerEnd | ObjectStoreServerEnd) -> None:
-        """Server ``relay``'s partial sums of ``partitions``, pushed as ``key``, come through ``end`` from now on."""
+        """Server ``relay``'s partial sums of the partitions ``indices``, pushed as ``key``, come through ``end``
+        from now on."""
         old = self.sources.pop(relay, None)
         if old is not None:
             old.close()
         if isinstance(end, StreamServerEnd):
             self.sources[relay] = end
-        for j in partitions:
+        for j in indices:
             self.ends[j][key] = end
 
     def any_remote(self, j: int) -> bool:
@@ -113,12 +115,12 @@ class RelayLinks:
                 node_id: str, mean: Callable[[int, int], np.ndarray]) -> None:
         """Attach to each server of ``homes`` (server -> the partitions relayed to it) as ``key(server)`` (the
         node's lowest worker) and open the stream it offers, else settle for the object store. ``mean(step_id,
-        partition)``: where a mean coming back down a stream goes. Streams to the servers before are closed."""
+        j)``: where partition j's mean coming back down a stream goes. Streams to the servers before are closed."""
         with self.lock:
             self.peers = list(servers)
         self.close()
-        calls = {home: servers[home].attach_relay.remote(self.server_index, key(home), node_id, partitions)
-                 for home, partitions in homes.items()}
+        calls = {home: servers[home].attach_relay.remote(self.server_index, key(home), node_id, indices)
+                 for home, indices in homes.items()}
         for home, call in calls.items():
             stream = connect_or_fall_back(
                 self._answer_of(call, home),
@@ -171,7 +173,7 @@ class RelayLinks:
                            f"{partial.nbytes} bytes) to parameter server {home}", "relay"):
             stream = self.streams.get(home)
             if stream is not None:
-                try:  # a stream's end of file: the server died (or was replaced); the server's own errors as they are
+                try:  # the stream ended (OSError): the server died or was replaced; its own errors come as they are
                     with peer_errors(timed_out, lambda _: died, lambda e: e if isinstance(e, OSError) else None):
                         epoch = stream.send(step_id, partition.index, parts)
                         return None, tuple(stream.wait(step_id, partition.index, self.step_timeout_s, epoch))

@@ -19,8 +19,8 @@ from dsgd.server.layout import BufferLayout, Place, partial_sum
 from dsgd.transport.ends import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places
 
 ServerEnd = SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd
-Push = Callable[[int, int], tuple[list, tuple[int, ...]]]  # (step, partition) -> the push's answer
-Mean = Callable[[int, int], np.ndarray]  # (step, partition) -> the mean the answer goes with
+Push = Callable[[int, int], tuple[list, tuple[int, ...]]]  # (step, partition index) -> the push's answer
+Mean = Callable[[int, int], np.ndarray]  # (step, partition index) -> the mean the answer goes with
 
 
 class Transports:
