@@ -262,7 +262,7 @@ class SharedMemoryServerEnd:
         self.buffer = shared_memory.SharedBuffer(nbytes, f"dsgd-ps{server_index}-w{worker_index}")
         relayed = frozenset(relayed)
         self.signals = signals.ChannelListener(f"ps{server_index}-w{worker_index}", push, connect_timeout_s,
-                                        apart=lambda step_id, j: j in relayed)
+                                               apart=lambda step_id, j: j in relayed)
         self.server_index, self.worker_index = server_index, worker_index
 
     def address(self) -> dict:
@@ -293,8 +293,9 @@ class StreamServerEnd:
                  places: dict[int, list[tuple[int, int]]], push: Callable[[int, int], tuple[list, tuple[int, ...]]],
                  mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = ()):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
-        byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for ``SharedMemoryServerEnd``, ``mean(step_id, j)`` the
-        mean it answered with (sent after it); ``host``: this node's address, where the stream listens."""
+        byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for
+        ``SharedMemoryServerEnd``, ``mean(step_id, j)`` the mean it answered with (sent after it); ``host``: this
+        node's address, where the stream listens."""
         self.buffer = bytearray(nbytes)
         self.places = places
         relayed = frozenset(relayed)
