@@ -29,7 +29,7 @@ import json
 import ray
 
 import dsgd
-from dsgd.transport.signals import shut_down
+from dsgd.transport.listener import shut_down
 from cluster_jobs import actor_node, local_cluster, wait_until_idle
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,

@@ -129,7 +129,7 @@ def test_compressed_layout_is_float32_layout_at_half_the_bytes_and_other_dtypes_
     plain = plan_partitions(specs, 50_000)
     for compression, wire_dtype in [("bf16", np.uint16), ("fp16", np.float16)]:
         layout = plan_partitions(specs, 50_000, compression)
-        assert [(s.size, s.pieces) for s in layout] == [(s.size, s.pieces) for s in plain]
+        assert [(p.size, p.pieces) for p in layout] == [(p.size, p.pieces) for p in plain]
         for partition in layout:
             if partition.dtype == np.float32:
                 assert partition.wire_dtype == wire_dtype and partition.wire_nbytes * 2 == partition.nbytes
@@ -189,7 +189,7 @@ def test_compressed_steps_against_float32_through_shared_memory_op_and_python_pa
 def test_sent_bytes_for_every_strategy(ray_session, float32_engine, caplog):
     caplog.set_level(logging.WARNING, logger="dsgd")
     layout = server_group(float32_engine).layout
-    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == sum(s.nbytes for s in layout)
+    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == sum(partition.nbytes for partition in layout)
     with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
         assert sgd.step(fetch_stats=True)["sent_bytes"] == 4 * (5 * 4 + 4 + 4)  # the float32 gradients, to the driver
     with dsgd.DistributedSGD(TanhNet, num_workers=1, strategy="ps", compression="bf16") as sgd:

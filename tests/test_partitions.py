@@ -42,22 +42,22 @@ def test_pieces_are_aligned_and_do_not_overlap():
 def test_large_variable_is_split_and_partitions_are_balanced():
     layout = plan_partitions(specs((1000,), (10,)), 1000)  # 4040 bytes -> 5 partitions
     assert len(layout) == 5
-    payloads = [sum(p.size for p in s.pieces) for s in layout]
+    payloads = [sum(p.size for p in partition.pieces) for partition in layout]
     assert max(payloads) - min(payloads) <= 2
-    assert sum(1 for s in layout for p in s.pieces if p.var_index == 0) == 5
+    assert sum(1 for partition in layout for p in partition.pieces if p.var_index == 0) == 5
 
 
 def test_whole_variables_moved_to_the_next_partition_do_not_add_a_partition():
     layout = plan_partitions(specs((6,), (6,), (6,)), 36)  # 72 bytes -> exactly 2 partitions
-    assert [[p.var_index for p in s.pieces] for s in layout] == [[0, 1], [2]]
+    assert [[p.var_index for p in partition.pieces] for partition in layout] == [[0, 1], [2]]
     layout = plan_partitions(specs((6,), (6,), (6,), (25,)), 40)  # 172 bytes -> exactly 5 partitions
     assert len(layout) == 5
-    assert sum(p.size for s in layout for p in s.pieces) == 43
+    assert sum(p.size for partition in layout for p in partition.pieces) == 43
 
 
 def test_zero_means_one_partition_per_dtype():
     layout = plan_partitions(specs((10,)) + specs((4,), dtype=np.float16), 0)
-    assert [s.dtype for s in layout] == [F32, np.dtype(np.float16)]
+    assert [partition.dtype for partition in layout] == [F32, np.dtype(np.float16)]
 
 
 def test_negative_partition_size_is_rejected():

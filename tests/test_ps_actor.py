@@ -10,11 +10,12 @@ import ray
 
 from dsgd.transport import object_store, streams
 from dsgd import ps_actor
+from dsgd.server.relays import Relay
 from dsgd.wire import codec
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.exchange.ps_client import ParameterServerClient
 from dsgd.wire.partitions import VarSpec, plan_partitions, segments
-from dsgd.transport.signals import shut_down
+from dsgd.transport.listener import shut_down
 from dsgd.transport.ends import StreamWorkerEnd
 from dsgd_test_models import pushes_waiting, wait_until
 
@@ -126,7 +127,7 @@ def test_a_worker_on_another_node_pushes_down_a_stream_and_reads_the_same_mean(r
                 assert reply == [] and averaged == (0, 1, 2)
                 np.testing.assert_array_equal(end.read_mean(partition, step, reply, None), expected[partition.index])
     # The remote workers' pushes came down their streams, counted as from another node.
-    assert ray.get(server.traffic.remote(), timeout=30) == {s.index: 2 * 3 for s in layout}
+    assert ray.get(server.traffic.remote(), timeout=30) == {partition.index: 2 * 3 for partition in layout}
     ray.kill(server)
 
 
@@ -346,8 +347,8 @@ def test_a_worker_closes_its_signal_channels_on_reattach_and_close(ray_session):
 
 def _relayed_pair(layout=LAYOUT, timeout_s=30.0):
     """Server 0 sums both partitions; server 1 relays them for workers 2 and 3 (as on another node)."""
-    home = ps_actor.start(0, 4, layout, timeout_s, node_sums={s.index: [(2, 3)] for s in layout})
-    relay = ps_actor.start(1, 4, [], timeout_s, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in layout])
+    home = ps_actor.start(0, 4, layout, timeout_s, node_sums={partition.index: [(2, 3)] for partition in layout})
+    relay = ps_actor.start(1, 4, [], timeout_s, relays=[Relay(partition, 0, (2, 3)) for partition in layout])
     ray.get(relay.set_peers.remote([home, relay]), timeout=30)
     return home, relay
 
@@ -383,7 +384,7 @@ def test_a_relay_pushes_one_partial_sum_and_the_server_averages_by_worker_count(
                 np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
             assert answers[3][0] == answers[0][0]  # the relay hands on the server's mean, not a copy
     # Per partition and step: workers 0 and 1 and the relay's one partial sum came through the object store.
-    assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
+    assert ray.get(home.traffic.remote(), timeout=30) == {partition.index: 3 * 2 for partition in layout}
     for actor in (home, relay):
         ray.kill(actor)
 
@@ -395,11 +396,11 @@ def test_a_relay_on_another_node_pushes_its_float32_partial_sum_down_a_stream(ra
     0 and 1 read; a second attach (the relaying server was replaced) closes the first stream."""
     rng = np.random.default_rng(12)
     layout = plan_partitions(SPECS, 50_000, compression)
-    home = ps_actor.start(0, 4, layout, 30.0, node_sums={s.index: [(2, 3)] for s in layout})
-    partitions = [s.index for s in layout]
+    home = ps_actor.start(0, 4, layout, 30.0, node_sums={partition.index: [(2, 3)] for partition in layout})
+    partitions = [partition.index for partition in layout]
     with pytest.raises(ValueError, match=r"expects no partial sum of partition 0 as worker 3's"):
         ray.get(home.attach_relay.remote(1, 3, "another node", partitions), timeout=30)
-    means = {s.index: np.empty(s.size, s.wire_dtype) for s in layout}
+    means = {partition.index: np.empty(partition.size, partition.wire_dtype) for partition in layout}
 
     def relay():
         address = ray.get(home.attach_relay.remote(1, 2, "another node", partitions), timeout=30)
@@ -426,7 +427,7 @@ def test_a_relay_on_another_node_pushes_its_float32_partial_sum_down_a_stream(ra
                 assert averaged == (0, 1, 2, 3)
                 np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
     # Per partition and step: workers 0 and 1 through the object store and the partial sum down the stream.
-    assert ray.get(home.traffic.remote(), timeout=30) == {s.index: 3 * 2 for s in layout}
+    assert ray.get(home.traffic.remote(), timeout=30) == {partition.index: 3 * 2 for partition in layout}
     ray.kill(home)
 
 
@@ -435,18 +436,18 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
     server ended under it (a send cut short): the reset of the recovery opens a new stream, and the relay's
     partial sum and the mean travel on it."""
     rng = np.random.default_rng(13)
-    home = ps_actor.start(0, 4, LAYOUT, 30.0, node_sums={s.index: [(2, 3)] for s in LAYOUT})
-    relay = ps_actor.ParameterServer(1, 4, [], 30.0, relays=[ps_actor.Relay(s, 0, (2, 3)) for s in LAYOUT])
-    relay.node_id = "another node"
+    home = ps_actor.start(0, 4, LAYOUT, 30.0, node_sums={partition.index: [(2, 3)] for partition in LAYOUT})
+    relay = ps_actor.ParameterServer(1, 4, [], 30.0, relays=[Relay(partition, 0, (2, 3)) for partition in LAYOUT])
+    relay.transports.node_id = "another node"
     try:
         relay.set_peers([home, None])
-        first = relay.relay_streams[0]
+        first = relay.links.streams[0]
         shut_down(first._socket)
         with pytest.raises(OSError):
             first.send(0, 0, [np.zeros(LAYOUT[0].size, np.float32)])
         assert first.broken
         relay.reset(0)
-        assert relay.relay_transports() == {0: "stream"} and not relay.relay_streams[0].broken
+        assert relay.relay_transports() == {0: "stream"} and not relay.links.streams[0].broken
         assert first._socket.fileno() == -1  # the old one closed
         partition = LAYOUT[0]
         parts = [_data(rng)[0] for _ in range(4)]
@@ -459,7 +460,7 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
         expected = ((parts[0] + parts[1]) + (parts[2] + parts[3])) / np.float32(4)
         np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], expected)
     finally:
-        for stream in relay.relay_streams.values():
+        for stream in relay.links.streams.values():
             stream.close()
         ray.kill(home)
 

@@ -23,7 +23,7 @@ def test_answers_come_back_to_the_thread_waiting_for_each_and_errors_as_themselv
             raise ValueError(f"bad request {(a, b)}")
         return a * 10 + b
 
-    listener = signals.Listener("answers", answer, 30)
+    listener = signals.ChannelListener("answers", answer, 30)
     channel = signals.Channel(listener.address, 30)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         channel.send(1, 0)
@@ -47,7 +47,7 @@ def test_a_request_picked_apart_is_answered_on_its_own_thread_and_the_next_ones_
             assert release.wait(30)
         return a * 10 + b
 
-    listener = signals.Listener("apart", answer, 30, apart=lambda a, b: b == 1)
+    listener = signals.ChannelListener("apart", answer, 30, apart=lambda a, b: b == 1)
     channel = signals.Channel(listener.address, 30)
     for b in (0, 1, 2):
         channel.send(5, b)
@@ -60,7 +60,7 @@ def test_a_request_picked_apart_is_answered_on_its_own_thread_and_the_next_ones_
 
 def test_a_wait_is_bounded_and_forget_drops_the_answers_still_to_come():
     release = threading.Event()
-    listener = signals.Listener("forget", lambda a, b: release.wait(30) and (a, b), 30)
+    listener = signals.ChannelListener("forget", lambda a, b: release.wait(30) and (a, b), 30)
     channel = signals.Channel(listener.address, 30)
     channel.send(0, 0)
     with pytest.raises(TimeoutError):
@@ -75,7 +75,7 @@ def test_a_wait_is_bounded_and_forget_drops_the_answers_still_to_come():
 
 
 def test_closing_either_end_ends_the_other_and_the_server_thread():
-    listener = signals.Listener("close-server", lambda a, b: (a, b), 30)
+    listener = signals.ChannelListener("close-server", lambda a, b: (a, b), 30)
     channel = signals.Channel(listener.address, 30)
     channel.send(0, 0)
     assert channel.wait(0, 0, 30) == (0, 0)
@@ -86,14 +86,14 @@ def test_closing_either_end_ends_the_other_and_the_server_thread():
         thread.join(30)
         assert not thread.is_alive()
 
-    listener = signals.Listener("close-worker", lambda a, b: (a, b), 30)
+    listener = signals.ChannelListener("close-worker", lambda a, b: (a, b), 30)
     signals.Channel(listener.address, 30).close()
     for thread in _threads("close-worker"):
         thread.join(30)
         assert not thread.is_alive()
     listener.close()
 
-    listener = signals.Listener("never-connected", lambda a, b: (a, b), 30)
+    listener = signals.ChannelListener("never-connected", lambda a, b: (a, b), 30)
     listener.close()  # a worker that fell back to the object store: the thread waiting in accept ends
     for thread in _threads("never-connected"):
         thread.join(30)
@@ -101,7 +101,7 @@ def test_closing_either_end_ends_the_other_and_the_server_thread():
 
 
 def test_a_channel_refuses_a_socket_not_held_by_the_given_process():
-    listener = signals.Listener("impostor", lambda a, b: (a, b), 30)
+    listener = signals.ChannelListener("impostor", lambda a, b: (a, b), 30)
     pid, name = listener.address
     assert pid == os.getpid()
     with pytest.raises(ConnectionRefusedError, match=f"not held by process {pid + 1}"):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dsgd.transport import streams
+from dsgd.transport.answers import Forgotten
 
 SIZE = 10  # float32 elements of the one partition (0) in these tests
 _names = itertools.count()
@@ -112,7 +113,7 @@ def test_a_wait_for_a_push_forgotten_meanwhile_fails_at_once():
     epoch = stream.send(0, 0, [np.ones(SIZE, np.float32)])
     threading.Timer(0.2, stream.forget).start()
     start = time.monotonic()
-    with pytest.raises(streams.Forgotten):
+    with pytest.raises(Forgotten):
         stream.wait(0, 0, 30, epoch)
     assert time.monotonic() - start < 5
     server.release.set()

@@ -8,8 +8,10 @@ aborted) comes out as ``ActorFailure``, which the step ledger recovers
 from, naming the actor by what its ``identity()`` call answered
 (``identify``); a dsgd error raised inside an actor comes out as itself;
 any other failure as ``DSGDError``; a wait that runs out as
-``DSGDTimeoutError`` saying what was awaited. ``sending`` makes a set of
-calls go out whole, Ctrl-C or not.
+``DSGDTimeoutError`` saying what was awaited. ``peer_errors`` is that
+translation for every bounded wait on a peer, the driver's and the actors'
+(a worker's on its parameter servers, a relaying server's on a partition's
+server). ``sending`` makes a set of calls go out whole, Ctrl-C or not.
 """
 
 from __future__ import annotations
@@ -46,6 +48,34 @@ def _fault_of(error: BaseException) -> BaseException | None:
     if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, _FAULTS):
         return error.cause
     return None
+
+
+def closed_connection(error: BaseException) -> BaseException | None:
+    """``error`` if it is a connection that closed (its peer died or was replaced)."""
+    return error if isinstance(error, ConnectionError) else None
+
+
+@contextlib.contextmanager
+def peer_errors(timed_out: str, lost: Callable[[BaseException], BaseException] | None = None,
+                fault_of: Callable[[BaseException], BaseException | None] = closed_connection) -> Iterator[None]:
+    """A bounded wait on a peer (an actor call, or a socket to another process), its failures as dsgd's errors.
+
+    A wait that ran out (TimeoutError; Ray's GetTimeoutError is one) raises
+    ``DSGDTimeoutError(timed_out)``; an error behind which ``fault_of`` finds
+    a dead peer (by default a closed connection) raises ``lost(the fault)``,
+    unless ``lost`` is None; anything else goes through unchanged, the
+    peer's own errors too (a Ray task error is one even when it is also an
+    instance of what the peer raised, a TimeoutError say).
+    """
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, TimeoutError) and not isinstance(e, ray.exceptions.RayTaskError):
+            raise DSGDTimeoutError(timed_out) from e
+        fault = None if lost is None else fault_of(e)
+        if fault is None:
+            raise
+        raise lost(fault) from e
 
 
 @contextlib.contextmanager
@@ -113,27 +143,27 @@ class Calls:
         deadline, next_report = start + timeout, start + PROGRESS_AFTER_S
         values = {}
         try:
-            while pending and not (enough and enough(list(values.values()))):
-                ready, pending = ray.wait(pending, num_returns=1,
-                                          timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
-                if ready:
-                    try:
-                        values[ready[0]] = ray.get(ready[0])
-                    except ray.exceptions.RayError as e:
-                        if _fault_of(e) is None or len(failed) >= spare_failures:
-                            raise
-                        failed.append(ready[0])
-                        if on_failure is not None:
-                            on_failure(refs.index(ready[0]))
-                elif time.monotonic() >= deadline:
-                    raise DSGDTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; {hint}")
-                else:
-                    self._log_progress(what, len(values), pending, time.monotonic() - start)
-                    next_report += PROGRESS_EVERY_S
-        except ray.exceptions.RayError as e:
-            fault = _fault_of(e)
-            if fault is not None:
-                raise ActorFailure(f"{self._describe(fault)} while waiting for {what}: {fault}") from e
+            with peer_errors(f"timed out after {timeout:.0f}s waiting for {what}; {hint}",
+                             lambda fault: ActorFailure(f"{self._describe(fault)} while waiting for {what}: {fault}"),
+                             _fault_of):
+                while pending and not (enough and enough(list(values.values()))):
+                    ready, pending = ray.wait(pending, num_returns=1,
+                                              timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
+                    if ready:
+                        try:
+                            values[ready[0]] = ray.get(ready[0])
+                        except ray.exceptions.RayError as e:
+                            if _fault_of(e) is None or len(failed) >= spare_failures:
+                                raise
+                            failed.append(ready[0])
+                            if on_failure is not None:
+                                on_failure(refs.index(ready[0]))
+                    elif time.monotonic() >= deadline:
+                        raise TimeoutError(what)
+                    else:
+                        self._log_progress(what, len(values), pending, time.monotonic() - start)
+                        next_report += PROGRESS_EVERY_S
+        except ray.exceptions.RayError as e:  # not a dead actor: an actor's own error
             if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
                 raise e.cause.with_traceback(None) from None
             raise DSGDError(f"failed while waiting for {what}:\n{e}") from e

@@ -20,17 +20,17 @@ No TensorFlow here: the worker's exchanges (``dsgd.exchange.ps``) call
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, ContextManager, Sequence, Union
 
 import numpy as np
 import ray
 
 from dsgd.transport import shared_memory, signals, streams
 from dsgd.common import timeline
-from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
+from dsgd.common.calls import peer_errors
+from dsgd.errors import ActorFailure, DSGDError
 from dsgd.wire.partitions import Partition, segments
-from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd
+from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd, connect_or_fall_back
 
 WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
 EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
@@ -70,8 +70,9 @@ class ParameterServerClient:
         node = ray.get_runtime_context().get_node_id()
         infos = self._wait([s.attach.remote(self.worker_index, node) for s in self.servers],
                            "the parameter servers to attach", self.startup_timeout_s)
-        self.server_ends = [self._end(j, server, info) for j, (server, info) in enumerate(zip(self.servers, infos))]
-        self.ends = [self.server_ends[j] for j in self.routes]
+        self.server_ends = [self._end(index, server, info)
+                            for index, (server, info) in enumerate(zip(self.servers, infos))]
+        self.ends = [self.server_ends[server] for server in self.routes]
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in self.server_ends)
 
     def close(self) -> None:
@@ -84,23 +85,25 @@ class ParameterServerClient:
             end.close()
         self.server_ends, self.ends, self.servers = [], [], []
 
-    def _end(self, j: int, server: Any, info: dict | None) -> WorkerEnd:
-        """Server ``j``'s transport: the shared buffers or the stream it offered (``info``), else the object
+    def _end(self, index: int, server: Any, info: dict | None) -> WorkerEnd:
+        """Server ``index``'s transport: the shared buffers or the stream it offered (``info``), else the object
         store."""
-        if info is not None:
-            try:
-                if "stream" in info:
-                    return StreamWorkerEnd(info["stream"], info["slots"],
-                                           [s for s, k in zip(self.layout, self.routes) if k == j],
-                                           min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
-                return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
-                                             shared_memory.attach(info["mean"], writable=False), info["offsets"],
-                                             info["slots"], [s for s, k in zip(self.layout, self.routes) if k == j],
-                                             signals.Channel(info["signal"], self.step_timeout_s))
-            except OSError:  # same node but another PID or network namespace, or no route to the stream
-                self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
-                           self.startup_timeout_s)
-        return ObjectStoreWorkerEnd()
+        end = connect_or_fall_back(
+            info, lambda offer: self._offered_end(index, offer),
+            lambda: self._wait(server.attach.remote(self.worker_index, None), "a parameter server to re-attach",
+                               self.startup_timeout_s))
+        return ObjectStoreWorkerEnd() if end is None else end
+
+    def _offered_end(self, index: int, info: dict) -> StreamWorkerEnd | SharedMemoryWorkerEnd:
+        """The end server ``index`` offered; OSError if this process cannot reach it (same node but another PID or
+        network namespace, or no route to the stream)."""
+        partitions = [p for p, server in zip(self.layout, self.routes) if server == index]
+        if "stream" in info:
+            return StreamWorkerEnd(info["stream"], info["slots"], partitions,
+                                   min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
+        return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
+                                     shared_memory.attach(info["mean"], writable=False), info["offsets"],
+                                     info["slots"], partitions, signals.Channel(info["signal"], self.step_timeout_s))
 
     def send(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
              trace: timeline.Recorder | None = None) -> None:
@@ -160,30 +163,24 @@ class ParameterServerClient:
         for end in set(self.ends):  # one end per server, shared by its partitions
             end.forget()
         node = ray.get_runtime_context().get_node_id()
-        for j, end in enumerate(self.server_ends):
+        for index, end in enumerate(self.server_ends):
             if end.broken:
                 end.close()
                 try:
-                    info = ray.get(self.servers[j].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
-                    self.server_ends[j] = self._end(j, self.servers[j], info)
+                    info = ray.get(self.servers[index].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
+                    self.server_ends[index] = self._end(index, self.servers[index], info)
                 except (ray.exceptions.RayError, OSError, DSGDError):
                     pass  # left broken: a dead server, which the recovery replaces
-        self.ends = [self.server_ends[j] for j in self.routes]
+        self.ends = [self.server_ends[server] for server in self.routes]
 
     def _wait(self, refs, what: str, timeout_s: float | None = None):
         timeout_s = self.step_timeout_s if timeout_s is None else timeout_s
         with self._bounded(what, timeout_s):
             return ray.get(refs, timeout=timeout_s)
 
-    @contextlib.contextmanager
-    def _bounded(self, what: str, timeout_s: float) -> Iterator[None]:
-        """A wait for ``what`` that ran out (TimeoutError) as DSGDTimeoutError, a server whose signal channel
+    def _bounded(self, what: str, timeout_s: float) -> ContextManager[None]:
+        """A wait for ``what`` that ran out (TimeoutError) as DSGDTimeoutError, a server whose channel or stream
         closed (ConnectionError: it died) as ActorFailure; both name this worker and ``what``."""
-        try:
-            yield
-        except TimeoutError as e:
-            raise DSGDTimeoutError(
-                f"worker {self.worker_index} waited more than {timeout_s:.0f}s for {what}; "
-                "a worker or parameter server is stuck or dead") from e
-        except ConnectionError as e:
-            raise ActorFailure(f"worker {self.worker_index} lost {what}: {e}") from e
+        return peer_errors(f"worker {self.worker_index} waited more than {timeout_s:.0f}s for {what}; "
+                           "a worker or parameter server is stuck or dead",
+                           lambda e: ActorFailure(f"worker {self.worker_index} lost {what}: {e}"))

@@ -17,7 +17,7 @@ A worker and a server pick one transport per pair when the worker attaches
   from its arrays, the server receives them into the input buffer, sums as
   for a worker on its node and sends the mean back, into a buffer of the
   worker's. No Ray call and no object per partition. A relaying server's
-  partial sums (node-local aggregation, ``dsgd.ps_actor``) travel the same
+  partial sums (node-local aggregation, ``dsgd.server.relays``) travel the same
   way to the partition's server on another node (its
   ``ParameterServer.attach_relay`` makes a ``StreamServerEnd``, the relaying
   server holds a ``streams.Stream``), in float32 under compression, their
@@ -46,13 +46,30 @@ No TensorFlow here: the parameter servers import this module.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence, TypeVar
 
 import numpy as np
 import ray
 
 from dsgd.transport import object_store, shared_memory, signals, streams
 from dsgd.wire.partitions import Segment, Partition, pack, segment_arrays
+
+Offer = TypeVar("Offer")
+End = TypeVar("End")
+
+
+def connect_or_fall_back(offer: Offer | None, connect: Callable[[Offer], End],
+                         fall_back: Callable[[], Any]) -> End | None:
+    """The end ``connect`` opens to what a server offered (``offer``: shared buffers, or a stream); None if it
+    offered nothing, or if its offer cannot be reached (``connect`` raises OSError), in which case ``fall_back``
+    tells the server to take the pushes through the object store instead."""
+    if offer is None:
+        return None
+    try:
+        return connect(offer)
+    except OSError:
+        fall_back()
+        return None
 
 
 # ---- the worker's end ------------------------------------------------------
@@ -68,10 +85,10 @@ class SharedMemoryWorkerEnd:
         """``offsets[j]``: byte offset of partition j in both buffers, ``slots``: byte offset of each slot of the
         mean buffer (a step's mean is in slot ``step % len(slots)``; ``ParameterServer.attach``)."""
         self.channel = channel
-        self.inputs = {s.index: shared_memory.array(input_memory, s.wire_dtype, offsets[s.index], s.size)
-                       for s in partitions}
-        self.means = [{s.index: shared_memory.array(mean_memory, s.wire_dtype, slot + offsets[s.index], s.size)
-                       for s in partitions} for slot in slots]
+        self.inputs = {p.index: shared_memory.array(input_memory, p.wire_dtype, offsets[p.index], p.size)
+                       for p in partitions}
+        self.means = [{p.index: shared_memory.array(mean_memory, p.wire_dtype, slot + offsets[p.index], p.size)
+                       for p in partitions} for slot in slots]
 
     def write(self, partition: Partition, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> None:
         """Copy ``arrays`` (one per segment, in the wire dtype) into the input buffer; the push carries nothing."""
@@ -84,7 +101,7 @@ class SharedMemoryWorkerEnd:
         pack(grads, partition, self.inputs[partition.index])
 
     def push(self, server: Any, worker_index: int, partition: Partition, step_id: int, stored: None) -> None:
-        """Say on the channel that ``partition``'s partition of ``step_id`` is in the input buffer."""
+        """Say on the channel that ``partition`` of ``step_id`` is in the input buffer."""
         self.channel.send(step_id, partition.index)
 
     def answer(self, partition: Partition, step_id: int, timeout_s: float) -> tuple[list, tuple[int, ...]]:
@@ -128,8 +145,8 @@ class StreamWorkerEnd:
     def __init__(self, address: tuple[str, int, bytes], slots: int, partitions: Sequence[Partition],
                  connect_timeout_s: float, send_timeout_s: float):
         """Connect to the server's stream (``StreamServerEnd.address``); OSError if it cannot be reached."""
-        self.means = [{s.index: np.empty(s.size, s.wire_dtype) for s in partitions} for _ in range(slots)]
-        self.stream = streams.Stream(address, lambda step, partition: self.means[step % slots][partition],
+        self.means = [{p.index: np.empty(p.size, p.wire_dtype) for p in partitions} for _ in range(slots)]
+        self.stream = streams.Stream(address, lambda step, j: self.means[step % slots][j],
                                      connect_timeout_s, send_timeout_s)
         self.segments = _Segments()
 
@@ -238,14 +255,14 @@ class SharedMemoryServerEnd:
     def __init__(self, server_index: int, worker_index: int, nbytes: int,
                  push: Callable[[int, int], tuple[list, tuple[int, ...]]], connect_timeout_s: float,
                  relayed: Collection[int] = ()):
-        """``push(step_id, partition)``: the server's push of this worker, called on the channel's thread for each
+        """``push(step_id, j)``: the server's push of this worker, called on the channel's thread for each
         announced partition, in order (a ``relayed`` partition's on a thread of its own: its sum crosses to
         another node and back); what it returns or raises is the worker's answer. The worker must connect
         within ``connect_timeout_s``."""
         self.buffer = shared_memory.SharedBuffer(nbytes, f"dsgd-ps{server_index}-w{worker_index}")
         relayed = frozenset(relayed)
-        self.signals = signals.Listener(f"ps{server_index}-w{worker_index}", push, connect_timeout_s,
-                                        apart=lambda step_id, partition: partition in relayed)
+        self.signals = signals.ChannelListener(f"ps{server_index}-w{worker_index}", push, connect_timeout_s,
+                                               apart=lambda step_id, j: j in relayed)
         self.server_index, self.worker_index = server_index, worker_index
 
     def address(self) -> dict:
@@ -276,28 +293,29 @@ class StreamServerEnd:
                  places: dict[int, list[tuple[int, int]]], push: Callable[[int, int], tuple[list, tuple[int, ...]]],
                  mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = ()):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
-        byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for ``SharedMemoryServerEnd``, ``mean(step_id, partition)`` the
-        mean it answered with (sent after it); ``host``: this node's address, where the stream listens."""
+        byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for
+        ``SharedMemoryServerEnd``, ``mean(step_id, j)`` the mean it answered with (sent after it); ``host``: this
+        node's address, where the stream listens."""
         self.buffer = bytearray(nbytes)
         self.places = places
         relayed = frozenset(relayed)
         self.server_index, self.worker_index = server_index, worker_index
         self.listener = streams.StreamListener(
             f"ps{server_index}-w{worker_index}", host, self._target,
-            lambda step_id, partition: (push(step_id, partition)[1], mean(step_id, partition)),
-            connect_timeout_s, apart=lambda step_id, partition: partition in relayed)
+            lambda step_id, j: (push(step_id, j)[1], mean(step_id, j)),
+            connect_timeout_s, apart=lambda step_id, j: j in relayed)
 
-    def _target(self, partition: int, nbytes: int) -> list[memoryview]:
-        """Where the segments of a push of ``partition`` (``nbytes`` in all) go; ValueError for one this server
+    def _target(self, j: int, nbytes: int) -> list[memoryview]:
+        """Where the segments of a push of partition j (``nbytes`` in all) go; ValueError for one this server
         does not expect."""
         where = f"parameter server {self.server_index}"
-        if partition not in self.places:
-            raise ValueError(f"{where} does not serve partition {partition} (worker {self.worker_index} pushed "
+        if j not in self.places:
+            raise ValueError(f"{where} does not serve partition {j} (worker {self.worker_index} pushed "
                              f"it); it serves {sorted(self.places)}")
-        places = self.places[partition]
+        places = self.places[j]
         expected = sum(n for _, n in places)
         if nbytes != expected:
-            raise ValueError(f"{where} expects {expected} bytes of partition {partition} from worker "
+            raise ValueError(f"{where} expects {expected} bytes of partition {j} from worker "
                              f"{self.worker_index}, it sent {nbytes}")
         memory = memoryview(self.buffer)
         return [memory[offset:offset + n] for offset, n in places]

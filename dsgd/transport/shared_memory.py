@@ -22,17 +22,9 @@ import os
 
 import numpy as np
 
-ALIGN_BYTES = 64
-
-
 def available() -> bool:
     """Whether this process can create buffers others on the host can map."""
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to the next ``ALIGN_BYTES`` boundary."""
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 class SharedBuffer:

@@ -4,7 +4,7 @@ A parameter server and a worker on its node share buffers (``dsgd.transport.shar
 what they still need is to tell each other "partition j of step s is in my
 buffer" and "its mean is ready". This module carries those signals over a
 connected ``AF_UNIX`` ``SOCK_SEQPACKET`` socket (one message per send, in
-order), created by the server (``Listener``) and joined by the worker
+order), created by the server (``ChannelListener``) and joined by the worker
 (``Channel``) through an abstract address the worker learns when it attaches:
 
 - a request is two integers (the step and the partition), packed; an answer
@@ -33,9 +33,10 @@ import secrets
 import select
 import socket
 import struct
-import threading
-import time
 from typing import Any, Callable
+
+from dsgd.transport.answers import Answers
+from dsgd.transport.listener import Listener, Request
 
 REQUEST = struct.Struct("<qqq")  # (epoch, a, b): a request of the channel's current epoch
 MAX_ANSWER_BYTES = 1 << 16
@@ -48,21 +49,12 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def shut_down(sock: socket.socket) -> None:
-    """Shut ``sock`` down both ways, which wakes a thread blocked on it (in recv, or in accept on Linux);
-    nothing if it is closed already."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 def available() -> bool:
     """Whether this host has what a channel needs (Linux: abstract Unix sockets, peer credentials)."""
     return hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "SOCK_SEQPACKET")
 
 
-class Listener:
+class ChannelListener(Listener):
     """The server's end: accepts one worker's channel and answers its requests in order, on its own thread."""
 
     def __init__(self, name: str, answer: Callable[[int, int], Any], accept_timeout_s: float,
@@ -72,72 +64,45 @@ class Listener:
 
         The worker must connect within ``accept_timeout_s`` of this call.
         """
-        self._answer = answer
-        self._apart = apart
-        self._sending = threading.Lock()  # answers from several threads go out whole
+        super().__init__(f"dsgd signals {name}", answer, apart, read_ahead=False)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._server.bind(f"\0dsgd-{name}-{os.getpid()}-{secrets.token_hex(8)}")
         self._server.listen(1)
         self._server.settimeout(accept_timeout_s)
         self.address: tuple[int, bytes] = (os.getpid(), self._server.getsockname())
-        self._lock = threading.Lock()
-        self._closed = False
-        self._connection: socket.socket | None = None
-        threading.Thread(target=self._serve, name=f"dsgd signals {name}", daemon=True).start()
+        self._start()
 
-    def _serve(self) -> None:
+    def _accept(self) -> socket.socket | None:
+        """The worker's connection, if it came in time from this user (``SO_PEERCRED``)."""
         try:
             connection, _ = self._server.accept()
         except OSError:  # closed, or nobody came within the timeout
-            return
+            return None
         finally:
             self._server.close()
-        with connection:
-            connection.setblocking(True)  # between steps it waits for the next request as long as it takes
-            with self._lock:
-                if self._closed or _peer(connection)[1] != os.getuid():
-                    return
-                self._connection = connection
-            while True:
-                try:
-                    request = connection.recv(REQUEST.size)
-                except OSError:  # closed (a re-attach) while waiting
-                    return
-                if len(request) != REQUEST.size:  # end of file: the worker closed its end or died
-                    return
-                epoch, a, b = REQUEST.unpack(request)
-                if self._apart(a, b):
-                    threading.Thread(target=self._respond, args=(connection, epoch, a, b), daemon=True,
-                                     name=f"dsgd signals request {a}, {b}").start()
-                elif not self._respond(connection, epoch, a, b):
-                    return
+        connection.setblocking(True)  # between steps it waits for the next request as long as it takes
+        if _peer(connection)[1] != os.getuid():
+            connection.close()
+            return None
+        return connection
 
-    def _respond(self, connection: socket.socket, epoch: int, a: int, b: int) -> bool:
-        """Answer request ``(a, b)``; False if the worker is gone."""
-        try:
-            answer = self._answer(a, b)
-        except Exception as e:  # the worker raises it
-            answer = e
-        try:
-            with self._sending:
-                connection.send(pickle.dumps((epoch, a, b, answer)))
-        except OSError:
-            return False
-        return True
+    def _receive(self, connection: socket.socket) -> Request | None:
+        request = connection.recv(REQUEST.size)
+        if len(request) != REQUEST.size:  # end of file: the worker closed its end or died
+            return None
+        epoch, a, b = REQUEST.unpack(request)
+        return epoch, a, b, None
 
-    def close(self) -> None:
-        """Stop answering; the worker's waits read end-of-file."""
-        with self._lock:
-            self._closed = True
-            connection = self._connection
-        if connection is not None:
-            shut_down(connection)  # wakes the thread blocked in recv
-            return
-        try:  # the thread may still be in accept, which nothing but a connection wakes: connect, it sees closed
+    def _send(self, connection: socket.socket, epoch: int, a: int, b: int, answer: Any) -> None:
+        connection.send(pickle.dumps((epoch, a, b, answer)))
+
+    def _stop_accepting(self) -> None:
+        """Connect: nothing else wakes a thread in accept; it sees closed (or is past accept already)."""
+        try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as wake:
                 wake.setblocking(False)
                 wake.connect(self.address[1])
-        except OSError:  # it is past accept already (or the worker is connected and it will see closed)
+        except OSError:
             pass
 
 
@@ -159,62 +124,32 @@ class Channel:
         except BaseException:
             self._socket.close()
             raise
-        self._changed = threading.Condition()  # guards everything below
-        self._epoch = 0  # answers to requests of earlier epochs are dropped
-        self._answers: dict[tuple[int, int], Any] = {}  # (a, b) -> its answer, arrived and not yet taken
-        self._reading = False  # a waiting thread is reading the socket for all of them
-        self._gone = False
+        self._answers = Answers(self._read_answer, "the channel")
 
     def send(self, a: int, b: int) -> None:
         """Request ``(a, b)``; ConnectionError if the server is gone."""
-        self._socket.send(REQUEST.pack(self._epoch, a, b))
+        self._socket.send(REQUEST.pack(self._answers.epoch, a, b))
 
     def wait(self, a: int, b: int, timeout_s: float) -> Any:
         """The answer to request ``(a, b)``, raised if it is an exception; TimeoutError after ``timeout_s``,
         ConnectionError if the server closed the channel (it died, or the worker re-attached)."""
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while (a, b) not in self._answers:
-                remaining = deadline - time.monotonic()
-                if self._gone:
-                    raise ConnectionResetError("the parameter server closed the channel (it died or was replaced)")
-                if remaining <= 0:
-                    raise TimeoutError(f"no answer to request {(a, b)} within {timeout_s:.0f}s")
-                if self._reading:  # another thread reads for everyone; it wakes us
-                    self._changed.wait(remaining)
-                else:
-                    self._read(remaining)
-            answer = self._answers.pop((a, b))
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
+        return self._answers.wait((a, b), timeout_s, f"request {(a, b)}")
 
-    def _read(self, timeout_s: float) -> None:
-        """Read one message (under the lock, which it releases while it waits) into ``_answers``."""
-        self._reading = True
-        self._changed.release()
-        try:
-            poller = select.poll()
-            poller.register(self._socket, select.POLLIN)
-            message = self._socket.recv(MAX_ANSWER_BYTES) if poller.poll(timeout_s * 1000) else None
-        except OSError:
-            message = b""
-        finally:
-            self._changed.acquire()
-            self._reading = False
-            self._changed.notify_all()
-        if message == b"":
-            self._gone = True
-        elif message is not None:
-            epoch, a, b, answer = pickle.loads(message)
-            if epoch == self._epoch:
-                self._answers[(a, b)] = answer
+    def _read_answer(self, timeout_s: float) -> tuple[int, tuple[int, int], Any] | None:
+        """The next answer, if one arrives within ``timeout_s``; OSError at end of file."""
+        poller = select.poll()
+        poller.register(self._socket, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):
+            return None
+        message = self._socket.recv(MAX_ANSWER_BYTES)
+        if not message:
+            raise ConnectionResetError("the channel's other end closed")
+        epoch, a, b, answer = pickle.loads(message)
+        return epoch, (a, b), answer
 
     def forget(self) -> None:
         """Drop the answers to every request sent so far (a failed step's), arrived or still to come."""
-        with self._changed:
-            self._epoch += 1
-            self._answers.clear()
+        self._answers.forget()
 
     def close(self) -> None:
         self._socket.close()

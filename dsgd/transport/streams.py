@@ -1,7 +1,7 @@
 """Partitions and their means between a worker and a parameter server on another node: a TCP stream per pair.
 
 The same stream carries a relaying server's partial sums to the partition's
-server on another node (node-local aggregation, ``dsgd.ps_actor``): the
+server on another node (node-local aggregation, ``dsgd.server.relays``): the
 relaying server is then the stream's pushing end, as a worker is.
 
 Across nodes, the object store moves each push and each mean through Ray's
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hmac
 import pickle
-import queue
 import secrets
 import select
 import socket
@@ -54,18 +53,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dsgd.transport.signals import shut_down
+from dsgd.transport.answers import Answers
+from dsgd.transport.listener import Listener, Request, shut_down
 
-PUSH = struct.Struct("<qqqQ")  # epoch, step, partition, bytes that follow
-ANSWER = struct.Struct("<qqqQQ")  # epoch, step, partition, answer bytes, mean bytes
+PUSH = struct.Struct("<qqqQ")  # epoch, step, partition index, bytes that follow
+ANSWER = struct.Struct("<qqqQQ")  # epoch, step, partition index, answer bytes, mean bytes
 TOKEN_BYTES = 16
 # A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
 # takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
 CONNECT_TIMEOUT_S = 10.0
-
-
-class Forgotten(Exception):
-    """The push a wait was for was dropped by ``Stream.forget`` (a failed step's) while it waited."""
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -87,28 +83,24 @@ def _receive(sock: socket.socket, size: int) -> bytes:
     return bytes(buffer)
 
 
-class StreamListener:
+class StreamListener(Listener):
     """The server's end: accepts one pushing end's stream (a worker's or a relaying server's), takes its pushes
     and answers them."""
 
     def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
                  answer: Callable[[int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
-                 apart: Callable[[int, int], bool] = lambda step, partition: False):
-        """``target(partition, nbytes)``: where a push of ``partition`` goes, its bytes filling each view in turn
-        (ValueError if ``nbytes`` is not their size); ``answer(step, partition)``: the server's push, returning what goes back and the mean to send
-        (or raising, which goes back too). The worker must connect within ``accept_timeout_s``."""
-        self._target, self._answer, self._apart = target, answer, apart
+                 apart: Callable[[int, int], bool] = lambda step, j: False):
+        """``target(j, nbytes)``: where a push of partition j goes, its bytes filling each view in turn
+        (ValueError if ``nbytes`` is not their size); ``answer(step, j)``: the server's push, returning
+        what goes back and the mean to send (or raising, which goes back too). The worker must connect within
+        ``accept_timeout_s``."""
+        super().__init__(f"dsgd stream {name}", answer, apart, read_ahead=True)
+        self._target = target
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._server = socket.create_server((host, 0))
         self._server.settimeout(accept_timeout_s)
         self.address: tuple[str, int, bytes] = (host, self._server.getsockname()[1], self.token)
-        self._sending = threading.Lock()  # answers from several threads go out whole
-        self._lock = threading.Lock()
-        self._closed = False
-        self._connection: socket.socket | None = None
-        self._pushes: queue.SimpleQueue = queue.SimpleQueue()  # (epoch, step, partition, error); None: the end
-        threading.Thread(target=self._read, name=f"dsgd stream {name}", daemon=True).start()
-        threading.Thread(target=self._serve, name=f"dsgd stream {name} answers", daemon=True).start()
+        self._start()
 
     def _accept(self) -> socket.socket | None:
         """The first connection that presents the token (others are closed), or None (closed, or timed out)."""
@@ -131,77 +123,35 @@ class StreamListener:
             self._server.close()
         return None
 
-    def _read(self) -> None:
-        """Read pushes into their targets and queue them for ``_serve``, until the stream ends."""
-        connection = self._accept()
-        with self._lock:
-            if connection is not None and self._closed:
-                connection.close()
-                connection = None
-            self._connection = connection
+    def _receive(self, connection: socket.socket) -> Request:
+        """The next push, its bytes read into its target (a bad one's read past, to fail it)."""
+        epoch, step, j, nbytes = PUSH.unpack(_receive(connection, PUSH.size))
         try:
-            while connection is not None:
-                epoch, step, partition, nbytes = PUSH.unpack(_receive(connection, PUSH.size))
-                try:
-                    targets = self._target(partition, nbytes)
-                except ValueError as e:  # a bad push: read past its bytes, fail it
-                    _receive(connection, nbytes)
-                    self._pushes.put((epoch, step, partition, e))
-                    continue
-                for target in targets:
-                    _receive_into(connection, target)
-                self._pushes.put((epoch, step, partition, None))
-        except OSError:  # end of file, or closed: the worker died or re-attached, or the server closed it
-            pass
-        finally:
-            self._pushes.put(None)
+            targets = self._target(j, nbytes)
+        except ValueError as e:
+            _receive(connection, nbytes)
+            return epoch, step, j, e
+        for target in targets:
+            _receive_into(connection, target)
+        return epoch, step, j, None
 
-    def _serve(self) -> None:
-        while (push := self._pushes.get()) is not None:
-            if self._apart(push[1], push[2]):
-                threading.Thread(target=self._respond, args=push, daemon=True,
-                                 name=f"dsgd stream push {push[1]}, {push[2]}").start()
-            elif not self._respond(*push):
-                return
-
-    def _respond(self, epoch: int, step: int, partition: int, error: Exception | None) -> bool:
-        """Answer a push; False if the worker is gone."""
-        mean = None
-        try:
-            if error is not None:
-                raise error
-            answer, mean = self._answer(step, partition)
-        except Exception as e:  # the worker raises it
-            answer = e
-        meta = pickle.dumps(answer)
+    def _send(self, connection: socket.socket, epoch: int, step: int, j: int, answer: Any) -> None:
+        """The answer's header, the pickled answer (the workers averaged, or the exception), and the mean's bytes."""
+        value, mean = (answer, None) if isinstance(answer, BaseException) else answer
+        meta = pickle.dumps(value)
         payload = _bytes(mean) if mean is not None else memoryview(b"")
-        try:
-            with self._sending:
-                connection = self._connection
-                if connection is None:
-                    return False
-                connection.sendall(ANSWER.pack(epoch, step, partition, len(meta), payload.nbytes) + meta)
-                connection.sendall(payload)
-        except OSError:
-            return False
-        return True
+        connection.sendall(ANSWER.pack(epoch, step, j, len(meta), payload.nbytes) + meta)
+        connection.sendall(payload)
 
-    def close(self) -> None:
-        """Stop: the stream (or the wait for it) ends, and the worker reads end-of-file."""
-        with self._lock:
-            self._closed = True
-            connection = self._connection
-        if connection is not None:
-            shut_down(connection)  # wakes the reader blocked in recv
-            connection.close()
-        else:  # still accepting: shutting the listening socket down wakes the thread blocked in accept
-            shut_down(self._server)
-            self._server.close()
+    def _stop_accepting(self) -> None:
+        """Shutting the listening socket down wakes the thread blocked in accept."""
+        shut_down(self._server)
+        self._server.close()
 
 
 class Stream:
     """The pushing end (a worker, or a relaying server): sends pushes, and waits, from any thread, for each
-    answer, its mean read into ``means(step, partition)``."""
+    answer, its mean read into ``means(step, j)`` (j: the partition's index)."""
 
     def __init__(self, address: tuple[str, int, bytes], means: Callable[[int, int], np.ndarray],
                  connect_timeout_s: float, send_timeout_s: float):
@@ -219,115 +169,69 @@ class Stream:
             self._socket.close()
             raise
         self._sending = threading.Lock()  # a push goes out whole
-        self._changed = threading.Condition()  # guards everything below
-        self._epoch = 0  # answers to pushes of earlier epochs are dropped
-        self._answers: dict[tuple[int, int], Any] = {}  # (step, partition) -> its answer, arrived, not yet taken
-        self._reading = False  # a waiting thread is reading the stream for all of them
-        self._gone = False
+        self._answers = Answers(self._read_answer, "the stream")
         self._wakeup = socket.socketpair()  # ``forget`` wakes the reading thread out of its poll
         for end in self._wakeup:
             end.setblocking(False)
 
-    def send(self, step: int, partition: int, arrays: Sequence[np.ndarray]) -> int:
-        """Push ``arrays`` (one partition's segments, in the wire dtype) as ``(step, partition)``; the push's epoch
+    def send(self, step: int, j: int, arrays: Sequence[np.ndarray]) -> int:
+        """Push ``arrays`` (partition j's segments, in the wire dtype) as ``(step, j)``; the push's epoch
         (for ``wait``). OSError: a ConnectionError if the server is gone, TimeoutError if it stopped reading."""
         views = [_bytes(a) for a in arrays]
         with self._sending:
-            epoch = self._epoch
+            epoch = self._answers.epoch
             try:
-                self._socket.sendall(PUSH.pack(epoch, step, partition, sum(v.nbytes for v in views)))
+                self._socket.sendall(PUSH.pack(epoch, step, j, sum(v.nbytes for v in views)))
                 for view in views:
                     self._socket.sendall(view)
             except OSError:  # a frame cut short: the server would misread what follows
-                self._end()
+                self._answers.end()
                 raise
         return epoch
-
-    def _end(self) -> None:
-        """Mark the stream gone: every wait, now or later, fails as the stream's end."""
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
 
     @property
     def broken(self) -> bool:
         """The stream ended (the server closed it, a send or an answer was cut short, or ``close``): every later
         push and wait on it fails; a new one must be opened."""
-        return self._gone
+        return self._answers.gone
 
-    def wait(self, step: int, partition: int, timeout_s: float, epoch: int | None = None) -> Any:
-        """The answer to push ``(step, partition)``, raised if it is an exception (its mean is in
-        ``means(step, partition)``); TimeoutError after ``timeout_s``, ConnectionError if the stream ended,
+    def wait(self, step: int, j: int, timeout_s: float, epoch: int | None = None) -> Any:
+        """The answer to push ``(step, j)``, raised if it is an exception (its mean is in
+        ``means(step, j)``); TimeoutError after ``timeout_s``, ConnectionError if the stream ended,
         ``Forgotten`` if the push (sent in ``epoch``, as ``send`` returned) was forgotten meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        key = (step, partition)
-        with self._changed:
-            while True:
-                if epoch is not None and epoch != self._epoch:
-                    raise Forgotten(f"the push of partition {partition}, step {step} was dropped (its step failed)")
-                if key in self._answers:
-                    break
-                remaining = deadline - time.monotonic()
-                if self._gone:
-                    raise ConnectionResetError("the parameter server closed the stream (it died or was replaced)")
-                if remaining <= 0:
-                    raise TimeoutError(f"no answer to the push of partition {partition}, step {step} "
-                                       f"within {timeout_s:.0f}s")
-                if self._reading:  # another thread reads for everyone; it wakes us
-                    self._changed.wait(remaining)
-                else:
-                    self._read(remaining)
-            answer = self._answers.pop(key)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
+        return self._answers.wait((step, j), timeout_s, f"the push of partition {j}, step {step}",
+                                  epoch)
 
-    def _read(self, timeout_s: float) -> None:
-        """Read one answer (under the lock, which it releases meanwhile) into ``_answers`` and its mean.
-
-        Waits at most ``timeout_s`` for an answer to start; one that started must arrive whole within the
-        socket's timeout, else the stream counts as broken (its next bytes would be misread)."""
-        self._reading = True
-        self._changed.release()
-        answer, gone = None, False
-        try:
-            poller = select.poll()
-            poller.register(self._socket, select.POLLIN)
-            poller.register(self._wakeup[0], select.POLLIN)
-            ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
-            if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
-                _drain(self._wakeup[0])
-            elif ready:
-                epoch, step, partition, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
-                value = pickle.loads(_receive(self._socket, meta_bytes))
-                if mean_bytes:
-                    _receive_into(self._socket, _bytes_of(self._means(step, partition), mean_bytes))
-                answer = (epoch, step, partition, value)
-        except OSError:  # end of file, closed, or an answer cut off
-            gone = True
-        finally:
-            self._changed.acquire()
-            self._reading = False
-            self._changed.notify_all()
-        if gone:
-            self._gone = True
-        elif answer is not None and answer[0] == self._epoch:
-            self._answers[answer[1:3]] = answer[3]
+    def _read_answer(self, timeout_s: float) -> tuple[int, tuple[int, int], Any] | None:
+        """The next answer, its mean read into its buffer, if one starts within ``timeout_s`` (and ``forget`` does
+        not wake the poll); one that started must arrive whole within the socket's timeout, else the stream
+        counts as broken (its next bytes would be misread): OSError."""
+        poller = select.poll()
+        poller.register(self._socket, select.POLLIN)
+        poller.register(self._wakeup[0], select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
+        if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
+            _drain(self._wakeup[0])
+            return None
+        if not ready:
+            return None
+        epoch, step, j, meta_bytes, mean_bytes = ANSWER.unpack(_receive(self._socket, ANSWER.size))
+        value = pickle.loads(_receive(self._socket, meta_bytes))
+        if mean_bytes:
+            _receive_into(self._socket, _bytes_of(self._means(step, j), mean_bytes))
+        return epoch, (step, j), value
 
     def forget(self) -> None:
         """Drop the answers to every push sent so far (a failed step's), arrived or still to come."""
-        with self._changed:
-            self._epoch += 1
-            self._answers.clear()
-            try:
-                self._wakeup[1].send(b"\0")
-            except BlockingIOError:  # it is awake already
-                pass
-            self._changed.notify_all()  # waits for those pushes fail
+        self._answers.forget()  # waits for those pushes fail
+        try:
+            self._wakeup[1].send(b"\0")
+        except BlockingIOError:  # it is awake already
+            pass
 
     def close(self) -> None:
         """End the stream: a wait from now on fails as if the server had closed it."""
-        self._end()
+        self._answers.end()
         shut_down(self._socket)
         self._socket.close()
         for end in self._wakeup:

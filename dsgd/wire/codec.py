@@ -24,24 +24,24 @@ from __future__ import annotations
 import numpy as np
 
 from dsgd.wire import kernels
+from dsgd.wire.dtypes import BF16, FLOAT32, FP16
 
 COMPRESSIONS = (None, "bf16", "fp16")
-_WIRE = {"bf16": np.dtype(np.uint16), "fp16": np.dtype(np.float16)}
+_WIRE = {"bf16": BF16, "fp16": FP16}
 WIRE_DTYPES = tuple(_WIRE.values())
-_F32 = np.dtype(np.float32)
 
 
 def wire_dtype(dtype: np.dtype, compression: str | None) -> np.dtype:
     """The dtype a partition of ``dtype`` travels in: 16-bit for float32 under compression, else ``dtype``."""
     dtype = np.dtype(dtype)
-    return _WIRE[compression] if compression is not None and dtype == _F32 else dtype
+    return _WIRE[compression] if compression is not None and dtype == FLOAT32 else dtype
 
 
 def to_float32(wire: np.ndarray) -> np.ndarray:
     """A 16-bit wire array as float32 (exact); a float32 array as it is."""
-    if wire.dtype == _WIRE["bf16"]:
+    if wire.dtype == BF16:
         return (wire.astype(np.uint32) << 16).view(np.float32)
-    return wire if wire.dtype == _F32 else wire.astype(np.float32)
+    return wire if wire.dtype == FLOAT32 else wire.astype(np.float32)
 
 
 BLOCK = 1 << 16  # elements per block of a numpy conversion: its temporaries stay in cache
@@ -87,9 +87,9 @@ def convert_into(out: np.ndarray, values: np.ndarray) -> np.ndarray:
     values = values.reshape(-1)
     if out.dtype == values.dtype:
         out[:] = values
-    elif out.dtype == _WIRE["bf16"] and values.dtype == _F32:
+    elif out.dtype == BF16 and values.dtype == FLOAT32:
         _round_to_bf16_into(out, values)
-    elif values.dtype == _WIRE["bf16"] and out.dtype == _F32:
+    elif values.dtype == BF16 and out.dtype == FLOAT32:
         _widen_bf16_into(out, values)
     else:
         with np.errstate(over="ignore"):  # fp16: beyond its range is inf, as documented

@@ -20,11 +20,10 @@ from typing import Sequence
 import numpy as np
 
 from dsgd.wire import native
+from dsgd.wire.dtypes import BF16, FLOAT32
 
 logger = logging.getLogger(__name__)
 
-_F32 = np.dtype(np.float32)
-_BF16 = np.dtype(np.uint16)  # bf16 bits, as dsgd.wire.codec carries them
 _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # empty until first loaded; [None] where they cannot be
 
@@ -87,8 +86,8 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int) ->
     """``out = (inputs[0] + inputs[1] + ...) / divisor`` in float32, for float32 inputs into a float32 ``out``, or
     bf16 inputs into a float32 ``out`` or (rounded once) a bf16 one; False for any other dtypes."""
     dtypes = {a.dtype for a in inputs}
-    float32 = dtypes == {_F32} and out.dtype == _F32
-    if not float32 and not (dtypes == {_BF16} and out.dtype in (_F32, _BF16)):
+    float32 = dtypes == {FLOAT32} and out.dtype == FLOAT32
+    if not float32 and not (dtypes == {BF16} and out.dtype in (FLOAT32, BF16)):
         return False
     lib = _ready(out, *inputs)
     if lib is None:
@@ -96,7 +95,7 @@ def average_into(out: np.ndarray, inputs: Sequence[np.ndarray], divisor: int) ->
     args = [(ctypes.c_void_p * len(inputs))(*[address(a) for a in inputs]), len(inputs), out.size, float(divisor)]
     if float32:
         lib.dsgd_f32_average(*args, address(out))
-    elif out.dtype == _BF16:  # rounded once into the bf16 out
+    elif out.dtype == BF16:  # rounded once into the bf16 out
         lib.dsgd_bf16_average(*args, None, address(out))
     else:
         lib.dsgd_bf16_average(*args, address(out), None)

@@ -115,6 +115,11 @@ def spec_difference(ours: Sequence[VarSpec], theirs: Sequence[VarSpec], limit: i
     return "; ".join(differ[:limit]) + (f" (and {len(differ) - limit} more)" if len(differ) > limit else "")
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the next ``ALIGN_BYTES`` boundary (a partition's place in a server's buffers)."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
 def _align(elements: int, itemsize: int) -> int:
     step = max(1, ALIGN_BYTES // itemsize)
     return -(-elements // step) * step
