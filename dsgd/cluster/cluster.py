@@ -32,7 +32,8 @@ from dsgd.integrations import data
 from dsgd.worker import keras_preload
 from dsgd.wire import codec, partitions
 from dsgd.common.calls import Calls
-from dsgd.config import Options, WorkerConfig
+from dsgd.config import Options
+from dsgd.cluster.topology import Topology
 from dsgd.errors import ActorFailure, DSGDError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.cluster.placement import actor_placement, live_node_resources, place_new_workers
@@ -67,10 +68,11 @@ def worker_env() -> dict[str, str]:
 class Cluster:
     """The workers and parameter servers of one engine."""
 
-    def __init__(self, options: Options, model_creator: Callable[[int, int], Model], worker_config: WorkerConfig,
+    def __init__(self, options: Options, model_creator: Callable[[int, int], Model],
                  datasets: dict[str, Any] | None = None):
         self.options = options
-        self.worker_config = worker_config
+        self.topology = Topology.of(options)  # set_size changes it
+        self.worker_config = options.worker_config(self.topology.exchange, feed_concurrently=datasets is not None)
         self.workers: list[Any] = []
         self.servers: ServerGroup | None = None
         self._next_servers: ServerGroup | None = None  # a grow's, started while its new workers build
@@ -80,6 +82,10 @@ class Cluster:
         self._model_creator = model_creator
         self.splits = data.DatasetSplits(datasets, options.devices_per_worker)
         self._worker_nodes: list[str] = []  # the node id of each worker
+
+    def set_size(self, num_workers: int) -> None:
+        """The one place the engine's worker count changes: a resize, an elastic shrink or start."""
+        self.topology = self.topology.resized(num_workers)
 
     # ---- start ------------------------------------------------------------
 
@@ -91,15 +97,15 @@ class Cluster:
         starts: the exchange's size is the model's, known only then.
         """
         if self.options.elastic:
-            self.options = dataclasses.replace(self.options, num_workers=self._elastic_start_count())
+            self.set_size(self._elastic_start_count())
             logger.info("num_workers=%s: starting %d workers", (self.options.min_workers, self.options.max_workers),
-                        self.options.num_workers)
+                        self.topology.num_workers)
         self.check_resources()
-        self.workers = [self._new_worker(i) for i in range(self.options.num_workers)]
+        self.workers = [self._new_worker(i) for i in range(self.topology.num_workers)]
         self._worker_nodes = [i.node_id for i in self.calls.identify(self.workers)]
         self.splits.split(self._worker_nodes, self.calls.call_startup)
-        self._build_models(range(self.options.num_workers))
-        if self.options.uses_ps:
+        self._build_models(range(self.topology.num_workers))
+        if self.topology.uses_ps:
             self.check_object_store()
             self._start_parameter_servers(self._worker_nodes)
 
@@ -110,8 +116,8 @@ class Cluster:
         assigns only the variables that differ (``SGDWorker.match_weights``).
         Worker 0 takes part only for its other replicas.
         """
-        indices = range(self.options.num_workers) if self.options.devices_per_worker > 1 else \
-            range(1, self.options.num_workers)
+        indices = range(self.topology.num_workers) if self.options.devices_per_worker > 1 else \
+            range(1, self.topology.num_workers)
         if not indices:
             return {}  # one replica in all
         reference = self.workers[0].get_weights.remote()
@@ -123,18 +129,18 @@ class Cluster:
         """Fail fast, naming what is missing, instead of waiting forever."""
         total = ray.cluster_resources()
         nodes = list(live_node_resources().values())
-        opts = self.options
+        num_workers = self.topology.num_workers
         for resource, per_worker in self._worker_needs().items():
             have = total.get(resource, 0)
             largest = max((n.get(resource, 0) for n in nodes), default=0)
-            what = f"{'gpu=True with ' if resource == 'GPU' else ''}{opts.num_workers} workers x {per_worker} {resource}"
+            what = f"{'gpu=True with ' if resource == 'GPU' else ''}{num_workers} workers x {per_worker} {resource}"
             if per_worker > largest:
                 raise ValueError(
                     f"{what}: each worker needs {per_worker} {resource} on one node, but the largest "
                     f"Ray node has {largest:g} (cluster total {have:g})")
-            if per_worker * opts.num_workers > have:
+            if per_worker * num_workers > have:
                 raise ValueError(
-                    f"{what} needs {per_worker * opts.num_workers} {resource} in all, but the Ray cluster "
+                    f"{what} needs {per_worker * num_workers} {resource} in all, but the Ray cluster "
                     f"has {have:g}; lower num_workers/cpus_per_worker or start Ray with more")
 
     def _worker_needs(self) -> dict[str, int]:
@@ -201,7 +207,7 @@ class Cluster:
 
     def check_object_store(self, num_workers: int | None = None) -> None:
         """Each step may hold every worker's partitions (of ``num_workers``, default the engine's) plus their means."""
-        num_workers = self.options.num_workers if num_workers is None else num_workers
+        num_workers = self.topology.num_workers if num_workers is None else num_workers
         exchange = sum(s.size * codec.wire_dtype(s.dtype, self.options.compression).itemsize
                        for s in self.signature.exchange)
         need = exchange * (num_workers + 1)
@@ -212,10 +218,11 @@ class Cluster:
                 f"({num_workers} workers' gradients of {exchange / 2**20:.0f} MiB plus their mean), "
                 f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
 
-    def _new_worker(self, index: int, node_id: str | None = None, options: Options | None = None):
-        """Start worker ``index`` (on ``node_id``, or where Ray spreads it), with the exchange of ``options``."""
-        opts = options or self.options
-        config = dataclasses.replace(self.worker_config, exchange=opts.exchange)
+    def _new_worker(self, index: int, node_id: str | None = None, topology: Topology | None = None):
+        """Start worker ``index`` (on ``node_id``, or where Ray spreads it), with the exchange of ``topology``
+        (default the engine's)."""
+        opts = self.options
+        config = dataclasses.replace(self.worker_config, exchange=(topology or self.topology).exchange)
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
@@ -268,7 +275,7 @@ class Cluster:
         """
         phases = phases or Phases()
         with phases("start servers"):
-            planned = plan_group(self.options, self.signature.exchange, worker_nodes)
+            planned = plan_group(self.options, self.topology, self.signature.exchange, worker_nodes)
             self.servers = self._take_kept_servers(planned)
             started = None
             if self.servers is None:
@@ -321,7 +328,7 @@ class Cluster:
         (``_shrink_around``), as long as ``min_workers`` remain.
         """
         dead_workers = self.calls.unresponsive(self.workers)
-        if len(dead_workers) == self.options.num_workers:
+        if len(dead_workers) == self.topology.num_workers:
             raise DSGDError("every worker died, so no replica is left to restore the weights from; "
                             "restore from a checkpoint (DistributedSGD.restore) in a new engine")
         if self.options.elastic:
@@ -331,7 +338,7 @@ class Cluster:
             shrunk = False
         rebuilt = dead_workers
         if self._split_datasets(self._worker_nodes):  # new splits for every replica: survivors rebuild theirs too
-            rebuilt = range(self.options.num_workers)
+            rebuilt = range(self.topology.num_workers)
         if rebuilt:
             self._build_models(rebuilt)
         if shrunk:
@@ -420,7 +427,7 @@ class Cluster:
         self.calls.identify([self.workers[i] for i in moved], "the survivors to answer")
         logger.warning("workers %s are lost and the live nodes have room for %d of them: going on with %d workers "
                        "(num_workers=%s)", dead, fit, keep, (self.options.min_workers, self.options.max_workers))
-        self.options = dataclasses.replace(self.options, num_workers=keep)
+        self.set_size(keep)
         return list(range(survivors, keep)), True
 
     # ---- resizing --------------------------------------------------------
@@ -440,13 +447,13 @@ class Cluster:
         workers and servers are killed and the engine is as it was (with
         datasets, the survivors get splits for the old count again). Shrinking
         stops the highest-indexed workers (with datasets, the survivors then
-        get new splits). Once ``num_workers`` is ``n`` (also if an error comes
+        get new splits). Once the topology's count is ``n`` (also if an error comes
         later), call ``connect_exchange`` before the next step. ``phases``
         times each part.
         """
         phases = phases or Phases()
-        old = self.options.num_workers
-        resized = dataclasses.replace(self.options, num_workers=n)
+        old = self.topology.num_workers
+        resized = self.topology.resized(n)
         if n > old:
             new = list(range(old, n))
             nodes = self._nodes_for(new, f"grow to {n} workers: no room for new worker")
@@ -460,16 +467,16 @@ class Cluster:
                 if self._split_datasets(self._worker_nodes):
                     self._build_models(range(old))
                 raise
-            self.options = resized
+            self.set_size(n)
             return
         with phases("stop workers"):
             self._stop_workers(n)
-        self.options = resized
+        self.set_size(n)
         if self._split_datasets(self._worker_nodes):
             with phases("build models"):
                 self._build_models(range(n))
 
-    def _grow(self, new: list[int], nodes: list[str], resized: Options, state: ray.ObjectRef | None,
+    def _grow(self, new: list[int], nodes: list[str], resized: Topology, state: ray.ObjectRef | None,
               phases: Phases, fetch_stats: bool) -> None:
         """Start workers ``new`` on ``nodes`` and build their models from ``state``; meanwhile, with "ps", the
         servers of ``resized`` start (``_next_servers``, taken up by ``connect_exchange``) and the survivors prepare its
@@ -482,7 +489,7 @@ class Cluster:
             self.workers += [self._new_worker(i, node, resized) for i, node in zip(new, nodes)]
             if resized.uses_ps and not self.splits.datasets:
                 # The new workers run on ``nodes`` (hard node affinity), so the servers are planned as at start.
-                group = self._next_servers = plan_group(resized, self.signature.exchange, self._worker_nodes + nodes)
+                group = self._next_servers = plan_group(self.options, resized, self.signature.exchange, self._worker_nodes + nodes)
                 group.start()
                 feed_names = survivors[0].step_feed_names.remote()  # before it is busy preparing
                 preparing = [w.prepare_exchange.remote(resized.exchange, fetch_stats, group.layout, group.placement)
@@ -532,13 +539,13 @@ class Cluster:
         previous, self.servers = self.servers, None
         try:
             with phases("set exchange"):
-                self.calls.call_startup([w.set_exchange.remote(self.options.exchange) for w in self.workers],
+                self.calls.call_startup([w.set_exchange.remote(self.topology.exchange) for w in self.workers],
                                         "the workers to change their exchange")
             if self._next_servers is not None:  # started while a grow's new workers built
                 self.servers, self._next_servers = self._next_servers, None
                 with phases("connect"):
                     self.connect_parameter_servers()
-            elif self.options.uses_ps:
+            elif self.topology.uses_ps:
                 self._start_parameter_servers(self._worker_nodes, phases)
         finally:
             self._keep_servers(previous)

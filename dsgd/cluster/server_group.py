@@ -25,6 +25,7 @@ import ray
 from dsgd import ps_actor
 from dsgd.wire import partitions
 from dsgd.config import Options
+from dsgd.cluster.topology import Topology
 from dsgd.cluster.placement import actor_placement, live_node_resources, reserved_cpus
 from dsgd.wire.partitions import Partition, VarSpec
 
@@ -251,8 +252,10 @@ class ServerGroup:
         self.actors = [None] * len(self.nodes)
 
 
-def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequence[str]) -> ServerGroup:
-    """The servers (``plan_servers``) and partitions (``dsgd.wire.partitions``) for ``exchange``, not started yet.
+def plan_group(options: Options, topology: Topology, exchange: Sequence[VarSpec],
+               worker_nodes: Sequence[str]) -> ServerGroup:
+    """The servers (``plan_servers``) and partitions (``dsgd.wire.partitions``) for ``exchange`` between the
+    workers of ``topology``, not started yet.
 
     The nodes' CPUs are the engine's placement group's inside a Tune trial,
     else the live nodes'. The choice is logged.
@@ -265,8 +268,8 @@ def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequ
     if partition_bytes is None:
         partition_bytes = partitions.default_partition_bytes(exchange, len(nodes))
     layout = partitions.plan_partitions(exchange, partition_bytes, options.compression)
-    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s, options.backup_workers,
-                        worker_nodes)
+    group = ServerGroup(layout, nodes[:len(layout)], topology.num_workers, options.timeout_s,
+                        topology.backup_workers, worker_nodes)
     chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
     logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
                 group.describe(), "" if chosen else

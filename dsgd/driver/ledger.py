@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 import ray
 
 from dsgd.exchange import registry
+from dsgd.exchange.base import DriverHalf
 from dsgd.common import timeline
 from dsgd.common.calls import sending
 from dsgd.cluster.cluster import Cluster
@@ -78,9 +79,6 @@ class StepLedger:
         self.num_steps = 0  # steps submitted; step ids count from 0
         self.closed = False
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
-        options = cluster.options
-        self.backup_workers = options.backup_workers if options.uses_ps else 0
-        self.quorum = options.num_workers - self.backup_workers  # workers that compute a step
         self._behind: list[ray.ObjectRef] = []  # calls of steps already closed, of workers behind (backup workers)
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self._last_look = time.monotonic()  # an elastic engine last looked for room to grow
@@ -90,7 +88,15 @@ class StepLedger:
         self._fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
         self._early_state: tuple | None = None  # (a survivor, its get_state call) made as a grow began
         self._trace: timeline.Recorder | None = None
-        self._strategy = registry.driver_half(cluster.options.exchange, cluster.calls.call, self.span)
+        self._driver_half: tuple[str, DriverHalf] | None = None  # (its exchange kind, the half), see _strategy
+
+    @property
+    def _strategy(self) -> DriverHalf:
+        """The driver's half of the exchange of the engine's topology now (made again when its kind changes)."""
+        kind = self.cluster.topology.exchange
+        if self._driver_half is None or self._driver_half[0] != kind:
+            self._driver_half = kind, registry.driver_half(kind, self.cluster.calls.call, self.span)
+        return self._driver_half[1]
 
     # ---- every call ---------------------------------------------------------
 
@@ -176,7 +182,7 @@ class StepLedger:
         calls = self.cluster.calls
         while len(self._in_flight) > (1 if keep_last else 0):
             step_id, refs = self._in_flight[0]
-            if self.backup_workers and not everyone:
+            if self.cluster.topology.backup_workers and not everyone:
                 results = self._guarded(lambda: self._wait_quorum(step_id, refs))
             else:
                 results = self._guarded(lambda: calls.call(refs, f"step {step_id} on all workers"))
@@ -197,11 +203,14 @@ class StepLedger:
         Up to ``backup_workers`` dead workers are waited without: the servers are told to close steps without
         them, and their failure is recovered from before the next step (``_collect_behind``).
         """
+        topology = self.cluster.topology
+
         def enough(results: list) -> bool:
-            return sum(r["backup"]["computed"] for r in results) >= self.quorum
+            return sum(r["backup"]["computed"] for r in results) >= topology.quorum
 
         done, rest = self.cluster.calls.call_until(
-            refs, enough, f"step {step_id} on {self.quorum} of the workers", spare_failures=self.backup_workers,
+            refs, enough, f"step {step_id} on {topology.quorum} of the workers",
+            spare_failures=topology.backup_workers,
             on_failure=self.cluster.servers.excuse)
         self._behind += rest
         return [done[k] for k in sorted(done)]
@@ -296,7 +305,7 @@ class StepLedger:
             try:
                 self.cluster.resize(n, state, phases, self._fetch_stats)
             except BaseException as e:
-                if self.cluster.options.num_workers != n:  # a grow that failed: the engine is as it was
+                if self.cluster.topology.num_workers != n:  # a grow that failed: the engine is as it was
                     self._joining = self._early_state = None
                     raise
                 if not isinstance(e, ActorFailure):
@@ -311,8 +320,8 @@ class StepLedger:
         A grow that fails (a node lost meanwhile, a worker that cannot
         build) is logged; the engine goes on at its size and looks again later.
         """
-        opts = self.cluster.options
-        if not opts.elastic or opts.num_workers >= opts.max_workers:
+        opts, num_workers = self.cluster.options, self.cluster.topology.num_workers
+        if not opts.elastic or num_workers >= opts.max_workers:
             return
         if time.monotonic() - self._last_look < opts.resize_interval_s:
             return
@@ -320,15 +329,14 @@ class StepLedger:
         room = self.cluster.room_to_grow()
         if room:
             try:
-                self.resize(opts.num_workers + room)
+                self.resize(num_workers + room)
             except (DSGDError, ValueError) as e:  # ValueError: the object store too small for the exchange
                 logger.warning("could not grow to %d workers; going on with %d: %s",
-                               opts.num_workers + room, opts.num_workers, e)
+                               num_workers + room, num_workers, e)
 
     def _finish_resize(self) -> None:
         """Every worker on the new count's exchange; those that replaced a worker dead meanwhile (``_joining``)
         given the survivors' state."""
-        self._strategy = registry.driver_half(self.cluster.options.exchange, self.cluster.calls.call, self.span)
         phases = self._resize_phases
         while True:
             try:
@@ -336,7 +344,7 @@ class StepLedger:
                 with phases("resynchronize"):
                     self.num_steps = self._resynchronize(self._joining)
                 self._joining = self._early_state = None
-                _log_resize(self._resize_from, self.cluster.options.num_workers, phases)
+                _log_resize(self._resize_from, self.cluster.topology.num_workers, phases)
                 return
             except ActorFailure as e:
                 self._count_failure(e)
@@ -379,7 +387,6 @@ class StepLedger:
             cluster.stop_datasets()  # and those waiting on a dataset split (replace_dead splits anew)
         cluster.calls.wait_finished(in_flight)
         fresh = cluster.replace_dead() if replace_dead else set()
-        self._strategy = registry.driver_half(cluster.options.exchange, cluster.calls.call, self.span)  # an elastic shrink
         return self._resynchronize(fresh)
 
     def _resynchronize(self, fresh: set[int]) -> int:
