@@ -2,7 +2,8 @@
 
 It checks the options (``dsgd.config``) and hands the rest on: the actors to
 ``dsgd.cluster.cluster``, the steps (in flight, counted, interrupted, recovered) to
-the step ledger (``dsgd.driver.ledger``).
+the step ledger (``dsgd.driver.ledger``), resizes to its ``dsgd.driver.resizer``,
+the step stats to ``dsgd.driver.step_stats``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,6 @@ def _scalar_logger(logdir: str | None):
     from dsgd.integrations.tensorboard import ScalarLogger
 
     return ScalarLogger(logdir)
-
-
-def _checkpoint_dir(path: Any, method: str) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{method} expects a directory path (str or os.PathLike), got {type(path).__name__}")
-    return os.fspath(path)
 
 
 class DistributedSGD:
@@ -204,7 +199,7 @@ class DistributedSGD:
     @property
     def failures(self) -> int:
         """Failures recovered from so far."""
-        return self._ledger.failures
+        return self._ledger.recovery.failures
 
     @property
     def num_steps(self) -> int:
@@ -240,11 +235,11 @@ class DistributedSGD:
         killed at once, without waiting for the step.
         """
         with self._ledger.call():
-            self._ledger.grow_if_room()
+            self._ledger.resizer.grow_if_room()
             if write_timeline is None:
                 return self._step(fetch_stats)
             self._ledger.drain()
-            with self._ledger.tracing(write_timeline):
+            with self._ledger.trace.record(write_timeline, self._ledger.num_steps):
                 stats = self._step(fetch_stats=True)
             return stats if fetch_stats else None
 
@@ -313,21 +308,13 @@ class DistributedSGD:
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:
         """Ray 0.6's name: ``save`` into the directory ``checkpoint_dir`` (created if missing); the file written."""
-        directory = _checkpoint_dir(checkpoint_dir, "save_checkpoint")
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise NotADirectoryError(f"save_checkpoint expects a directory, got the file {directory!r}; "
-                                     "use save(path) to write a checkpoint file")
-        target = os.path.join(directory, "")  # a trailing separator: save writes inside it
+        target = checkpoint.directory_to_save(checkpoint_dir)
         self.save(target)
         return checkpoint.file_of(target)
 
     def restore_checkpoint(self, checkpoint_dir: str | os.PathLike) -> None:
         """Ray 0.6's name: ``restore`` from the directory ``save_checkpoint`` wrote."""
-        directory = _checkpoint_dir(checkpoint_dir, "restore_checkpoint")
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"restore_checkpoint expects a directory written by save_checkpoint, "
-                                    f"got {directory!r}, which is not a directory")
-        self.restore(os.path.join(directory, ""))
+        self.restore(checkpoint.directory_to_restore(checkpoint_dir))
 
     def foreach_worker(self, fn: Callable[[SGDWorker], Any]) -> list:
         """``fn(worker)`` on each worker actor, its session the default; the results, worker order."""
@@ -376,7 +363,7 @@ class DistributedSGD:
             raise DSGDError(f"resize({n}) inside a placement group (a Ray Tune trial) is refused: the trial reserved "
                             f"one bundle per worker, {self.num_workers} in all; set num_workers in the trial's "
                             "config or dsgd.tune.trainable's keywords instead")
-        self._ledger.resize(n)
+        self._ledger.resizer.resize(n)
 
     # ---- teardown ---------------------------------------------------------
 

@@ -12,7 +12,7 @@ down a stream (``dsgd.exchange.ps_client``). Node-local aggregation
 (``plan_relays``): on a node with several workers, a server there sums their
 copies of each partition summed elsewhere and pushes one partial sum per
 partition and step across (``dsgd.ps_actor.Relay``), down a stream of its own
-to the partition's server (``link``).
+to the partition's server (``connect_relays``).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class ServerGroup:
                                             scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
-    def link(self) -> list:
+    def connect_relays(self) -> list:
         """Refs of giving every relaying server the actors it pushes to (after any start, before workers push): it
         opens its streams to them (``ParameterServer.set_peers``), closing those to the servers before."""
         return [actor.set_peers.remote(self.actors) for j, actor in enumerate(self.actors) if self.relays_of(j)]
