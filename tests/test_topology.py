@@ -23,7 +23,7 @@ def test_after_a_resize_a_step_closes_on_the_new_count_without_the_held_worker(r
     gate = Gate(str(tmp_path / "gate"))
     creator = functools.partial(GatedWorker1Net, gate=gate)
     with dsgd.DistributedSGD(creator, num_workers=4, strategy="ps", backup_workers=1, grad_shard_bytes=40,
-                             timeout_s=30, startup_timeout_s=60) as sgd:
+                             timeout_s=60) as sgd:
         sgd.step(fetch_stats=True)
         sgd.resize(3)
         stats = _step_with_worker_1_held(sgd, gate)
