@@ -3,19 +3,22 @@
 ``Options.checked`` turns ``DistributedSGD``'s arguments into one frozen
 value or raises a ``ValueError`` naming the argument, what it got and what
 it expects; nothing here touches Ray. ``WorkerConfig`` is the part of the
-options a worker needs to build its graph.
+options a worker needs to build its graph, where ``use_ops`` is resolved
+(``ops_wanted``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dsgd.exchange import registry
 from dsgd.wire.codec import COMPRESSIONS
+
+logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ps", "simple")
 ALL_REDUCE_ALGS = ("simple", "nccl")
@@ -48,10 +51,11 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class Options:
-    """``DistributedSGD``'s arguments, checked (see its docstring for each)."""
+    """``DistributedSGD``'s arguments, checked (see its docstring for each); they never change (the count
+    running now is ``dsgd.cluster.topology.Topology``'s)."""
 
     strategy: str
-    num_workers: int
+    num_workers: int  # the count asked for: an elastic engine's maximum
     devices_per_worker: int
     gpu: bool
     grad_shard_bytes: int | None
@@ -133,29 +137,29 @@ class Options:
                              f"n - backup_workers >= 1 workers), got {n}")
         return int(n)
 
-    @property
-    def uses_ps(self) -> bool:
-        """Parameter servers run: "ps" with more than one worker."""
-        return registry.needs_servers(self.exchange)
-
-    @property
-    def exchange(self) -> str:
-        """How a step combines gradients (``dsgd.exchange.registry.KINDS``): "alone", "simple" or "ps"."""
-        return registry.kind_of(self.strategy, self.num_workers)
-
-    @property
-    def samples_per_step(self) -> int | None:
-        """Samples in one step over all replicas, if ``batch_size`` was given."""
-        if self.batch_size is None:
-            return None
-        return self.batch_size * self.num_workers * self.devices_per_worker
-
-    def worker_config(self, use_ops: bool, feed_concurrently: bool = False) -> WorkerConfig:
-        """What every worker is built with; ``use_ops`` as resolved by the driver."""
-        return WorkerConfig(self.exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
+    def worker_config(self, exchange: str, feed_concurrently: bool) -> WorkerConfig:
+        """What a worker is built with, for the ``exchange`` of the engine's count now; ``use_ops`` resolved
+        (``ops_wanted``)."""
+        return WorkerConfig(exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
                             self.cpus_per_worker, self.timeout_s, self.startup_timeout_s, self.nan_policy,
-                            use_ops=use_ops, feed_concurrently=feed_concurrently,
-                            backup_workers=self.backup_workers)
+                            use_ops=self.strategy == "ps" and ops_wanted(self.use_ops),
+                            feed_concurrently=feed_concurrently, backup_workers=self.backup_workers)
+
+
+def ops_wanted(use_ops: bool | None) -> bool:
+    """Whether the "ps" exchange uses the op library (``use_ops``; None: if it builds and loads, with a
+    warning if not); builds it if needed."""
+    if use_ops is False:
+        return False
+    from dsgd import ops
+
+    if ops.is_available():
+        return True
+    if use_ops:
+        ops.load()  # raises the build or load error, which says what is missing
+    logger.warning("the dsgd op library could not be built or loaded (run `python -m dsgd.ops.build` "
+                   "to see why); the 'ps' strategy exchanges partitions through Python instead")
+    return False
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

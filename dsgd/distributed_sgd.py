@@ -2,7 +2,8 @@
 
 It checks the options (``dsgd.config``) and hands the rest on: the actors to
 ``dsgd.cluster.cluster``, the steps (in flight, counted, interrupted, recovered) to
-the step ledger (``dsgd.driver.ledger``).
+the step ledger (``dsgd.driver.ledger``), resizes to its ``dsgd.driver.resizer``,
+the step stats to ``dsgd.driver.step_stats``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import ray
 
-from dsgd.driver import checkpoint
+from dsgd.driver import checkpoint, step_stats
 from dsgd.integrations import data
 from dsgd.cluster import placement
 from dsgd.cluster.cluster import Cluster
@@ -35,21 +36,6 @@ def _init_ray_if_needed() -> None:
         ray.init()
 
 
-def _ops_wanted(use_ops: bool | None) -> bool:
-    """Whether the "ps" exchange uses the op library; builds it if needed."""
-    if use_ops is False:
-        return False
-    from dsgd import ops
-
-    if ops.is_available():
-        return True
-    if use_ops:
-        ops.load()  # raises the build or load error, which says what is missing
-    logger.warning("the dsgd op library could not be built or loaded (run `python -m dsgd.ops.build` "
-                   "to see why); the 'ps' strategy exchanges partitions through Python instead")
-    return False
-
-
 def _scalar_logger(logdir: str | None):
     """A TensorBoard writer for the step stats in ``logdir`` (dsgd.integrations.tensorboard), or None."""
     if logdir is None:
@@ -57,12 +43,6 @@ def _scalar_logger(logdir: str | None):
     from dsgd.integrations.tensorboard import ScalarLogger
 
     return ScalarLogger(logdir)
-
-
-def _checkpoint_dir(path: Any, method: str) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{method} expects a directory path (str or os.PathLike), got {type(path).__name__}")
-    return os.fspath(path)
 
 
 class DistributedSGD:
@@ -179,10 +159,8 @@ class DistributedSGD:
                            "the worker averages its replicas locally, as 'simple' does"
                            + (f"; compression={compression!r} has nothing to send" if compression else ""))
         self._scalars = _scalar_logger(opts.logdir)
-        worker_config = opts.worker_config(use_ops=opts.strategy == "ps" and _ops_wanted(opts.use_ops),
-                                           feed_concurrently=datasets is not None)
         _init_ray_if_needed()
-        self._cluster = Cluster(opts, model_creator, worker_config, datasets)
+        self._cluster = Cluster(opts, model_creator, datasets)
         self._kill_actors = weakref.finalize(self, self._cluster.kill)  # also when garbage-collected
         self._kill_actors.atexit = False  # at exit, ray.shutdown ends them
         self._ledger = StepLedger(self._cluster, opts.max_failures)
@@ -201,13 +179,13 @@ class DistributedSGD:
 
     @property
     def options(self) -> Options:
-        """The checked arguments; ``num_workers`` is the current count."""
+        """The checked arguments, as given; the count running now is ``num_workers``."""
         return self._cluster.options
 
     @property
     def num_workers(self) -> int:
         """The workers running now (``resize`` changes it)."""
-        return self._cluster.options.num_workers
+        return self._cluster.topology.num_workers
 
     @property
     def devices_per_worker(self) -> int:
@@ -221,7 +199,7 @@ class DistributedSGD:
     @property
     def failures(self) -> int:
         """Failures recovered from so far."""
-        return self._ledger.failures
+        return self._ledger.recovery.failures
 
     @property
     def num_steps(self) -> int:
@@ -257,11 +235,11 @@ class DistributedSGD:
         killed at once, without waiting for the step.
         """
         with self._ledger.call():
-            self._ledger.grow_if_room()
+            self._ledger.resizer.grow_if_room()
             if write_timeline is None:
                 return self._step(fetch_stats)
             self._ledger.drain()
-            with self._ledger.tracing(write_timeline):
+            with self._ledger.trace.record(write_timeline, self._ledger.num_steps):
                 stats = self._step(fetch_stats=True)
             return stats if fetch_stats else None
 
@@ -270,35 +248,18 @@ class DistributedSGD:
         step_id, per_worker = self._ledger.step(fetch_stats)
         if per_worker is None:
             return None
-        if not per_worker:
-            logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
-            per_worker = [{"loss": float("nan")}]
-        per_worker, backup = self._backup_stats(per_worker)
-        stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
-        stats.update(backup)
-        stats.setdefault("num_replicas", float(self.num_workers * self.devices_per_worker))
+        topology = self._cluster.topology
+        stats = step_stats.combine(step_id, per_worker, topology, self.devices_per_worker)
         if self._cluster.servers is not None:
             stats["node_sent_bytes"] = float(self._cluster.node_sent_bytes())
         stats["step_time_s"] = time.perf_counter() - start
-        if self.options.samples_per_step:
-            stats["samples_per_s"] = self.options.samples_per_step / stats["step_time_s"]
+        if self.options.batch_size is not None:
+            samples = self.options.batch_size * topology.num_workers * self.devices_per_worker
+            stats["samples_per_s"] = samples / stats["step_time_s"]
         if self._scalars is not None:
             self._scalars.log(step_id, stats)
         stats["step"] = step_id
         return stats
-
-    def _backup_stats(self, per_worker: list[dict]) -> tuple[list[dict], dict[str, float]]:
-        """With backup workers: the results of the workers that computed the step (a worker behind applies the
-        step's mean without computing it), and ``num_replicas`` and ``dropped_gradients``."""
-        if not all("backup" in s for s in per_worker):
-            return per_worker, {}
-        infos = [s.pop("backup") for s in per_worker]
-        computed = [s for s, info in zip(per_worker, infos) if info["computed"]]
-        kept = infos[0]["kept"]  # every worker done with the step knows which workers every partition averaged
-        opts = self.options
-        return computed or per_worker, {
-            "num_replicas": float((opts.num_workers - opts.backup_workers) * opts.devices_per_worker),
-            "dropped_gradients": float(opts.num_workers - len(kept))}
 
     # ---- weights, state and callbacks ------------------------------------
 
@@ -347,21 +308,13 @@ class DistributedSGD:
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:
         """Ray 0.6's name: ``save`` into the directory ``checkpoint_dir`` (created if missing); the file written."""
-        directory = _checkpoint_dir(checkpoint_dir, "save_checkpoint")
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise NotADirectoryError(f"save_checkpoint expects a directory, got the file {directory!r}; "
-                                     "use save(path) to write a checkpoint file")
-        target = os.path.join(directory, "")  # a trailing separator: save writes inside it
+        target = checkpoint.directory_to_save(checkpoint_dir)
         self.save(target)
         return checkpoint.file_of(target)
 
     def restore_checkpoint(self, checkpoint_dir: str | os.PathLike) -> None:
         """Ray 0.6's name: ``restore`` from the directory ``save_checkpoint`` wrote."""
-        directory = _checkpoint_dir(checkpoint_dir, "restore_checkpoint")
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"restore_checkpoint expects a directory written by save_checkpoint, "
-                                    f"got {directory!r}, which is not a directory")
-        self.restore(os.path.join(directory, ""))
+        self.restore(checkpoint.directory_to_restore(checkpoint_dir))
 
     def foreach_worker(self, fn: Callable[[SGDWorker], Any]) -> list:
         """``fn(worker)`` on each worker actor, its session the default; the results, worker order."""
@@ -410,7 +363,7 @@ class DistributedSGD:
             raise DSGDError(f"resize({n}) inside a placement group (a Ray Tune trial) is refused: the trial reserved "
                             f"one bundle per worker, {self.num_workers} in all; set num_workers in the trial's "
                             "config or dsgd.tune.trainable's keywords instead")
-        self._ledger.resize(n)
+        self._ledger.resizer.resize(n)
 
     # ---- teardown ---------------------------------------------------------
 

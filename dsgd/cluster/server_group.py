@@ -12,7 +12,7 @@ down a stream (``dsgd.exchange.ps_client``). Node-local aggregation
 (``plan_relays``): on a node with several workers, a server there sums their
 copies of each partition summed elsewhere and pushes one partial sum per
 partition and step across (``dsgd.ps_actor.Relay``), down a stream of its own
-to the partition's server (``link``).
+to the partition's server (``connect_relays``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import ray
 from dsgd import ps_actor
 from dsgd.wire import partitions
 from dsgd.config import Options
+from dsgd.cluster.topology import Topology
 from dsgd.cluster.placement import actor_placement, live_node_resources, reserved_cpus
 from dsgd.wire.partitions import Partition, VarSpec
 
@@ -189,7 +190,7 @@ class ServerGroup:
                                             scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
-    def link(self) -> list:
+    def connect_relays(self) -> list:
         """Refs of giving every relaying server the actors it pushes to (after any start, before workers push): it
         opens its streams to them (``ParameterServer.set_peers``), closing those to the servers before."""
         return [actor.set_peers.remote(self.actors) for j, actor in enumerate(self.actors) if self.relays_of(j)]
@@ -251,8 +252,10 @@ class ServerGroup:
         self.actors = [None] * len(self.nodes)
 
 
-def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequence[str]) -> ServerGroup:
-    """The servers (``plan_servers``) and partitions (``dsgd.wire.partitions``) for ``exchange``, not started yet.
+def plan_group(options: Options, topology: Topology, exchange: Sequence[VarSpec],
+               worker_nodes: Sequence[str]) -> ServerGroup:
+    """The servers (``plan_servers``) and partitions (``dsgd.wire.partitions``) for ``exchange`` between the
+    workers of ``topology``, not started yet.
 
     The nodes' CPUs are the engine's placement group's inside a Tune trial,
     else the live nodes'. The choice is logged.
@@ -265,8 +268,8 @@ def plan_group(options: Options, exchange: Sequence[VarSpec], worker_nodes: Sequ
     if partition_bytes is None:
         partition_bytes = partitions.default_partition_bytes(exchange, len(nodes))
     layout = partitions.plan_partitions(exchange, partition_bytes, options.compression)
-    group = ServerGroup(layout, nodes[:len(layout)], options.num_workers, options.timeout_s, options.backup_workers,
-                        worker_nodes)
+    group = ServerGroup(layout, nodes[:len(layout)], topology.num_workers, options.timeout_s,
+                        topology.backup_workers, worker_nodes)
     chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
     logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
                 group.describe(), "" if chosen else

@@ -50,6 +50,32 @@ def file_of(path: str | os.PathLike) -> str:
     return os.path.join(path, CHECKPOINT_FILE) if os.path.isdir(path) or path.endswith(separators) else path
 
 
+def directory_to_save(checkpoint_dir: str | os.PathLike) -> str:
+    """``save_checkpoint``'s directory as a path ``save`` writes inside (created if missing); a TypeError or
+    NotADirectoryError if it is not a directory's path."""
+    directory = _directory_path(checkpoint_dir, "save_checkpoint")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"save_checkpoint expects a directory, got the file {directory!r}; "
+                                 "use save(path) to write a checkpoint file")
+    return os.path.join(directory, "")  # a trailing separator: save writes inside it
+
+
+def directory_to_restore(checkpoint_dir: str | os.PathLike) -> str:
+    """``restore_checkpoint``'s directory as a path ``load`` reads inside; a TypeError or FileNotFoundError if
+    it is not an existing directory."""
+    directory = _directory_path(checkpoint_dir, "restore_checkpoint")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"restore_checkpoint expects a directory written by save_checkpoint, "
+                                f"got {directory!r}, which is not a directory")
+    return os.path.join(directory, "")
+
+
+def _directory_path(path: object, method: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{method} expects a directory path (str or os.PathLike), got {type(path).__name__}")
+    return os.fspath(path)
+
+
 def save(path: str | os.PathLike, state: dict) -> None:
     """Write ``state`` (as SGDWorker.get_state returns it) to ``path``, atomically and durably.
 

@@ -1,0 +1,128 @@
+"""Whether the Ray cluster has room for the engine's workers and its exchange, and on which nodes.
+
+``WorkerRoom`` answers for workers: the CPUs and GPUs to check before any
+starts, a live node for each new one beside those that run (a DSGDError
+names what is missing), how many more fit, how many an elastic engine
+starts with. ``check_object_store`` answers for the exchange, once the
+workers have built their models (its size is the model's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import ray
+
+from dsgd.cluster.placement import live_node_resources, place_new_workers
+from dsgd.config import Options
+from dsgd.errors import DSGDError
+from dsgd.wire import codec
+from dsgd.wire.partitions import VarSpec
+
+logger = logging.getLogger(__name__)
+
+ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
+
+
+class WorkerRoom:
+    """Room for the workers of an engine of ``options``; ``worker_nodes[i]`` is where worker i runs."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        opts = options
+        self.needs = {"CPU": opts.cpus_per_worker, **({"GPU": opts.devices_per_worker} if opts.gpu else {})}
+
+    def check(self, num_workers: int) -> None:
+        """Fail fast, naming what is missing, instead of waiting forever for ``num_workers`` workers."""
+        total = ray.cluster_resources()
+        nodes = list(live_node_resources().values())
+        for resource, per_worker in self.needs.items():
+            have = total.get(resource, 0)
+            largest = max((n.get(resource, 0) for n in nodes), default=0)
+            what = f"{'gpu=True with ' if resource == 'GPU' else ''}{num_workers} workers x {per_worker} {resource}"
+            if per_worker > largest:
+                raise ValueError(
+                    f"{what}: each worker needs {per_worker} {resource} on one node, but the largest "
+                    f"Ray node has {largest:g} (cluster total {have:g})")
+            if per_worker * num_workers > have:
+                raise ValueError(
+                    f"{what} needs {per_worker * num_workers} {resource} in all, but the Ray cluster "
+                    f"has {have:g}; lower num_workers/cpus_per_worker or start Ray with more")
+
+    def place(self, new: list[int], worker_nodes: Sequence[str]) -> tuple[list[str], dict[str, dict[str, float]]]:
+        """A live node for each of the new workers ``new`` in turn, as long as they fit; each node's free resources.
+
+        Nodes where other workers run come first (they answered just now),
+        the dead workers' own nodes last: Ray sees a lost node dead only
+        seconds after its actors. Only the engine's workers count as holding
+        resources (what other Ray jobs hold may be freed; waiting for that is
+        bounded).
+        """
+        free = {node: {r: have.get(r, 0) for r in self.needs} for node, have in live_node_resources().items()}
+        others = [node for i, node in enumerate(worker_nodes) if i not in new]
+        own = [worker_nodes[i] for i in new if i < len(worker_nodes)]
+        for node in others:
+            if node in free:
+                for r, amount in self.needs.items():
+                    free[node][r] -= amount
+        return place_new_workers(len(new), self.needs, free, first=others, last=own), free
+
+    def nodes_for(self, new: list[int], worker_nodes: Sequence[str], what: str = "replace dead worker") -> list[str]:
+        """A live node for each of the new workers ``new`` (``place``); a DSGDError naming what is missing if
+        not all fit."""
+        nodes, free = self.place(new, worker_nodes)
+        if len(nodes) < len(new):
+            room = "; ".join(f"node {n[:8]} has {amounts(have)} free" for n, have in free.items())
+            raise DSGDError(f"cannot {what} {new[len(nodes)]}: it needs {amounts(self.needs)} on one "
+                            f"node, and no live node has that free beside the other workers "
+                            f"({room or 'no node is alive'})")
+        return nodes
+
+    def to_grow(self, worker_nodes: Sequence[str]) -> int:
+        """How many more workers (up to ``max_workers``) fit beside the engine's, and in what Ray has free now.
+
+        The second bound keeps a grow from waiting for resources that other
+        Ray jobs hold.
+        """
+        n = len(worker_nodes)
+        fit = len(self.place(list(range(n, self.options.max_workers or n)), worker_nodes)[0])
+        available = ray.available_resources()
+        return min([fit] + [int(available.get(r, 0) // amount) for r, amount in self.needs.items()])
+
+    def elastic_start_count(self) -> int:
+        """The workers an elastic engine starts with: as many as fit, up to max; waits up to startup_timeout_s
+        for min."""
+        opts = self.options
+        deadline = time.monotonic() + opts.startup_timeout_s
+        while True:
+            fit = len(self.place(list(range(opts.max_workers)), [])[0])
+            if fit >= opts.min_workers:
+                return fit
+            if time.monotonic() >= deadline:
+                raise DSGDError(
+                    f"num_workers={(opts.min_workers, opts.max_workers)}: after {opts.startup_timeout_s:.0f}s the "
+                    f"live Ray nodes have room for {fit} workers of {amounts(self.needs)}, fewer than the "
+                    f"minimum {opts.min_workers}; add nodes or lower the minimum")
+            logger.info("num_workers=%s: room for %d workers, waiting for %d", (opts.min_workers, opts.max_workers),
+                        fit, opts.min_workers)
+            time.sleep(ELASTIC_POLL_S)
+
+
+def check_object_store(exchange: Sequence[VarSpec], compression: str | None, num_workers: int) -> None:
+    """Each step may hold every worker's partitions of ``exchange`` plus their means; a ValueError if the
+    object store cannot."""
+    size = sum(s.size * codec.wire_dtype(s.dtype, compression).itemsize for s in exchange)
+    need = size * (num_workers + 1)
+    have = ray.cluster_resources().get("object_store_memory", 0)
+    if need > have:
+        raise ValueError(
+            f"the exchange needs {need / 2**20:.0f} MiB of Ray object-store memory per step "
+            f"({num_workers} workers' gradients of {size / 2**20:.0f} MiB plus their mean), "
+            f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
+
+
+def amounts(resources: dict[str, float]) -> str:
+    """'2 CPU, 1 GPU'."""
+    return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())
