@@ -53,8 +53,8 @@ class FusedStep(abc.ABC):
 
     @abc.abstractmethod
     def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, float], dict]:
-        """Run the step: its loss and metrics ({} without ``fetch_stats``) and the apply's outcome ({} or
-        {"skipped": why})."""
+        """Start a step (``ReplicaRuntime.start_step``) and run it: its loss and metrics ({} without
+        ``fetch_stats``) and the apply's outcome ({} or {"skipped": why})."""
 
     @abc.abstractmethod
     def prepare(self, fetch_stats: bool, feed_names: Sequence[str]) -> None:
@@ -112,8 +112,9 @@ class ReplicaRuntime(abc.ABC):
 
     @abc.abstractmethod
     def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
-        """Ask every replica for its batch and compute the step: the local means (one array per exchange
-        tensor, in ``signature.exchange`` order) and the loss and metrics ({} without ``fetch_stats``)."""
+        """Start a step (``start_step``), ask every replica for its batch and compute: the local means (one array
+        per exchange tensor, in ``signature.exchange`` order) and the loss and metrics ({} without
+        ``fetch_stats``)."""
 
     @abc.abstractmethod
     def apply(self, means: Sequence[np.ndarray]) -> dict:
