@@ -17,7 +17,7 @@ import pytest
 from dsgd.config import WorkerConfig
 from dsgd.errors import NonFiniteGradientError
 from dsgd.exchange import registry
-from dsgd.exchange.ps import PsWorkerPython
+from dsgd.exchange.ps import PsWorkerOps, PsWorkerPython
 from dsgd.wire import partitions
 from dsgd.worker import nonfinite
 from dsgd.worker.runtime import FusedStep, ReplicaRuntime
@@ -114,11 +114,19 @@ class NumpyServers:
         self.layout = layout
         self.peer = peer
         self.sent: dict[int, np.ndarray] = {}
+        self.steps: list[int] = []  # of the op library's sends
         self.sent_bytes = sum(p.size * p.dtype.itemsize for p in layout)
         self.forgotten = 0
 
     def send_gradients(self, partition, step_id, grads, trace=None):
         self.sent[partition.index] = partitions.pack(grads, partition, np.zeros(partition.size, partition.dtype))
+
+    def send(self, partition, step_id, segment_arrays, trace=None):
+        """The op library's send: one array per segment, valid only during the call."""
+        self.sent[partition.index] = flat = np.zeros(partition.size, partition.dtype)
+        for segment, array in zip(partitions.segments(partition), segment_arrays):
+            flat[segment.start:segment.start + segment.size] = array
+        self.steps.append(step_id)
 
     def receive(self, partition, step_id, trace=None):
         peer = partitions.pack(self.peer, partition, np.zeros(partition.size, partition.dtype))
@@ -186,6 +194,37 @@ def test_alone_runs_one_fused_step_which_a_resize_plans_ahead():
     result = exchange.step(0, fetch_stats=True)
     assert result["sent_bytes"] == 0 and result["loss"] == 1.5
     assert all(np.array_equal(a, m) for a, m in zip(runtime.applies[0], runtime.local))
+
+
+def test_the_op_librarys_in_step_exchange_traces_in_a_tf_function():
+    """The "ps" exchange built into a step (``PsWorkerOps.build``) is TensorFlow code a runtime traces: here in
+    a tf.function, as a TF2 runtime would, instead of the TF1 runtime's graph."""
+    import tensorflow as tf
+
+    from dsgd import ops
+
+    if not ops.is_available():
+        pytest.skip("the op library is not built")
+    local, peer = arrays(0), arrays(1)
+    layout = partitions.plan_partitions(SPECS, 16)
+    runtime = NumpyRuntime(config("ps", use_ops=True), local)
+    in_step = []
+    runtime.fused_step = lambda exchange=None: in_step.append(exchange) or NumpyFusedStep(runtime)
+    servers = NumpyServers(layout, peer)
+    assert isinstance(registry.worker_half("ps", runtime, servers), PsWorkerOps)
+
+    @tf.function
+    def step(step_id):
+        means, checks = in_step[0]([tf.constant(a) for a in local], step_id)
+        with tf.control_dependencies(checks):
+            return [tf.identity(m) for m in means]
+
+    got = step(tf.constant(5, tf.int64))
+    for mean, mine, theirs in zip(got, local, peer):
+        np.testing.assert_allclose(mean.numpy(), (mine + theirs) / 2, rtol=1e-6)
+    assert servers.steps == [5] * len(layout)
+    del got
+    ops.drain_released()
 
 
 @pytest.mark.parametrize("nan_policy", ["raise", "skip"])
