@@ -1,12 +1,12 @@
-"""The worker actor: builds its graph (``dsgd.worker.tf1.worker_graph``) and steps it through its exchange.
+"""The worker actor: its replicas' runtime and the exchange that steps them.
 
-The driver calls ``setup`` first (builds the graph, one replica per device),
+The driver calls ``setup`` first (builds the replicas, one per device),
 ``connect`` for "ps" with several workers, then ``step`` every step. How a
 step combines this worker's gradients with the others' is the worker's
-``Exchange`` (``dsgd.exchange``); running the graph
-(feeds, phase times, stats, the checked apply) is its ``StepRunner``
-(``dsgd.worker.tf1.step_runner``). The worker also reads and writes its state and runs
-the user's callbacks.
+``Exchange`` (``dsgd.exchange``); building and running the replicas (the
+local means, the checked apply, phase times, stats, state) is its
+``ReplicaRuntime`` (``dsgd.worker.runtime``; TF1 graphs:
+``dsgd.worker.tf1.runtime``). The actor's methods delegate to them.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import ray
 import tensorflow as tf
 
 from dsgd.common import actor_identity, timeline
-from dsgd.exchange import registry
-from dsgd.exchange.base import Exchange
-from dsgd.wire import partitions
-from dsgd.worker import tf_logs
-from dsgd.worker.tf1 import worker_graph
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, DSGDTimeoutError
-from dsgd.model import Model
+from dsgd.exchange import registry
+from dsgd.exchange.base import Exchange
 from dsgd.exchange.ps_client import ParameterServerClient
-from dsgd.worker.tf1.step_runner import StepRunner
+from dsgd.model import Model
+from dsgd.wire import partitions
+from dsgd.worker import tf_logs
+from dsgd.worker.signature import WorkerSignature
+from dsgd.worker.tf1.runtime import Tf1Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -42,27 +42,21 @@ class SGDWorker:
         tf_logs.python_warnings_follow_cpp_level()
         self.worker_index = worker_index
         self.config = config
-        self.runner = StepRunner(worker_index, config)
-        self.models: list[Model] = []
+        self.runtime = Tf1Runtime(worker_index, config)
         self.exchange: Exchange | None = None  # for "ps", made by connect
         self.client: ParameterServerClient | None = None  # "ps" with several workers, set by connect
-        # Every exchange built into the graph so far, for a resize back to a count seen before: its graph
-        # ops, and the session's plan for the step that runs them, are reused instead of built anew.
+        # Every exchange built so far, for a resize back to a count seen before: its step (graph
+        # ops and their planned run, in TF1) is reused instead of built anew.
         self._local_exchanges: dict[str, Exchange | None] = {}  # by WorkerConfig.exchange
         self._ps_exchanges: dict[tuple, tuple[ParameterServerClient, Exchange]] = {}  # see connect
 
     @property
     def sess(self) -> tf.compat.v1.Session | None:
-        return self.runner.sess
+        return self.runtime.sess
 
     @property
-    def graph(self) -> tf.Graph | None:
-        """The session's graph, where the replicas live."""
-        return self.runner.sess.graph if self.runner.sess is not None else None
-
-    @property
-    def built(self) -> worker_graph.WorkerGraph | None:
-        return self.runner.built
+    def models(self) -> list[Model]:
+        return self.runtime.models
 
     # ---- set-up -----------------------------------------------------------
 
@@ -70,7 +64,7 @@ class SGDWorker:
         """Who this actor is (the driver's liveness check and error names)."""
         return actor_identity.current("worker", self.worker_index)
 
-    def setup(self, model_creator: Callable[[int, int], Model], state: dict | None = None) -> worker_graph.WorkerSignature:
+    def setup(self, model_creator: Callable[[int, int], Model], state: dict | None = None) -> WorkerSignature:
         """Build the replicas and initialize their variables (local ones too); what was built.
 
         With ``state`` (another worker's ``get_state()``: a grow's new
@@ -79,35 +73,27 @@ class SGDWorker:
         them anew and loads the state they had; ``connect`` then rebuilds the
         "ps" exchange.
         """
-        runner = self.runner
-        if runner.built is not None:
-            state = self.get_state()
-        if runner.sess is not None:
-            runner.sess.close()
-            gc.unfreeze()  # let the old graph's objects be collected
-        runner.sess = tf.compat.v1.Session(graph=tf.Graph(), config=worker_graph.session_config(self.config))
-        with runner.default_session():
-            runner.built = worker_graph.build(self.worker_index, self.config, model_creator, runner.sess, state)
-        self.models = runner.built.models
-        self._local_exchanges.clear()  # their ops were in the old graph
+        if self.runtime.is_built:
+            state = self.runtime.get_state()
+            gc.unfreeze()  # let the old replicas' objects be collected
+        signature = self.runtime.build(model_creator, state)
+        self._local_exchanges.clear()  # their steps were the old replicas'
         self._ps_exchanges.clear()
-        if self.client is not None:  # its exchange went with the old graph: ``connect`` makes a new one
+        if self.client is not None:  # its exchange went with the old replicas: ``connect`` makes a new one
             self.client.close()
             self.client = None
         self.exchange = self._local_exchange()
-        if state is not None:
-            runner.applied_steps = state["applied_steps"]
-        # The graph's Python objects live as long as the worker: keep the cyclic
+        # The replicas' Python objects live as long as the worker: keep the cyclic
         # garbage collector from walking them on every full collection.
         gc.freeze()
-        return runner.built.signature
+        return signature
 
     def connect(self, layout: list[partitions.Partition], placement: list[int], servers: list,
                 routes: list[int] | None = None) -> int:
         """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j; ``routes[j]``,
         default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.cluster.server_group``).
 
-        The first call (and the first after ``setup`` rebuilt the graph)
+        The first call (and the first after ``setup`` rebuilt the replicas)
         makes the "ps" exchange; later calls, after a server or worker was
         replaced, only re-attach. Returns how many servers are reached
         through shared memory.
@@ -125,7 +111,7 @@ class SGDWorker:
         if key not in self._ps_exchanges:
             client = ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
                                            self.config.startup_timeout_s)
-            self._ps_exchanges[key] = client, registry.worker_half("ps", self.runner, client)
+            self._ps_exchanges[key] = client, registry.worker_half("ps", self.runtime, client)
         return self._ps_exchanges[key]
 
     def _local_exchange(self, kind: str | None = None) -> Exchange | None:
@@ -135,17 +121,17 @@ class SGDWorker:
         if registry.needs_servers(kind):
             return None  # made by ``connect`` once the servers exist
         if kind not in self._local_exchanges:
-            self._local_exchanges[kind] = registry.worker_half(kind, self.runner)
+            self._local_exchanges[kind] = registry.worker_half(kind, self.runtime)
         return self._local_exchanges[kind]
 
     def renumber(self, worker_index: int) -> None:
         """Take index ``worker_index``: an elastic engine lost a worker below this one and closed up the indices.
 
-        The replicas keep the graph ``model_creator`` built for the old index;
+        The replicas keep what ``model_creator`` built for the old index;
         ``set_exchange`` (which follows) connects under the new one.
         """
         self.worker_index = worker_index
-        self.runner.worker_index = worker_index
+        self.runtime.worker_index = worker_index
 
     def set_exchange(self, kind: str) -> None:
         """Combine gradients the way ``kind`` says (``WorkerConfig.exchange``) from the next step on.
@@ -153,10 +139,10 @@ class SGDWorker:
         A resize changed the worker count: the old exchange (and, for "ps",
         the connection to the old servers) is dropped; for "ps", ``connect``
         makes the new one, or takes up the one it made before for the same
-        partitions. The graph's replicas and the session stay.
+        partitions. The replicas stay.
         """
         self.config = dataclasses.replace(self.config, exchange=kind)
-        self.runner.config = self.config
+        self.runtime.config = self.config
         if self.client is not None:
             self.client.close()
         self.client = None
@@ -179,7 +165,7 @@ class SGDWorker:
             exchange = self._ps_exchange(layout, placement)[1]
         else:
             exchange = self._local_exchange(kind)
-        feed_names = self.runner.feed_names if self.runner.feed_names is not None else feed_names
+        feed_names = self.runtime.feed_names if self.runtime.feed_names is not None else feed_names
         if exchange is None or feed_names is None:
             return
         try:
@@ -189,7 +175,7 @@ class SGDWorker:
 
     def step_feed_names(self) -> tuple[str, ...] | None:
         """The tensors this worker's last step fed (None before its first): what a new worker plans for."""
-        return self.runner.feed_names
+        return self.runtime.feed_names
 
     # ---- stepping -----------------------------------------------------------
 
@@ -199,25 +185,25 @@ class SGDWorker:
         return self.exchange.step(step_id, fetch_stats, means)
 
     def warmup(self) -> None:
-        """Run the gradient computation once without applying it (no weight change)."""
-        self.runner.sess.run(self.runner.built.local_means, feed_dict=self.runner.feed_dict())
+        """Compute a step once without applying it (no weight change)."""
+        self.runtime.warmup()
 
     def start_trace(self) -> None:
         """Record a timeline of the calls until ``collect_trace``."""
-        self.runner.trace = timeline.Recorder()
+        self.runtime.trace = timeline.Recorder()
 
     def collect_trace(self) -> list[timeline.Event]:
-        trace, self.runner.trace = self.runner.trace, None
+        trace, self.runtime.trace = self.runtime.trace, None
         return trace.events if trace else []
 
     # ---- state and user callbacks ----------------------------------------
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Replica 0's variables, keyed by name without the replica scope."""
-        return self.sess.run(dict(self.built.replicas[0].weights))
+        return self.runtime.get_weights()
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        self._set_state("weights", weights)
+        self.runtime.set_group("weights", weights)
 
     def match_weights(self, reference: list) -> list[str]:
         """Make every replica's weights bit-identical to ``reference[0]``; the names of the variables assigned.
@@ -229,7 +215,7 @@ class SGDWorker:
         random; none when they are deterministic): bytes are compared, so a
         variable left unassigned holds exactly the reference's bits.
         """
-        own = self.sess.run([dict(r.weights) for r in self.built.replicas])
+        own = self.runtime.replica_weights()
         try:
             weights = ray.get(reference[0], timeout=self.config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -237,40 +223,33 @@ class SGDWorker:
                                    f"{self.config.startup_timeout_s:.0f}s for worker 0's initial weights") from e
         differ = sorted(name for name, value in weights.items()
                         if not all(_same_bits(value, replica[name]) for replica in own))
-        self._set_state("weights", {name: weights[name] for name in differ})
+        self.runtime.set_group("weights", {name: weights[name] for name in differ})
         return differ
-
-    def _set_state(self, group: str, values: dict[str, np.ndarray]) -> None:
-        self.built.state_assigns.run(self.sess, group, values)
 
     def get_state(self) -> dict:
         """Weights, optimizer state and step count: all a replica needs to go on."""
-        groups = self.built.state_vars
-        weights, optimizer = self.sess.run([dict(groups["weights"][0]), dict(groups["optimizer"][0])])
-        return {"weights": weights, "optimizer": optimizer, "applied_steps": self.runner.applied_steps}
+        return self.runtime.get_state()
 
     def set_state(self, state: dict) -> None:
         """Load get_state()'s result onto every replica."""
-        self._set_state("weights", state["weights"])
-        self._set_state("optimizer", state["optimizer"])
-        self.runner.applied_steps = state["applied_steps"]
+        self.runtime.set_state(state)
 
     def applied_steps_count(self) -> int:
-        return self.runner.applied_steps
+        return self.runtime.applied_steps
 
     def apply_fn(self, fn: Callable[["SGDWorker"], Any]) -> Any:
-        """``fn(self)``, with the worker's session as the default."""
-        with self.runner.default_session():
+        """``fn(self)``, in the runtime's context for user code (TF1: the worker's session as the default)."""
+        with self.runtime.user_context():
             return fn(self)
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
-        """``fn(model)`` on replica 0, with the worker's session as the default."""
-        with self.runner.default_session():
+        """``fn(model)`` on replica 0, in the runtime's context for user code."""
+        with self.runtime.user_context():
             return fn(self.models[0])
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
-        """``fn(model)`` on every replica, device order, with the worker's session as the default."""
-        with self.runner.default_session():
+        """``fn(model)`` on every replica, device order, in the runtime's context for user code."""
+        with self.runtime.user_context():
             return [fn(m) for m in self.models]
 
 

@@ -34,7 +34,7 @@ def momentum_reference(weights: dict, stages: list[tuple[int, int | list[tuple[i
 
 def _count_prepared_runs(worker) -> None:
     """Count the runs of each step the worker's exchange has planned ahead (in ``PreparedRun.runs``)."""
-    for prepared in worker.exchange._prepared.values():
+    for prepared in worker.exchange.fused._prepared.values():
         def counted(*values, _prepared=prepared, _call=prepared.call):
             _prepared.runs += 1
             return _call(*values)
@@ -68,15 +68,15 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
         assert_replicas_identical(sgd, 3)
         grew = [r for r in caplog.records if "grew from 2 to 3 workers" in r.message]
         assert len(grew) == 1 and {"start workers", "build models", "resynchronize"} <= set(grew[0].resize_phases)
-        assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [2, 2, 2]
+        assert sgd.num_steps == 2 and sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [2, 2, 2]
         # the new worker's variables started from worker 0's state: it built no assign ops to load it afterwards
-        assert sgd.foreach_worker(lambda w: len(w.built.state_assigns._built))[2] == 0
+        assert sgd.foreach_worker(lambda w: len(w.runtime.worker_graph.state_assigns._built))[2] == 0
         if strategy == "ps":  # every worker planned the step of 3 during the grow (the new one for worker 0's feeds)
-            assert sgd.foreach_worker(lambda w: set(w.exchange._prepared)) == [{True}, {True}, {True}]
+            assert sgd.foreach_worker(lambda w: set(w.exchange.fused._prepared)) == [{True}, {True}, {True}]
             sgd.foreach_worker(_count_prepared_runs)
         assert run_steps(sgd, 2)["num_replicas"] == 3
         if strategy == "ps":  # and their steps ran it
-            assert sgd.foreach_worker(lambda w: [p.runs for p in w.exchange._prepared.values()]) == [[2], [2], [2]]
+            assert sgd.foreach_worker(lambda w: [p.runs for p in w.exchange.fused._prepared.values()]) == [[2], [2], [2]]
 
         sgd.resize(1)
         assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == pids[:1]
@@ -130,7 +130,7 @@ def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothin
     assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
     assert_weights_close(sgd.get_weights(), start)
     run_steps(sgd, 1)
-    assert sgd.num_steps == steps + 1 and sgd.foreach_worker(lambda w: w.runner.applied_steps) == [steps + 1] * 2
+    assert sgd.num_steps == steps + 1 and sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps + 1] * 2
 
 
 def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(ray_session):
@@ -371,14 +371,14 @@ def test_a_worker_built_from_a_state_starts_from_it_on_every_replica():
     assert state["applied_steps"] == 3 and not np.array_equal(state["weights"]["a"], state["weights"]["b"])
 
     joined = local_worker(state, devices_per_worker=2)
-    assert joined.runner.applied_steps == 3
+    assert joined.runtime.applied_steps == 3
     for group in ("weights", "optimizer"):
-        for replica in joined.sess.run([dict(v) for v in joined.built.state_vars[group]]):
+        for replica in joined.sess.run([dict(v) for v in joined.runtime.worker_graph.state_vars[group]]):
             assert replica.keys() == state[group].keys()
             for name, value in replica.items():
                 np.testing.assert_array_equal(value, state[group][name], err_msg=f"{group} {name}")
     # only the two weights that share an initial value were assigned after initializing
-    assert sorted(name for _, name in joined.built.state_assigns._built) == ["a", "b"]
+    assert sorted(name for _, name in joined.runtime.worker_graph.state_assigns._built) == ["a", "b"]
 
 
 def test_a_state_of_another_model_is_refused_by_name():

@@ -51,14 +51,14 @@ def engines(ray_session):
 def test_a_workers_session_runs_on_its_cpus_and_its_idle_threads_sleep():
     """Threads: the worker's CPUs for each op, RECEIVE_THREADS more for the receives that wait; idle threads do
     not spin (they would take the cores the parameter servers share); only the subgraph a run needs is placed."""
-    from dsgd.worker.tf1 import worker_graph
+    from dsgd.worker.tf1 import session_config
     from dsgd.config import WorkerConfig
 
     config = WorkerConfig(exchange="ps", devices_per_worker=2, gpu=False, all_reduce_alg="simple", cpus_per_worker=3,
                           step_timeout_s=10, startup_timeout_s=10)
-    proto = worker_graph.session_config(config)
+    proto = session_config.session_config(config)
     assert proto.intra_op_parallelism_threads == 3
-    assert proto.inter_op_parallelism_threads == 3 + worker_graph.RECEIVE_THREADS
+    assert proto.inter_op_parallelism_threads == 3 + session_config.RECEIVE_THREADS
     assert proto.experimental.disable_thread_spinning and proto.graph_options.place_pruned_graph
     assert proto.device_count["CPU"] == 2 and proto.device_count["GPU"] == 0
 
@@ -75,7 +75,7 @@ def test_initial_weights_are_assigned_only_where_a_replica_differs(ray_session):
         assert np.all(replicas[0]["layer/w"] == 0) and np.all(replicas[0]["out/v"] == 0.5)  # worker 0, replica 0's
 
         def assigned(worker):  # the state ops are built on first use, one placeholder per variable written
-            return sorted(op.name for op in worker.graph.get_operations()
+            return sorted(op.name for op in worker.sess.graph.get_operations()
                           if op.type == "Placeholder" and op.name.startswith("set_weights/"))
         assert [len(names) for names in sgd.foreach_worker(assigned)] == [1, 1]  # 'layer/w' alone
         # Built on first use, they write any weights bit for bit (every variable's ops now).
@@ -245,13 +245,13 @@ def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, p
 def _exchange_and_its_ops(worker) -> tuple[str, bool, bool, list[str]]:
     """The worker's exchange class, whether its graph holds the op library's ops (DsgdPack), whether it keeps a
     fed apply, and what its non-finite checks check (their name scopes: gradients, values, partitions)."""
-    from dsgd.worker.tf1 import worker_graph
+    from dsgd.worker.finite_checks import FINITE_SCOPE
 
     ops = worker.sess.graph.get_operations()
-    checked = {op.name.split("/")[0].removeprefix(worker_graph.FINITE_SCOPE + "_").split("_")[0]
-               for op in ops if op.name.startswith(worker_graph.FINITE_SCOPE)}
+    checked = {op.name.split("/")[0].removeprefix(FINITE_SCOPE + "_").split("_")[0]
+               for op in ops if op.name.startswith(FINITE_SCOPE)}
     return (type(worker.exchange).__name__, any(op.type == "DsgdPack" for op in ops),
-            worker.built.apply_fed is not None, sorted(checked))
+            worker.runtime.worker_graph.apply_fed is not None, sorted(checked))
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])

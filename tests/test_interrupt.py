@@ -164,8 +164,8 @@ def test_ctrl_c_while_a_call_between_steps_waits_for_the_workers_leaves_the_engi
 
         interrupt_once(monkeypatch, sgd._cluster.calls, "call")
         with pytest.raises(KeyboardInterrupt):
-            sgd.foreach_worker(lambda worker: worker.runner.applied_steps)
-        assert sgd.foreach_worker(lambda worker: worker.runner.applied_steps) == [2, 2]
+            sgd.foreach_worker(lambda worker: worker.runtime.applied_steps)
+        assert sgd.foreach_worker(lambda worker: worker.runtime.applied_steps) == [2, 2]
 
         new = {k: np.full_like(v, 0.5) for k, v in start.items()}
         interrupt_once(monkeypatch, sgd._cluster.calls, "call")

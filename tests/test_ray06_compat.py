@@ -90,7 +90,7 @@ def local_worker(model_creator) -> SGDWorker:
 
 def test_metric_tensors_are_stats_and_numbers_are_not():
     worker = local_worker(MixedMetricsNet)
-    assert worker.built.signature.metrics == ("accuracy",)
+    assert worker.runtime.signature.metrics == ("accuracy",)
     stats = worker.step(0, fetch_stats=True)
     assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
     assert set(worker.get_weights()) == WEIGHT_NAMES

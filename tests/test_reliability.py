@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import dsgd
 from dsgd.wire import partitions
-from dsgd.worker.tf1 import step_runner, worker_graph
+from dsgd.worker import finite_checks, nonfinite
 from dsgd.config import WorkerConfig
 from dsgd_test_models import (REPLICAS_2x1, BatchNormNet, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue,
                               KillOnCue, NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
@@ -246,8 +246,8 @@ def test_non_finite_gradient_is_raised_or_skipped_on_every_replica(ray_session, 
 @pytest.mark.parametrize("bad", [None, ("big", np.nan), ("big", -np.inf), ("small", np.nan), ("small", np.inf)])
 def test_the_non_finite_check_names_the_variable_in_small_and_large_tensors(bad):
     """Small tensors get a CheckNumerics op, large ones a vectorized check and one assert: both name the variable."""
-    sizes = {"small": worker_graph.SMALL_CHECK_ELEMENTS, "big": worker_graph.SMALL_CHECK_ELEMENTS + 1, "other": 7,
-             "bigger": 3 * worker_graph.SMALL_CHECK_ELEMENTS}
+    sizes = {"small": finite_checks.SMALL_CHECK_ELEMENTS, "big": finite_checks.SMALL_CHECK_ELEMENTS + 1, "other": 7,
+             "bigger": 3 * finite_checks.SMALL_CHECK_ELEMENTS}
     config = WorkerConfig(exchange="ps", devices_per_worker=1, gpu=False, all_reduce_alg="auto", cpus_per_worker=1,
                           step_timeout_s=10, startup_timeout_s=10)
     values = {name: np.ones(n, np.float32) for name, n in sizes.items()}
@@ -255,14 +255,14 @@ def test_the_non_finite_check_names_the_variable_in_small_and_large_tensors(bad)
         values[bad[0]][sizes[bad[0]] // 2] = bad[1]
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
         tensors = [tf.constant(v) for v in values.values()]
-        checks = worker_graph._finite(tensors, list(values), "gradient", config)
+        checks = finite_checks.finite_tensors(tensors, list(values), "gradient", config)
         assert len(checks) == 3  # the two small tensors' CheckNumerics and the large ones' assert
         if bad is None:
             session.run(checks)
             return
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
             session.run(checks)
-    found = step_runner._NONFINITE.search(raised.value.message)
+    found = nonfinite._MESSAGE.search(raised.value.message)
     assert found is not None and found.groups() == ("gradient", bad[0])
 
 
@@ -276,7 +276,7 @@ def test_the_apply_waits_for_the_checks_of_gradients_and_values_alike():
     worker.setup(BatchNormNet)
     ops = worker.sess.graph.get_operations()
     applies = [op for op in ops if op.type.startswith("ResourceApply")]
-    checks = {kind: {op for op in ops if op.name.startswith(f"{worker_graph.FINITE_SCOPE}_{kind}")}
+    checks = {kind: {op for op in ops if op.name.startswith(f"{finite_checks.FINITE_SCOPE}_{kind}")}
               for kind in ("gradients", "values")}
     assert applies and all(checks.values())
     for apply in applies:
@@ -311,14 +311,14 @@ def test_the_partition_check_names_the_variable_and_ignores_the_gaps_between_pie
     if bad is not None:
         values[bad[1]] = bad[2]
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
-        checks = worker_graph.finite_partitions([tf.cast(tf.constant(values), wire)], layout, specs, 2, config)
+        checks = finite_checks.finite_partitions([tf.cast(tf.constant(values), wire)], layout, specs, 2, config)
         assert len(checks) == 1
         if bad is None or bad[0] == "gap":
             session.run(checks)
             return
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
             session.run(checks)
-    found = step_runner._NONFINITE.search(raised.value.message)
+    found = nonfinite._MESSAGE.search(raised.value.message)
     assert found is not None and found.groups() == ("value" if bad[0] == "c" else "gradient", bad[0])
 
 

@@ -8,9 +8,13 @@ count; everything else asks this module what the kind needs.
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 from dsgd.exchange.base import DriverHalf, EachWorkerSteps, Exchange
+
+if TYPE_CHECKING:
+    from dsgd.exchange.ps_client import ParameterServerClient
+    from dsgd.worker.runtime import ReplicaRuntime
 
 KINDS = ("alone", "simple", "ps")
 
@@ -33,13 +37,13 @@ def driver_half(kind: str, call: Callable[[list, str], list], span: Callable[[st
     return EachWorkerSteps()
 
 
-def worker_half(kind: str, runner, client=None) -> Exchange:
-    """The worker's half of ``kind`` on ``runner``; for "ps", ``client`` reaches the servers."""
+def worker_half(kind: str, runtime: ReplicaRuntime, client: ParameterServerClient | None = None) -> Exchange:
+    """The worker's half of ``kind`` on ``runtime``; for "ps", ``client`` reaches the servers."""
     if kind == "alone":
         from dsgd.exchange.alone import AloneWorker
-        return AloneWorker(runner)
+        return AloneWorker(runtime)
     if kind == "simple":
         from dsgd.exchange.simple import SimpleWorker
-        return SimpleWorker(runner)
+        return SimpleWorker(runtime)
     from dsgd.exchange.ps import ps_worker
-    return ps_worker(runner, client)
+    return ps_worker(runtime, client)

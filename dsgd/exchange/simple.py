@@ -16,7 +16,7 @@ import ray
 
 from dsgd.exchange.base import DriverHalf, Exchange
 from dsgd.wire.arrays import average_into
-from dsgd.worker.tf1.step_runner import StepRunner
+from dsgd.worker.runtime import ReplicaRuntime
 
 
 class SimpleWorker(Exchange):
@@ -26,21 +26,18 @@ class SimpleWorker(Exchange):
     given ``means``, applies them and returns the stats kept from the first.
     """
 
-    def __init__(self, runner: StepRunner):
-        super().__init__(runner)
+    def __init__(self, runtime: ReplicaRuntime):
+        super().__init__(runtime)
         self._stats: dict[str, float] = {}  # the step's stats, from its gradients' call to its apply
 
     def step(self, step_id: int, fetch_stats: bool,
              means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
-        runner = self.runner
-        built = runner.built
+        runtime = self.runtime
         if means is None:
-            out = runner.run({"means": built.local_means, "stats": runner.stats_fetches(fetch_stats)},
-                             runner.feed_dict(), "compute")
-            self._stats = runner.stats(out["stats"], sent_bytes=sum(m.nbytes for m in out["means"]))
-            return out["means"], self._stats
-        applied = runner.apply({"apply": built.apply_fed}, dict(zip(built.mean_inputs, means)))
-        return {**self._stats, **runner.result({}, applied, sent_bytes=0)}
+            local_means, stats = runtime.compute(fetch_stats)
+            self._stats = runtime.stats(stats, sent_bytes=sum(m.nbytes for m in local_means))
+            return local_means, self._stats
+        return {**self._stats, **runtime.result({}, runtime.apply(means), sent_bytes=0)}
 
 
 class SimpleDriver(DriverHalf):

@@ -1,5 +1,8 @@
 """Loader and graph helpers for the dsgd C++ op library.
 
+Every helper builds ordinary graph ops, so the step they go into may be a TF1
+graph or a ``tf.function`` (``dsgd.exchange.ps.PsWorkerOps.build``).
+
 Write side: ``build_send`` hands a partition to a Python callback from inside the
 graph, so each partition leaves as soon as its gradients exist. The partition travels
 as segments (``dsgd.wire.partitions.segments``): large pieces as zero-copy views of the

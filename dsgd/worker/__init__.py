@@ -1,1 +1,1 @@
-"""The replica runtime inside a worker actor: calls into the user's model (``user_model``), the TensorFlow import's set-up (``tf_logs``, ``keras_preload``) and the TF1 graph runtime (``tf1``)."""
+"""The replica runtime inside a worker actor: its interface (``runtime``), what every runtime shares (replica names, signature, non-finite checks), calls into the user's model (``user_model``), the TensorFlow import's set-up (``tf_logs``, ``keras_preload``) and the TF1 graph runtime (``tf1``)."""

@@ -1,1 +1,1 @@
-"""The TF1 graph runtime: the worker's graph (``worker_graph``) and the session runs of a step (``step_runner``)."""
+"""The TF1 graph runtime (``runtime``): the worker's graph (``worker_graph``, ``applies``, ``state``), its session (``session_config``, ``session_runs``) and its feeds (``feeds``)."""

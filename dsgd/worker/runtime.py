@@ -1,0 +1,211 @@
+"""The replica runtime: what an exchange (``dsgd.exchange``) asks of the worker's replicas, in numpy.
+
+A worker holds one replica of the model per device. Its ``ReplicaRuntime``
+builds them and runs their steps; an exchange combines the worker's
+gradients with the other workers' and talks only to the runtime, never to
+TensorFlow's sessions, graphs or feeds, so every exchange serves every
+runtime (``dsgd.worker.tf1.runtime`` for TF1 graphs).
+
+A step is one of:
+
+- ``compute`` (the replicas' local mean and the step's stats, as numpy),
+  then ``apply`` of the global means the exchange got for them;
+- a ``FusedStep`` (``fused_step``): compute and apply in one go (one
+  session run in TF1). With an ``InStepExchange`` the exchange's sends and
+  receives are built into that step (through the op library, ``dsgd.ops``),
+  so each partition leaves while back-propagation goes on. A fused step can
+  be planned ahead (``FusedStep.prepare``).
+
+Every apply checks the means (``dsgd.worker.finite_checks``): a non-finite
+one raises or skips the step on every replica, by ``nan_policy``
+(``dsgd.worker.nonfinite``). A step's result dict (``result``) holds the
+loss and metrics (means over replicas), the time of each phase
+(``<phase>_s``, from ``phase``) and ``sent_bytes``, when stats were fetched,
+and "skipped" when the apply skipped the step.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+
+import numpy as np
+
+from dsgd.common import timeline
+from dsgd.config import WorkerConfig
+from dsgd.worker import nonfinite
+from dsgd.worker.signature import WorkerSignature
+
+if TYPE_CHECKING:
+    from dsgd.model import Model  # imports TensorFlow, which an exchange driving a runtime needs not
+
+# Builds an exchange into a fused step: given the step's local means (one tensor per exchange tensor) and its
+# step id (an int64 scalar tensor), it sends and receives every partition and returns the global means (one
+# tensor per exchange tensor) and the checks that must pass before they are applied. Traced by the runtime:
+# into the TF1 graph, or inside a tf.function.
+InStepExchange = Callable[[Sequence[Any], Any], tuple[list[Any], list[Any]]]
+
+
+class FusedStep(abc.ABC):
+    """A step that computes, exchanges in-step (if built with an ``InStepExchange``) and applies, in one go."""
+
+    @abc.abstractmethod
+    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, float], dict]:
+        """Start a step (``ReplicaRuntime.start_step``) and run it: its loss and metrics ({} without
+        ``fetch_stats``) and the apply's outcome ({} or {"skipped": why})."""
+
+    @abc.abstractmethod
+    def prepare(self, fetch_stats: bool, feed_names: Sequence[str]) -> None:
+        """Plan the step for the inputs ``feed_names`` now, off the step's path, unless planned already."""
+
+
+class ReplicaRuntime(abc.ABC):
+    """A worker's replicas, one per device: built once, stepped, their state read and written.
+
+    ``applied_steps`` counts the steps applied (skipped ones too); ``trace``
+    is the timeline recorded while one is (``None`` otherwise), which phases
+    and the exchanges' spans go to.
+    """
+
+    sess: Any = None  # the TF1 runtime's session; None for a runtime without one (``SGDWorker.sess``)
+
+    def __init__(self, worker_index: int, config: WorkerConfig):
+        self.worker_index = worker_index
+        self.config = config
+        self.applied_steps = 0
+        self.trace: timeline.Recorder | None = None
+        self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+
+    # ---- building ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def build(self, model_creator: Callable[[int, int], Model], state: dict | None = None) -> WorkerSignature:
+        """Build the replicas (anew if built before), starting from ``state`` (``get_state()``'s) if given."""
+
+    @property
+    @abc.abstractmethod
+    def is_built(self) -> bool:
+        """Whether ``build`` ran."""
+
+    @property
+    @abc.abstractmethod
+    def signature(self) -> WorkerSignature:
+        """What ``build`` built."""
+
+    @property
+    @abc.abstractmethod
+    def trainable_count(self) -> int:
+        """How many of the exchange tensors are gradients; the rest are state values."""
+
+    @property
+    @abc.abstractmethod
+    def models(self) -> list[Model]:
+        """The user's replicas, in device order."""
+
+    @abc.abstractmethod
+    def user_context(self) -> ContextManager:
+        """Where user code runs (for TF1: with the worker's graph and session as the defaults)."""
+
+    # ---- stepping -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Start a step (``start_step``), ask every replica for its batch and compute: the local means (one array
+        per exchange tensor, in ``signature.exchange`` order) and the loss and metrics ({} without
+        ``fetch_stats``)."""
+
+    @abc.abstractmethod
+    def apply(self, means: Sequence[np.ndarray]) -> dict:
+        """Apply ``means`` (the global means, one per exchange tensor) on every replica, checked: {} or
+        {"skipped": why}; a non-finite mean raises under nan_policy "raise"."""
+
+    @abc.abstractmethod
+    def fused_step(self, exchange: InStepExchange | None = None) -> FusedStep:
+        """A new step that computes and applies in one go: the worker's own mean alone, or with ``exchange``
+        built in, the global means it receives."""
+
+    @abc.abstractmethod
+    def warmup(self) -> None:
+        """Compute a step without applying it (no weight changes)."""
+
+    @property
+    @abc.abstractmethod
+    def feed_names(self) -> tuple[str, ...] | None:
+        """The inputs the last step fed, sorted (None before the first): what a step is planned for."""
+
+    # ---- phases, stats and the checked apply --------------------------------
+
+    def start_step(self) -> None:
+        """A step begins: its phase timings start anew."""
+        self._phase_s = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase of the step for its stats (``<name>_s``) and, if tracing, the timeline."""
+        start = time.perf_counter()
+        try:
+            with timeline.maybe_span(self.trace, name):
+                yield
+        finally:
+            key = name.replace(",", "").replace(" ", "_") + "_s"
+            self._phase_s[key] = self._phase_s.get(key, 0.0) + time.perf_counter() - start
+
+    def stats(self, values: dict[str, float], sent_bytes: int) -> dict[str, float]:
+        """The step's stats: ``values`` (loss and metrics) with its phase times and ``sent_bytes`` (what this
+        worker pushed to the servers or the driver); {} if ``values`` is (no stats fetched)."""
+        if not values:
+            return {}
+        return {**values, **self._phase_s, "sent_bytes": float(sent_bytes)}
+
+    def result(self, values: dict[str, float], applied: dict, sent_bytes: int) -> dict:
+        """A step's result: its stats (``stats``), and "skipped" if the apply skipped it."""
+        result = self.stats(values, sent_bytes)
+        if "skipped" in applied:
+            result["skipped"] = applied["skipped"]
+        return result
+
+    def skipped(self, error_text: str) -> dict | None:
+        """The outcome of an apply whose run failed with ``error_text``: {"skipped": why} (counted as applied) if
+        a non-finite check failed it under nan_policy "skip", None if it is not a check's failure (re-raise it);
+        under nan_policy "raise", raises ``NonFiniteGradientError``."""
+        why = nonfinite.outcome(error_text, self.applied_steps, self.config.nan_policy)
+        if why is None:
+            return None
+        self.applied_steps += 1
+        return {"skipped": why}
+
+    @staticmethod
+    def reduce_stats(losses: Sequence[float], metrics: dict[str, Sequence[float]]) -> dict[str, float]:
+        """Loss and metrics: the means of every replica's."""
+        return {"loss": float(np.mean(losses)), **{k: float(np.mean(v)) for k, v in metrics.items()}}
+
+    # ---- state ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Replica 0's weights, keyed by name without the replica scope."""
+
+    @abc.abstractmethod
+    def replica_weights(self) -> list[dict[str, np.ndarray]]:
+        """Every replica's weights, device order."""
+
+    @abc.abstractmethod
+    def set_group(self, group: str, values: dict[str, np.ndarray]) -> None:
+        """Write ``values`` (name -> array) of state group ``group`` ("weights" or "optimizer") on every
+        replica."""
+
+    @abc.abstractmethod
+    def get_groups(self) -> dict[str, dict[str, np.ndarray]]:
+        """Replica 0's "weights" and "optimizer" groups."""
+
+    def get_state(self) -> dict:
+        """Weights, optimizer state and step count: all a replica needs to go on."""
+        return {**self.get_groups(), "applied_steps": self.applied_steps}
+
+    def set_state(self, state: dict) -> None:
+        """Load ``get_state()``'s result onto every replica."""
+        self.set_group("weights", state["weights"])
+        self.set_group("optimizer", state["optimizer"])
+        self.applied_steps = state["applied_steps"]
