@@ -7,12 +7,12 @@ variables), three ways, interleaved, median of `--reps` runs each:
 
   checknumerics  one `CheckNumerics` op per tensor (dsgd's check until
                  2026-11-24, whose element loop is scalar)
-  tensors        dsgd's check per mean (``dsgd.worker.tf1.worker_graph._finite``: a
+  tensors        dsgd's check per mean (``dsgd.worker.finite_checks.finite_tensors``: a
                  vectorized `is_finite` reduction per large tensor, one
                  assert for them all): "simple", the Python "ps" path, one
                  worker alone
   partitions     dsgd's check per received partition
-                 (``dsgd.worker.tf1.worker_graph.finite_partitions``), "ps" through the
+                 (``dsgd.worker.finite_checks.finite_partitions``), "ps" through the
                  op library: the same floats in the partitions the engine
                  would make at its defaults for two parameter servers, laid
                  out as they arrive (one flat tensor per partition)
@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from benchmarks.exchange import variable_shapes
 from dsgd.wire import partitions
-from dsgd.worker.tf1 import worker_graph
+from dsgd.worker import finite_checks
 from dsgd.config import WorkerConfig
 
 
@@ -64,8 +64,8 @@ def check_ops(shape: str) -> tuple[tf.Graph, dict[str, tf.Operation], int]:
                 for s in layout]
         ops = {"checknumerics": tf.group(*[tf.debugging.check_numerics(t, f"non-finite {n}")
                                            for t, n in zip(tensors, names)]),
-               "tensors": tf.group(*worker_graph._finite(tensors, names, "gradient", config)),
-               "partitions": tf.group(*worker_graph.finite_partitions(flat, layout, specs, len(specs), config)),
+               "tensors": tf.group(*finite_checks.finite_tensors(tensors, names, "gradient", config)),
+               "partitions": tf.group(*finite_checks.finite_partitions(flat, layout, specs, len(specs), config)),
                "init": tf.compat.v1.global_variables_initializer()}
     return graph, ops, sum(s.size for s in specs)
 

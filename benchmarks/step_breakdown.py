@@ -53,7 +53,7 @@ from typing import Any
 import ray
 
 import dsgd
-from dsgd.worker.tf1 import worker_graph
+from dsgd.worker import finite_checks
 from benchmarks import common
 from benchmarks.exchange import SHAPES, ExchangeModel, variable_shapes
 
@@ -103,7 +103,7 @@ def event_kind(event: dict[str, Any]) -> str | None:
         op_type = op.split("(", 1)[0]
         if op_type.startswith(("Apply", "ResourceApply")):
             return "TF: apply"
-        if worker_graph.FINITE_SCOPE in event["name"]:
+        if finite_checks.FINITE_SCOPE in event["name"]:
             return "TF: non-finite checks"
         if op_type in ("PyFunc", "EagerPyFunc"):
             return "TF: graph callbacks (sends, receives)"

@@ -22,7 +22,8 @@ import tensorflow as tf
 
 from dsgd.common import actor_identity, timeline
 from dsgd.config import WorkerConfig
-from dsgd.errors import DSGDError, DSGDTimeoutError
+from dsgd.common.calls import peer_errors
+from dsgd.errors import DSGDError
 from dsgd.exchange import registry
 from dsgd.exchange.base import Exchange
 from dsgd.exchange.ps_client import ParameterServerClient
@@ -216,11 +217,9 @@ class SGDWorker:
         variable left unassigned holds exactly the reference's bits.
         """
         own = self.runtime.replica_weights()
-        try:
+        with peer_errors(f"worker {self.worker_index} waited more than {self.config.startup_timeout_s:.0f}s "
+                         "for worker 0's initial weights"):
             weights = ray.get(reference[0], timeout=self.config.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise DSGDTimeoutError(f"worker {self.worker_index} waited more than "
-                                   f"{self.config.startup_timeout_s:.0f}s for worker 0's initial weights") from e
         differ = sorted(name for name, value in weights.items()
                         if not all(_same_bits(value, replica[name]) for replica in own))
         self.runtime.set_group("weights", {name: weights[name] for name in differ})

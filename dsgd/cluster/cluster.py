@@ -38,7 +38,7 @@ from dsgd.cluster.server_group import ServerGroup, plan_group
 from dsgd.cluster.server_slots import ServerSlots
 from dsgd.sgd_worker import SGDWorker
 from dsgd.common.stopwatch import Phases
-from dsgd.worker.tf1.worker_graph import WorkerSignature
+from dsgd.worker.signature import WorkerSignature
 
 logger = logging.getLogger(__name__)
 

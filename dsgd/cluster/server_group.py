@@ -11,7 +11,7 @@ Workers reach a server on their own node through shared memory, others
 down a stream (``dsgd.exchange.ps_client``). Node-local aggregation
 (``plan_relays``): on a node with several workers, a server there sums their
 copies of each partition summed elsewhere and pushes one partial sum per
-partition and step across (``dsgd.ps_actor.Relay``), down a stream of its own
+partition and step across (``dsgd.server.relays.Relay``), down a stream of its own
 to the partition's server (``connect_relays``).
 """
 
@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import ray
 
 from dsgd import ps_actor
+from dsgd.server.relays import Relay
 from dsgd.wire import partitions
 from dsgd.config import Options
 from dsgd.cluster.topology import Topology
@@ -151,9 +152,9 @@ class ServerGroup:
     def partitions_of(self, server: int) -> list[Partition]:
         return [s for s, j in zip(self.layout, self.placement) if j == server]
 
-    def relays_of(self, server: int) -> list[ps_actor.Relay]:
+    def relays_of(self, server: int) -> list[Relay]:
         """The partitions of other servers that ``server`` sums for its node's workers."""
-        return [ps_actor.Relay(self.layout[j], self.placement[j], by[server])
+        return [Relay(self.layout[j], self.placement[j], by[server])
                 for j, by in sorted(self.relays.items()) if server in by]
 
     def routes(self, worker: int) -> list[int]:

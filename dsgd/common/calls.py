@@ -37,8 +37,10 @@ STEP_HINT = "raise timeout_s if steps are legitimately this slow"
 PROGRESS_AFTER_S = 5.0
 PROGRESS_EVERY_S = 10.0
 
-# Errors that mean an actor (or an object it owned) is gone: recoverable.
-_FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, StepAborted)
+# Errors that mean an actor (or an object it owned) is gone: recoverable. An actor placed on a node that died
+# before it started is unschedulable: gone too, so a replacement is placed again on the nodes alive.
+_FAULTS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ray.exceptions.ObjectLostError,
+           StepAborted)
 
 
 def _fault_of(error: BaseException) -> BaseException | None:
