@@ -280,6 +280,21 @@ class StragglerNet(TanhNet):
         return super().get_feed_dict()
 
 
+class GatedStragglerNet(StragglerNet):
+    """Worker ``SLOW_WORKER`` passes the gate ``<gates>-<n>`` (a ``Gate``) before its n-th batch: held there for
+    as long as the test keeps that gate closed, however many steps that is, instead of for a time."""
+
+    def __init__(self, worker_index: int, device_index: int, gates: str):
+        super().__init__(worker_index, device_index)
+        self.slow_workers = ()  # held by its gates; a test may still make workers slow
+        self.gates = gates
+
+    def get_feed_dict(self):
+        if self.worker_index == self.SLOW_WORKER:
+            Gate(f"{self.gates}-{self.step}").pass_through()
+        return super().get_feed_dict()
+
+
 def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
     """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
     if worker_index == 1:

@@ -149,9 +149,19 @@ def test_server_sums_16_bit_pushes_in_float32_and_rounds_the_mean_once(compressi
     total = arrays.average_into(np.empty(partition.size, np.float32), pushed)
     widened = [codec.to_float32(p).astype(np.float64) for p in pushed]
     np.testing.assert_allclose(total, np.mean(widened, axis=0), rtol=2 ** -22)  # float32 sum, not 16-bit
-    mean = codec.convert_into(np.empty(partition.size, partition.wire_dtype), total)
+    # The server's own rounding (what dsgd.server.sums calls for a compressed partition): bit for bit the
+    # float32 mean rounded once.
+    mean = arrays.average_rounded_into(np.empty(partition.size, partition.wire_dtype), pushed)
+    once = codec.convert_into(np.empty(partition.size, partition.wire_dtype), total)
+    np.testing.assert_array_equal(mean.view(np.uint16), once.view(np.uint16))
+    # Rounding to 16 bits after every addition gives other bits on these values, so the check above can tell.
+    running = pushed[0]
+    for p in pushed[1:]:
+        running = codec.convert_into(np.empty_like(running), codec.to_float32(running) + codec.to_float32(p))
+    rounded_each_time = codec.convert_into(np.empty_like(running), codec.to_float32(running) / np.float32(3))
+    assert not np.array_equal(rounded_each_time.view(np.uint16), mean.view(np.uint16))
     [decoded] = unpack([mean], [partition], [VarSpec("g", (1000,), np.dtype(np.float32))])
-    np.testing.assert_array_equal(decoded, codec.to_float32(codec.convert_into(np.empty(1000, partition.wire_dtype), total)))
+    np.testing.assert_array_equal(decoded, codec.to_float32(once))
 
 
 # ---- the engine on one node ---------------------------------------------------
@@ -197,16 +207,24 @@ def test_sent_bytes_for_every_strategy(ray_session, float32_engine, caplog):
         assert sgd.step(fetch_stats=True)["sent_bytes"] == 0
 
 
-def test_fp16_overflow_is_a_non_finite_mean_for_nan_policy(ray_session, caplog):
+@pytest.mark.parametrize("compression", [None, "bf16", "fp16"])
+def test_fp16_overflow_is_a_non_finite_mean_for_nan_policy(ray_session, caplog, compression):
+    """Gradients of about 1e5 at the second step: finite in float32 and bf16 (the control: that step applies),
+    inf in fp16 (skipped on every replica under nan_policy='skip')."""
     caplog.set_level(logging.WARNING, logger="dsgd")
-    with dsgd.DistributedSGD(HugeTargetsAtStep1, num_workers=2, strategy="ps", compression="fp16",
+    with dsgd.DistributedSGD(HugeTargetsAtStep1, num_workers=2, strategy="ps", compression=compression,
                              nan_policy="skip") as sgd:
         sgd.step()
         before = sgd.get_weights()
-        sgd.step(fetch_stats=True)  # gradients of about 1e5: finite in float32, inf in fp16
-        assert "skipped a step (nan_policy='skip'): non-finite gradient of variable" in caplog.text
+        stats = sgd.step(fetch_stats=True)
         after = sgd.get_weights()
-        assert all(np.array_equal(before[k], after[k]) for k in before)
+        skipped = "skipped a step (nan_policy='skip'): non-finite gradient of variable" in caplog.text
+        if compression == "fp16":
+            assert skipped
+            assert all(np.array_equal(before[k], after[k]) for k in before)
+        else:
+            assert not skipped and np.isfinite(stats["loss"])
+            assert not all(np.array_equal(before[k], after[k]) for k in before)
         assert_replicas_identical(sgd, 2)
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
 

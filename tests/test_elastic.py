@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import numpy as np
 import pytest
@@ -291,14 +290,16 @@ def test_inside_a_placement_group_resize_and_elastic_engines_are_refused(ray_ses
 
 def test_elastic_engine_in_one_ray_instance_starts_at_max_refuses_sizes_outside_and_grows_back(ray_session, caplog):
     caplog.set_level(logging.INFO, logger="dsgd")
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2), strategy="ps", resize_interval_s=2.0,
+    interval = 3600.0  # the test moves the engine's clock, not the wall clock
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2), strategy="ps", resize_interval_s=interval,
                              timeout_s=60, startup_timeout_s=60) as sgd:
         assert sgd.num_workers == 2  # the session's 8 CPUs have room for the maximum
         with pytest.raises(ValueError, match=r"resize\(n\): n must be between 1 and 2 \(num_workers=\(1, 2\)\), got 3"):
             sgd.resize(3)
         sgd.resize(1)
         assert sgd.step(fetch_stats=True)["num_replicas"] == 1  # within resize_interval_s of the resize
-        time.sleep(2.1)
+        assert sgd.step(fetch_stats=True)["num_replicas"] == 1
+        sgd._ledger.resizer._last_look -= interval  # resize_interval_s has passed since the engine last looked
         assert sgd.step(fetch_stats=True)["num_replicas"] == 2  # grown back into the room there is
         assert "grew from 1 to 2 workers" in caplog.text
         assert_replicas_identical(sgd, 2)

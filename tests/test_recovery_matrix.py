@@ -2,12 +2,14 @@
 
 import logging
 
+import numpy as np
 import pytest
 import ray
 
 import dsgd
-from dsgd_test_models import (FixedDataMomentumNet, assert_replicas_identical, assert_weights_close, kill,
-                              numpy_momentum_run, set_start_weights)
+from dsgd.exchange import simple
+from dsgd_test_models import (FixedDataMomentumNet, TanhNet, actor_pids, assert_replicas_identical,
+                              assert_weights_close, kill, numpy_momentum_run, set_start_weights)
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
@@ -27,3 +29,30 @@ def test_worker_killed_with_two_devices_is_replaced_and_training_goes_on_exactly
         assert_replicas_identical(sgd, 4)
         # Momentum slots of both devices came along: the result equals an uninterrupted run.
         assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, replicas, 3))
+
+
+def test_a_step_the_survivors_applied_before_a_worker_died_keeps_their_stats(ray_session, caplog, monkeypatch):
+    """Worker 2 is killed once the driver holds every gradient of a "simple" step: the survivors apply that
+    step, so recovery has nothing to re-run, and the step's stats are the survivors' (before: a NaN loss and
+    no metrics)."""
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="simple") as sgd:
+        normal = sgd.step(fetch_stats=True)
+        victim, [pid] = sgd.workers[2], actor_pids(sgd.workers[2])
+        average_into, killed = simple.average_into, []
+
+        def kill_then_average(*args, **kwargs):
+            if not killed:  # every gradient is in the driver's hands: the step can complete without worker 2
+                kill(victim, pids=[pid])
+                killed.append(pid)
+            return average_into(*args, **kwargs)
+
+        monkeypatch.setattr(simple, "average_into", kill_then_average)
+        stats = sgd.step(fetch_stats=True)
+        monkeypatch.undo()
+        assert killed and "worker 2 is dead" in caplog.text
+        assert "its stats are lost" not in caplog.text
+        assert set(normal) <= set(stats) and np.isfinite(stats["loss"]) and np.isfinite(stats["abs_error"])
+        assert stats["step"] == 1 and sgd.num_steps == 2
+        sgd.step()
+        assert_replicas_identical(sgd, 3)

@@ -75,28 +75,31 @@ def test_a_wait_is_bounded_and_forget_drops_the_answers_still_to_come():
 
 
 def test_closing_either_end_ends_the_other_and_the_server_thread():
-    listener = signals.ChannelListener("close-server", lambda a, b: (a, b), 30)
+    # The listeners wait ACCEPT_S for a worker; each thread must end within JOIN_S, far sooner, so a thread
+    # that only left when its accept timed out fails.
+    ACCEPT_S, JOIN_S = 600, 60
+    listener = signals.ChannelListener("close-server", lambda a, b: (a, b), ACCEPT_S)
     channel = signals.Channel(listener.address, 30)
     channel.send(0, 0)
     assert channel.wait(0, 0, 30) == (0, 0)
     listener.close()
     with pytest.raises(ConnectionError, match="closed the channel"):
-        channel.wait(0, 1, 30)  # end-of-file at once, not after the bound
+        channel.wait(0, 1, ACCEPT_S)  # end-of-file at once, not after the bound
     for thread in _threads("close-server"):
-        thread.join(30)
+        thread.join(JOIN_S)
         assert not thread.is_alive()
 
-    listener = signals.ChannelListener("close-worker", lambda a, b: (a, b), 30)
+    listener = signals.ChannelListener("close-worker", lambda a, b: (a, b), ACCEPT_S)
     signals.Channel(listener.address, 30).close()
     for thread in _threads("close-worker"):
-        thread.join(30)
+        thread.join(JOIN_S)
         assert not thread.is_alive()
     listener.close()
 
-    listener = signals.ChannelListener("never-connected", lambda a, b: (a, b), 30)
+    listener = signals.ChannelListener("never-connected", lambda a, b: (a, b), ACCEPT_S)
     listener.close()  # a worker that fell back to the object store: the thread waiting in accept ends
     for thread in _threads("never-connected"):
-        thread.join(30)
+        thread.join(JOIN_S)
         assert not thread.is_alive()
 
 

@@ -2,6 +2,7 @@
 
 import itertools
 import socket
+import sys
 import threading
 import time
 
@@ -9,9 +10,12 @@ import numpy as np
 import pytest
 
 from dsgd.transport import streams
-from dsgd.transport.answers import Forgotten
+from dsgd.transport.answers import Answers, Forgotten
 
 SIZE = 10  # float32 elements of the one partition (0) in these tests
+# "At once" against "at the timeout": waits that should end at once get LONG_S to run out and must end
+# within AT_ONCE_S, so a wait that ended only at its timeout fails under any load.
+LONG_S, AT_ONCE_S = 600, 60
 _names = itertools.count()
 
 
@@ -35,7 +39,7 @@ class Server:
         return [view[:8], view[8:]]  # two segments, filled in turn
 
     def _answer(self, step, partition):
-        self.release.wait(30)
+        self.release.wait(LONG_S)
         if self.fail is not None:
             raise self.fail
         np.multiply(self.inputs, 2, out=self.mean)
@@ -49,6 +53,42 @@ def _threads(server):
 def _connect(server, means=None):
     means = np.zeros(SIZE, np.float32) if means is None else means
     return streams.Stream(server.listener.address, lambda step, partition: means, 10, 10), means
+
+
+def _blocked_in_wait(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside ``Answers.wait`` now: waiting for its answer."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is Answers.wait.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _waiting(call) -> tuple[threading.Thread, list]:
+    """``call()`` on a thread of its own, returned once it is provably blocked waiting for its answer; the list
+    receives what it raised or returned."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except BaseException as e:  # noqa: BLE001 (the test inspects it)
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + AT_ONCE_S
+    while not _blocked_in_wait(thread):
+        assert thread.is_alive() and time.monotonic() < deadline, f"the wait never blocked: {outcome}"
+        time.sleep(0.01)
+    return thread, outcome
+
+
+def _ended_at_once(thread: threading.Thread, outcome: list) -> BaseException:
+    thread.join(AT_ONCE_S)
+    assert not thread.is_alive(), f"the wait was still blocked {AT_ONCE_S} s later (its timeout is {LONG_S} s)"
+    return outcome[0]
 
 
 def test_a_push_lands_in_its_segments_and_the_mean_comes_back_into_the_workers_buffer():
@@ -111,11 +151,9 @@ def test_a_wait_for_a_push_forgotten_meanwhile_fails_at_once():
     stream, _ = _connect(server)
     server.release.clear()
     epoch = stream.send(0, 0, [np.ones(SIZE, np.float32)])
-    threading.Timer(0.2, stream.forget).start()
-    start = time.monotonic()
-    with pytest.raises(Forgotten):
-        stream.wait(0, 0, 30, epoch)
-    assert time.monotonic() - start < 5
+    thread, outcome = _waiting(lambda: stream.wait(0, 0, LONG_S, epoch))
+    stream.forget()
+    assert isinstance(_ended_at_once(thread, outcome), Forgotten), outcome
     server.release.set()
     epoch = stream.send(0, 0, [np.full(SIZE, 3, np.float32)])
     assert stream.wait(0, 0, 10, epoch) == ("averaged", 0)
@@ -126,12 +164,24 @@ def test_the_worker_sees_the_server_close_at_once():
     stream, _ = _connect(server)
     server.release.clear()
     stream.send(0, 0, [np.ones(SIZE, np.float32)])
-    threading.Timer(0.2, server.listener.close).start()
-    start = time.monotonic()
-    with pytest.raises(ConnectionError):
-        stream.wait(0, 0, 30)
-    assert time.monotonic() - start < 5
+    thread, outcome = _waiting(lambda: stream.wait(0, 0, LONG_S))
+    server.listener.close()
+    assert isinstance(_ended_at_once(thread, outcome), ConnectionError), outcome
     server.release.set()
+
+
+def test_the_server_sees_the_worker_close_at_once():
+    """Either side's death ends the stream: a worker that goes away ends the server's threads serving it."""
+    server = Server(accept_timeout_s=LONG_S)
+    stream, _ = _connect(server)
+    stream.send(0, 0, [np.ones(SIZE, np.float32)])
+    assert stream.wait(0, 0, 10) == ("averaged", 0)
+    assert _threads(server)
+    stream.close()
+    deadline = time.monotonic() + AT_ONCE_S
+    while _threads(server) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _threads(server), "the server still serves a worker that closed its stream"
 
 
 def test_only_the_holder_of_the_token_gets_in():
@@ -147,10 +197,10 @@ def test_only_the_holder_of_the_token_gets_in():
 
 
 def test_closing_a_listener_nobody_joined_ends_its_threads_at_once():
-    server = Server(accept_timeout_s=60)
+    server = Server(accept_timeout_s=LONG_S)
     assert len(_threads(server)) == 2  # the reader (accepting) and the answerer
     server.listener.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + AT_ONCE_S
     while _threads(server) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _threads(server)

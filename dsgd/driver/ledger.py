@@ -64,6 +64,7 @@ class StepLedger:
         self.num_steps = 0  # steps submitted; step ids count from 0
         self.closed = False
         self._in_flight: list[tuple[int, list]] = []  # (step id, its calls) not yet waited for
+        self._newest: tuple[int, list] | None = None  # the newest step submitted and its calls (its stats)
         self._behind: list[ray.ObjectRef] = []  # calls of steps already closed, of workers behind (backup workers)
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self.fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
@@ -141,7 +142,8 @@ class StepLedger:
 
         def submit() -> None:
             with self.trace.span("submit"):
-                self._in_flight.append((step_id, self._strategy.submit(self.cluster.workers, step_id, fetch_stats)))
+                self._newest = step_id, self._strategy.submit(self.cluster.workers, step_id, fetch_stats)
+                self._in_flight.append(self._newest)
 
         per_worker = self._guarded(submit)  # None, unless recovery completed the step
         if per_worker is None:
@@ -265,13 +267,18 @@ class StepLedger:
         ``in_flight``: the calls of the steps not yet waited for. Every step
         below ``num_steps`` is applied on every worker on return.
         """
+        newest = self._newest
         while True:
             self.recovery.count(error)
             try:
                 applied = self.recovery.settle(in_flight, replace_dead=True)
+                if applied == self.num_steps and newest is not None and newest[0] == applied - 1:
+                    # The survivors applied the newest step before the fault: its stats are theirs.
+                    return [r for r in self.cluster.calls.answers(newest[1], 0) if isinstance(r, dict)]
                 results = []
                 for step_id in range(applied, self.num_steps):
                     in_flight = self._strategy.submit(self.cluster.workers, step_id, True)
+                    newest = step_id, in_flight
                     results = self.cluster.calls.call(in_flight, f"re-run of step {step_id}")
                     warn_if_skipped(results)
                 return results
