@@ -67,7 +67,7 @@ def test_interrupt_between_two_workers_calls_is_settled_by_the_next_call(ray_ses
         start = set_start_weights(sgd)
         sgd.step()
         with monkeypatch.context() as patch:
-            patch.setattr(sgd._ledger._strategy, "submit", submit_to_worker_0_then_interrupt)
+            patch.setattr(sgd._ledger.driver_half, "submit", submit_to_worker_0_then_interrupt)
             with pytest.raises(KeyboardInterrupt):
                 sgd.step()
         if worker_1_dies_meanwhile:

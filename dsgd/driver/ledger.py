@@ -68,15 +68,15 @@ class StepLedger:
         self._behind: list[ray.ObjectRef] = []  # calls of steps already closed, of workers behind (backup workers)
         self._interrupted = False  # Ctrl-C stopped a call that waited on the workers; the next call settles
         self.fetch_stats = True  # whether the last step fetched stats: the step a grow's survivors prepare
-        self._driver_half: tuple[str, DriverHalf] | None = None  # (its exchange kind, the half), see _strategy
+        self._half: tuple[str, DriverHalf] | None = None  # (its exchange kind, the half), see driver_half
 
     @property
-    def _strategy(self) -> DriverHalf:
+    def driver_half(self) -> DriverHalf:
         """The driver's half of the exchange of the engine's topology now (made again when its kind changes)."""
         kind = self.cluster.topology.exchange
-        if self._driver_half is None or self._driver_half[0] != kind:
-            self._driver_half = kind, registry.driver_half(kind, self.cluster.calls.call, self.trace.span)
-        return self._driver_half[1]
+        if self._half is None or self._half[0] != kind:
+            self._half = kind, registry.driver_half(kind, self.cluster.calls.call, self.trace.span)
+        return self._half[1]
 
     # ---- every call ---------------------------------------------------------
 
@@ -127,13 +127,14 @@ class StepLedger:
         """Refuse every later call; forget the steps in flight (their actors are being killed)."""
         self.closed = True
         self._in_flight = []
+        self._newest = None
         self._behind = []
 
     # ---- steps --------------------------------------------------------------
 
     def step(self, fetch_stats: bool) -> tuple[int, list | None]:
-        """Submit one step; its id, and with ``fetch_stats`` its per-worker results once done ([] if recovery
-        completed it on some workers only), else None while it is still in flight."""
+        """Submit one step; its id, and with ``fetch_stats`` its per-worker results once done (those of the
+        survivors if recovery found the step applied; [] if none of them returned), else None while in flight."""
         if self._behind:
             self._guarded(self._collect_behind)  # a worker behind that failed is replaced before the next step
         step_id = self.num_steps
@@ -142,7 +143,7 @@ class StepLedger:
 
         def submit() -> None:
             with self.trace.span("submit"):
-                self._newest = step_id, self._strategy.submit(self.cluster.workers, step_id, fetch_stats)
+                self._newest = step_id, self.driver_half.submit(self.cluster.workers, step_id, fetch_stats)
                 self._in_flight.append(self._newest)
 
         per_worker = self._guarded(submit)  # None, unless recovery completed the step
@@ -277,7 +278,7 @@ class StepLedger:
                     return [r for r in self.cluster.calls.answers(newest[1], 0) if isinstance(r, dict)]
                 results = []
                 for step_id in range(applied, self.num_steps):
-                    in_flight = self._strategy.submit(self.cluster.workers, step_id, True)
+                    in_flight = self.driver_half.submit(self.cluster.workers, step_id, True)
                     newest = step_id, in_flight
                     results = self.cluster.calls.call(in_flight, f"re-run of step {step_id}")
                     warn_if_skipped(results)

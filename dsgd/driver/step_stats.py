@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 
 def combine(step_id: int, per_worker: list[dict], topology: Topology, devices_per_worker: int) -> dict[str, float]:
     """The loss and every metric (means over the workers that computed the step), and ``num_replicas``; with
-    backup workers, ``dropped_gradients``. ``per_worker`` is [] if recovery completed the step on some
-    workers only: its stats are lost (the loss is NaN)."""
+    backup workers, ``dropped_gradients``. ``per_worker`` is [] if recovery completed the step and none of
+    the workers that computed it returned: its stats are lost (the loss is NaN)."""
     if not per_worker:
         logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
         per_worker = [{"loss": float("nan")}]
