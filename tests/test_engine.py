@@ -10,6 +10,7 @@ import pytest
 import ray
 
 import dsgd
+from dsgd import ops
 from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
                               assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
@@ -310,6 +311,9 @@ def test_moving_statistics_stay_identical_across_replicas(ray_session):
         for _ in range(2):
             sgd.step()
         assert_all_four_identical(sgd)
+        # The statistics' means arrive in received buffers: assigned to the variables, they must be copied,
+        # or a variable would share (and keep alive) the buffer, whose next write would change it.
+        assert sgd.foreach_worker(lambda w: (w.config.use_ops, ops.live_buffers())) == [(True, 0)] * WORKERS
         moving = sgd.get_weights()["moving_mean"]
         assert np.any(moving != 0)
         # Every replica's update is averaged: 0.1 * mean of all replicas' batch means.

@@ -1,7 +1,10 @@
 """Loader and graph helpers for the dsgd C++ op library.
 
 Every helper builds ordinary graph ops, so the step they go into may be a TF1
-graph or a ``tf.function`` (``dsgd.exchange.ps.PsWorkerOps.build``).
+graph or a ``tf.function`` (``dsgd.exchange.ps.PsWorkerOps.build``). In a
+``tf.function`` the sends and receives are ordered by their explicit control
+dependencies alone, not by automatic control dependencies' chain of stateful
+ops (``_run_independently``), so a send never waits for an earlier receive.
 
 Write side: ``build_send`` hands a partition to a Python callback from inside the
 graph, so each partition leaves as soon as its gradients exist. The partition travels
@@ -39,7 +42,7 @@ from dsgd.wire.partitions import VIEW_BYTES, Segment, Partition, VarSpec, piece_
 
 __all__ = [
     "is_available", "load", "pack", "build_send", "receive_partition", "unpack",
-    "drain_released", "discard_unclaimed", "live_buffers", "data_address",
+    "owned_copy", "drain_released", "discard_unclaimed", "live_buffers", "data_address",
 ]
 
 _lock = threading.Lock()
@@ -158,7 +161,18 @@ def build_send(grads: Sequence[tf.Tensor], partition: Partition,
     token = tf.numpy_function(send, [*tensors, *inputs], tf.int64, stateful=True,
                               name=f"dsgd_send_{partition.index}")
     token.set_shape([])
+    _run_independently(token)
     return token
+
+
+def _run_independently(*tensors: tf.Tensor) -> None:
+    """When a ``tf.function`` is being traced, take the ops of ``tensors`` out of automatic control
+    dependencies' chain of stateful ops (which would order every send and receive of a step one after the
+    other, ending the pipelining); they still run before the function returns. Nothing in a TF1 graph."""
+    manager = tf.compat.v1.get_default_graph().experimental_acd_manager
+    if manager is not None:
+        for t in tensors:
+            manager.run_independently(t.op)
 
 
 def _register(array: np.ndarray) -> int:
@@ -195,7 +209,9 @@ def receive_partition(fetch: Callable[..., np.ndarray], partition: Partition,
     handle = tf.numpy_function(fetch_and_register, list(inputs), tf.int64, stateful=True,
                                name=f"dsgd_fetch_{partition.index}")
     handle.set_shape([])
-    return _ops.dsgd_alias_tensor(handle, T=_tf_wire_dtype(partition), size=partition.size)
+    tensor = _ops.dsgd_alias_tensor(handle, T=_tf_wire_dtype(partition), size=partition.size)
+    _run_independently(handle, tensor)
+    return tensor
 
 
 def unpack(partition_tensors: Sequence[tf.Tensor], layout: Sequence[Partition],
@@ -234,6 +250,17 @@ def unpack(partition_tensors: Sequence[tf.Tensor], layout: Sequence[Partition],
         if grads[v] is None:
             grads[v] = tf.zeros(spec.shape, _tf_dtype(spec.dtype))
     return grads
+
+
+def owned_copy(tensor: tf.Tensor) -> tf.Tensor:
+    """A copy of ``tensor`` in memory of its own, to assign to a variable.
+
+    A tensor that aliases a received buffer (``unpack``'s outputs) assigned
+    as it is makes the variable share that buffer (TensorFlow's assign keeps
+    the value's buffer when it can): the buffer stays alive, and its next
+    write changes the variable.
+    """
+    return tf.raw_ops.DeepCopy(x=tensor)
 
 
 def _drop_arrays(function_name: str) -> int:

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError
+from dsgd.ops import owned_copy
 from dsgd.wire import partitions
 from dsgd.worker.finite_checks import finite_tensors
 from dsgd.worker.replica_names import apply_scope, device
@@ -33,7 +34,7 @@ def apply_ops(replicas: Sequence[Replica], means_per_replica: Sequence[Sequence[
         with tf.device(device(r.index, config.gpu)), tf.name_scope(apply_scope(r.index)), \
                 tf.control_dependencies(checks):
             ops.append(r.optimizer.apply_gradients(list(zip(means[:n_train], r.train_vars))))
-            ops += [v.assign(m) for v, m in zip(r.state_vars, means[n_train:])]
+            ops += [v.assign(owned_copy(m)) for v, m in zip(r.state_vars, means[n_train:])]
     return tf.group(*ops)
 
 
