@@ -8,13 +8,14 @@ KerasModel is built, so ``import dsgd`` does not need it.
 
 from __future__ import annotations
 
-import collections.abc
-from typing import Any, Callable, Iterable, Mapping, Sequence
+import collections
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from dsgd.integrations import keras_outputs
+from dsgd.integrations.keras_batches import Batches, split
 from dsgd.model import Model
 
 _BUILD_INSIDE = ("build the tf_keras model inside model_creator, e.g. "
@@ -109,11 +110,7 @@ class KerasModel(Model):
         self.model = model
         self.optimizer = optimizer
         self.features, self.label = features, label
-        self.epoch = 0  # epochs of `batches` started before the current one (Python input only)
-        self.batches_read = 0  # batches fed so far (Python input only)
-        self._batches: Iterable | None = None
-        self._iterator: collections.abc.Iterator | None = None
-        self._pending: tuple[Any, Any] | None = None
+        self._batches: Batches | None = None  # Python input; None when the graph reads it
         self.inputs, self.labels = self._build_inputs(batches)
         self._build_training_step(loss, metrics, tf_keras)
         self._inference_outputs: Any = None
@@ -166,11 +163,20 @@ class KerasModel(Model):
         """The next batch of ``batches``; empty when the input is read in the graph."""
         if self._batches is None:
             return {}
-        x, y = self._next_batch()
+        x, y = self._batches.next()
         feed = dict(zip(tf.nest.flatten(self.inputs), _flatten_like(self.inputs, x, "x")))
         feed.update(zip(tf.nest.flatten(self.labels), _flatten_like(self.labels, y, "y")))
-        self.batches_read += 1
         return feed
+
+    @property
+    def epoch(self) -> int:
+        """Passes over ``batches`` started before the current one (0 when the graph reads the input)."""
+        return self._batches.epoch if self._batches is not None else 0
+
+    @property
+    def batches_read(self) -> int:
+        """Batches fed so far (0 when the graph reads the input)."""
+        return self._batches.read if self._batches is not None else 0
 
     # ---- inference -----------------------------------------------------------
 
@@ -212,7 +218,7 @@ class KerasModel(Model):
                 "a tf.data.Dataset, or an (x, y) pair of tensors")
         if isinstance(batches, tf.data.Dataset):
             iterator = tf.compat.v1.data.make_one_shot_iterator(batches)
-            return self._split(iterator.get_next(), "the tf.data.Dataset's elements")
+            return split(iterator.get_next(), self.features, self.label, "the tf.data.Dataset's elements")
         if isinstance(batches, (tuple, list)) and len(batches) == 2 and all(
                 isinstance(t, tf.Tensor) for t in tf.nest.flatten(batches)):
             x, y = batches
@@ -222,56 +228,10 @@ class KerasModel(Model):
                     raise ValueError(f"KerasModel batches tensor {t.name} is in another graph; "
                                      "create it inside model_creator")
             return x, y
-        if not isinstance(batches, collections.abc.Iterable) or isinstance(batches, (str, bytes, dict)):
-            raise TypeError(
-                f"KerasModel batches must be an iterable of batches, a tf.data.Dataset or an (x, y) pair of "
-                f"tensors, got {type(batches).__name__}")
-        self._batches = batches
-        self._iterator = iter(batches)
-        self._pending = self._next_batch()  # read now for its shapes; fed by the first get_feed_dict
-        x, y = self._pending
+        self._batches = Batches(batches, self.features, self.label)
+        x, y = self._batches.first  # fed by the first get_feed_dict
         inputs = tf.nest.map_structure(lambda a: _placeholder(a, "input"), x)
         return inputs, tf.nest.map_structure(lambda a: _placeholder(a, "label"), y)
-
-    def _split(self, element: Any, what: str) -> tuple[Any, Any]:
-        """(x, y) from one batch: a pair, or a dict read through features/label."""
-        if isinstance(element, collections.abc.Mapping):
-            if self.features is None:
-                raise ValueError(f"{what} are dicts with keys {sorted(element)}; pass features= and label= "
-                                 "to name the model's input and the label among them")
-            missing = [k for k in tf.nest.flatten(self.features) + tf.nest.flatten(self.label) if k not in element]
-            if missing:
-                raise KeyError(f"{what} have no key {missing[0]!r} (features={self.features!r}, "
-                               f"label={self.label!r}); their keys: {sorted(element)}")
-            return (tf.nest.map_structure(element.__getitem__, self.features),
-                    tf.nest.map_structure(element.__getitem__, self.label))
-        if isinstance(element, (tuple, list)) and len(element) == 2:
-            if self.features is not None:
-                raise ValueError(f"{what} are (x, y) pairs: features= and label= only apply to dict batches")
-            return element[0], element[1]
-        raise TypeError(f"{what} must be (x, y) pairs or dicts of arrays, got {type(element).__name__}")
-
-    def _next_batch(self) -> tuple[Any, Any]:
-        """The next (x, y); at the end of the iterable, the first batch of a new pass over it."""
-        if self._pending is not None:
-            batch, self._pending = self._pending, None
-            return batch
-        try:
-            element = next(self._iterator)
-        except StopIteration:
-            if self._iterator is self._batches:
-                raise RuntimeError(
-                    f"KerasModel batches ran out after {self.batches_read} batches and cannot start another "
-                    "epoch: it is a one-pass iterator. Pass an iterable that can be iterated again (a list, "
-                    "a Ray DataIterator's iter_batches(...)) or an endless generator") from None
-            self._iterator = iter(self._batches)
-            self.epoch += 1
-            try:
-                element = next(self._iterator)
-            except StopIteration:
-                raise RuntimeError("KerasModel batches yielded no batch in a new pass over it") from None
-        x, y = self._split(element, "KerasModel batches")
-        return tf.nest.map_structure(np.asarray, x), tf.nest.map_structure(np.asarray, y)
 
 
 def _check_model(model: Any, tf_keras) -> None:
