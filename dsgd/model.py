@@ -76,3 +76,87 @@ class Model:
     def get_feed_dict(self) -> dict[Any, Any]:
         """The feed_dict for this replica's next batch; called once per step."""
         return {}
+
+
+class TF2ModelInGraph(Exception):
+    """A ``TF2Model`` was made in a TF1 graph: the worker builds its replicas eagerly instead (internal)."""
+
+
+class TF2Model:
+    """One replica of a model trained by a TF2 function: eager variables, a Keras 3 optimizer, a loss.
+
+    dsgd calls ``model_creator(worker_index, device_index)`` once per device
+    of every worker, eagerly, under ``tf.device(...)``. Create the variables
+    in ``__init__``. dsgd traces one step in a ``tf.function``: each
+    replica's ``get_loss(batch)`` under a ``GradientTape``, the mean of every
+    replica's gradients over all workers, applied by each replica's
+    optimizer. ``dsgd.KerasModel`` given a Keras 3 model is a ``TF2Model``.
+
+    Every replica must create the same variables (shapes, dtypes, in the
+    same order). Initial values need not agree: dsgd broadcasts worker 0,
+    replica 0's weights before the first step. The weights are keyed by the
+    variables' paths as worker 0's first replica names them.
+
+    Example::
+
+        class Regression(dsgd.TF2Model):
+            def __init__(self, worker_index, device_index):
+                self.w = tf.Variable(tf.zeros([3]))
+                self.opt = keras.optimizers.SGD(0.1)
+                self.data = make_batches(worker_index, device_index)
+
+            def get_variables(self):
+                return [self.w]
+
+            def get_optimizer(self):
+                return self.opt
+
+            def get_batch(self):
+                x, y = next(self.data)
+                return {"x": x, "y": y}
+
+            def get_loss(self, batch):
+                err = tf.linalg.matvec(batch["x"], self.w) - batch["y"]
+                return tf.reduce_mean(err ** 2), {"mae": tf.reduce_mean(tf.abs(err))}
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if not tf.executing_eagerly():
+            raise TF2ModelInGraph(cls.__name__)
+        return super().__new__(cls)
+
+    def get_variables(self) -> list:
+        """The trainable variables (``tf.Variable`` or Keras variables), in a fixed order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement get_variables()")
+
+    def get_optimizer(self) -> Any:
+        """A Keras 3 optimizer (``keras.optimizers.Optimizer``); one per replica, never shared."""
+        raise NotImplementedError(f"{type(self).__name__} must implement get_optimizer()")
+
+    def get_batch(self) -> Any:
+        """This replica's next batch: a numpy array, or a tuple, list or dict of them; called once per step.
+
+        Every batch has the first batch's structure and dtypes; its first
+        dimension (the batch size) may change.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement get_batch()")
+
+    def get_loss(self, batch: Any) -> Any:
+        """The scalar loss of ``batch`` (tensors, structured as ``get_batch()`` returns them), or
+        ``(loss, {name: scalar})`` with metrics, which ``step(fetch_stats=True)`` averages over replicas.
+
+        dsgd traces it once in a ``tf.function`` (autograph converts its
+        Python control flow), so it must build its result from ``batch`` and
+        the variables alone.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement get_loss(batch)")
+
+    def get_state_variables(self) -> list:
+        """Non-trainable float variables the step writes (as batch normalization writes its moving
+        statistics): averaged over all replicas after every step, like the gradients. Default: none."""
+        return []
+
+    def _dsgd_weights(self) -> list:
+        """The variables ``get_weights`` and checkpoints hold: ``get_variables()`` then
+        ``get_state_variables()`` (a Keras model's: all its weights)."""
+        return [*self.get_variables(), *self.get_state_variables()]

@@ -1,9 +1,12 @@
-"""dsgd.KerasModel: a tf_keras (Keras 2) model as one dsgd replica.
+"""dsgd.KerasModel: a Keras model as one dsgd replica.
 
-Keras 3 (the ``keras`` package, and ``tf.keras`` on TensorFlow 2.16+) does
-not build in ``tf.compat.v1`` graph mode; ``tf_keras`` does. Install it with
-``pip install dsgd[keras]``. This module imports ``tf_keras`` only when a
-KerasModel is built, so ``import dsgd`` does not need it.
+Given a Keras 3 model (the ``keras`` package, and ``tf.keras`` on
+TensorFlow 2.16+), ``KerasModel(...)`` makes a ``Keras3Model``
+(``dsgd.integrations.keras3``), trained the TF2 way. Given a ``tf_keras``
+(Keras 2) model, it is the ``dsgd.Model`` built here, in
+``tf.compat.v1`` graph mode (``pip install dsgd[keras]``). This module
+imports ``tf_keras`` only when such a model is built, so ``import dsgd``
+does not need it.
 """
 
 from __future__ import annotations
@@ -94,6 +97,13 @@ class KerasModel(Model):
         label: the key of ``y`` in dict batches, or a list or dict of keys
             for a model with several outputs (the outputs' structure).
     """
+
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any):
+        if _is_keras3(model):  # the TF2 way: a Keras3Model, which is not a dsgd.Model
+            from dsgd.integrations.keras3 import Keras3Model
+
+            return Keras3Model(model, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: Any, loss: Any, optimizer: tf.compat.v1.train.Optimizer,
                  metrics: Sequence[str | Callable] | Mapping[str, Any] = (), batches: Any = None,
@@ -235,12 +245,7 @@ class KerasModel(Model):
 
 
 def _check_model(model: Any, tf_keras) -> None:
-    """Refuse Keras 3 models and models whose variables were made outside this replica."""
-    if _is_keras3(model):
-        raise TypeError(
-            f"KerasModel got a Keras 3 model ({type(model).__module__}.{type(model).__name__}); Keras 3 "
-            f"does not build in tf.compat.v1 graph mode. Use tf_keras (pip install 'dsgd[keras]') and "
-            f"{_BUILD_INSIDE}")
+    """Refuse models that are not tf_keras's and models whose variables were made outside this replica."""
     if not isinstance(model, tf_keras.Model):
         raise TypeError(f"KerasModel model must be a tf_keras.Model, got {type(model).__name__}; {_BUILD_INSIDE}")
     graph = tf.compat.v1.get_default_graph()
