@@ -1,6 +1,6 @@
 """Render a dsgd Chrome trace as a PNG (one row per actor track), for docs.
 
-    .venv/bin/python -m benchmarks.plot_timeline trace.json docs/timeline.png
+    .venv/bin/python -m benchmarks.plot_timeline trace.json docs/img/timeline.png
 
 Perfetto (ui.perfetto.dev) or chrome://tracing show the same file
 interactively; this picture is for places where those are not at hand.

@@ -48,6 +48,28 @@ def _scalar_logger(logdir: str | None):
 class DistributedSGD:
     """Synchronous data-parallel SGD over ``num_workers`` x ``devices_per_worker`` replicas.
 
+    Building the engine starts the worker actors (each builds its replicas
+    with ``model_creator``) and, for "ps", the parameter-server actors, then
+    broadcasts worker 0, replica 0's initial weights to every replica. It
+    starts a local Ray instance if ``ray.init`` was not called. Use it as a
+    context manager (``with DistributedSGD(...) as sgd:``) or call
+    ``shutdown``.
+
+    Example:
+        ```python
+        import ray
+        import dsgd
+
+        ray.init()
+        with dsgd.DistributedSGD(MyModel, num_workers=2, devices_per_worker=1,
+                                 strategy="ps") as sgd:
+            for i in range(1000):
+                stats = sgd.step(fetch_stats=(i % 100 == 0))
+                if stats:
+                    print(stats["loss"], stats["step_time_s"])
+            sgd.save("checkpoints/")
+        ```
+
     Args:
         model_creator: ``(worker_index, device_index) -> dsgd.Model``; must be
             picklable (it runs inside the worker actors).
@@ -108,13 +130,32 @@ class DistributedSGD:
             a step averages the first ``num_workers - b`` workers' gradients to
             reach its server and drops the later ones; a worker that finds
             its next step closed applies its mean without computing it, so
-            the slowest workers do not set the pace (README, "Stragglers:
-            backup workers"). The stats then report ``num_replicas`` and
-            ``dropped_gradients``.
+            the slowest workers do not set the pace (the reliability guide,
+            "Stragglers: backup workers"). The stats then report
+            ``num_replicas`` and ``dropped_gradients``.
         resize_interval_s: an elastic engine below ``max`` looks for room to
             grow before a step, at most this often (counted from the start
             and from the last resize); a grow settles the step in flight and
             adds as many workers as fit.
+
+    Raises:
+        TypeError: ``model_creator`` is not callable, or an option has the
+            wrong type.
+        ValueError: an option is out of range or does not fit the others
+            (the message names the argument and what was expected), e.g.
+            ``compression`` or ``backup_workers`` with ``strategy="simple"``,
+            ``all_reduce_alg="nccl"`` without ``gpu=True``, or an elastic
+            ``num_workers`` inside a Ray Tune trial.
+        ModelCreatorError: ``model_creator`` raised (its traceback is part of
+            the message) or returned something unusable.
+        WorkerMismatchError: replicas built variables that disagree in
+            name, shape or dtype.
+        DSGDError: the cluster cannot hold the workers (e.g. ``gpu=True``
+            with no GPUs, more CPUs than any node has), or the exchange is
+            larger than the object store; raised before the actors concerned
+            start.
+        DSGDTimeoutError: the workers did not start and build their models
+            within ``startup_timeout_s``.
     """
 
     def __init__(
@@ -175,6 +216,7 @@ class DistributedSGD:
 
     @property
     def strategy(self) -> str:
+        """The ``strategy`` given: ``"ps"`` or ``"simple"``."""
         return self.options.strategy
 
     @property
@@ -189,6 +231,7 @@ class DistributedSGD:
 
     @property
     def devices_per_worker(self) -> int:
+        """Replicas per worker, one per device (fixed for the engine's life)."""
         return self.options.devices_per_worker
 
     @property
@@ -211,12 +254,28 @@ class DistributedSGD:
     def step(self, fetch_stats: bool = False, write_timeline: str | None = None) -> dict[str, float] | None:
         """One synchronous step on every replica.
 
-        With ``fetch_stats=True`` waits for the step and returns ``loss`` and
-        every metric (means over all replicas), ``step_time_s`` and ``step``.
+        Every replica computes its gradients on its own batch; every replica
+        then applies the mean of all replicas' gradients, so the weights stay
+        bit-identical everywhere.
+
+        With ``fetch_stats=True`` waits for the step and returns its stats:
+        ``loss`` and every metric of ``get_metrics()`` (means over all
+        replicas), ``step_time_s``, ``step`` (the step's id),
+        ``num_replicas`` (the replicas whose gradients the step averaged),
+        ``dropped_gradients`` (with ``backup_workers``), ``sent_bytes`` (the
+        bytes one worker pushed, mean over workers; 0 with one worker),
+        ``node_sent_bytes`` ("ps": the most gradient bytes one node sends to
+        servers on other nodes per step), ``samples_per_s`` (with
+        ``batch_size``) and the workers' mean time per phase (e.g.
+        ``get_feed_dict_s``, ``compute_s``, ``apply_s``).
         With ``fetch_stats=False`` returns None once the step is submitted;
         it waits only for the previous step, so at most one step is in
         flight and no barrier is added beyond the strategy's own. A failed
         step's error shows at the next call.
+
+        A worker or parameter server that died is replaced and the step run
+        again (up to ``max_failures`` over the engine's life), with a
+        warning naming the actor.
 
         ``write_timeline=path`` runs the step alone (after the previous one)
         and writes a Chrome trace of it to ``path``: the driver, every worker
@@ -233,6 +292,24 @@ class DistributedSGD:
         identical and ``num_steps`` counts the steps applied. To stop for
         good, ``shutdown`` (or leave the ``with`` block): the actors are
         killed at once, without waiting for the step.
+
+        Args:
+            fetch_stats: wait for the step and return its stats.
+            write_timeline: a file path: write a Chrome trace of this step
+                there (open it in ui.perfetto.dev or chrome://tracing).
+
+        Returns:
+            The step's stats with ``fetch_stats=True``, else None.
+
+        Raises:
+            NonFiniteGradientError: with ``nan_policy="raise"``, the step's
+                averaged gradient held NaN or Inf (the message names the
+                variable); no replica applied it.
+            DSGDTimeoutError: the step did not finish within ``timeout_s``.
+            DSGDError: an actor died and could not be replaced (no live node
+                has room for it: the message names what is missing; or
+                ``max_failures`` recoveries are used up), or the engine was
+                shut down.
         """
         with self._ledger.call():
             self._ledger.resizer.grow_if_room()
@@ -272,11 +349,32 @@ class DistributedSGD:
         return self._ledger.on_workers(method, *args, what=what, worker_0_only=True, rerun=rerun)[0]
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Worker 0, replica 0's variables, keyed by name without the replica scope (``device_<i>/``)."""
+        """Worker 0, replica 0's variables, keyed by name without the replica scope (``device_<i>/``).
+
+        The model's global variables, trainable or not (batch-norm moving
+        statistics included), as numpy arrays; never local variables. Waits
+        for the steps in flight first, so every replica holds these values.
+
+        Example:
+            ```python
+            weights = sgd.get_weights()   # {"dense/kernel": array(...), ...}
+            sgd.set_weights({k: v * 0.5 for k, v in weights.items()})
+            ```
+        """
         return self._on_worker_0("get_weights", what="worker 0's weights")
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Assign ``weights`` (as from get_weights) to every replica on every worker."""
+        """Assign ``weights`` (as from get_weights) to every replica on every worker.
+
+        Args:
+            weights: ``{name: ndarray}`` with exactly the names and shapes
+                ``get_weights`` returns.
+
+        Raises:
+            TypeError: ``weights`` is not a dict.
+            ValueError: names are missing or unknown, or a shape differs
+                (the message lists them).
+        """
         self._ledger.check_open()
         if not isinstance(weights, dict):
             raise TypeError(f"set_weights expects a dict of name -> ndarray, got {type(weights).__name__}")
@@ -295,12 +393,34 @@ class DistributedSGD:
         ``path`` is a file, or a directory (existing, or ending in a separator)
         that gets ``dsgd_checkpoint.npz``: a ``ray.train.Checkpoint`` directory.
         The state is the most advanced live worker's, so a run whose lost
-        worker could not be replaced can still be saved.
+        worker could not be replaced can still be saved. The file is written
+        beside the target, fsynced and renamed over it: a crash during
+        ``save`` leaves the previous checkpoint intact.
+
+        Args:
+            path: a file path, or a directory (existing, or ending in ``/``).
+
+        Raises:
+            TypeError: ``path`` is not a str or ``os.PathLike``.
+            FileNotFoundError: the file's directory does not exist.
         """
         checkpoint.save(path, self._ledger.latest_state())
 
     def restore(self, path: str) -> None:
-        """Load a checkpoint written by ``save`` (its file or its directory) onto every replica."""
+        """Load a checkpoint written by ``save`` (its file or its directory) onto every replica.
+
+        Restores the weights, the optimizer state (slots, counters) and the
+        step count. A refused checkpoint leaves the engine's weights as they
+        were.
+
+        Raises:
+            FileNotFoundError: no such file, or a directory that holds no
+                ``dsgd_checkpoint.npz`` (the message lists what it holds).
+            ValueError: the file is empty, not an ``.npz``, truncated,
+                corrupt, not written by dsgd, or another model's checkpoint
+                (a variable missing, unexpected, or of another shape or
+                dtype); the message names the file and the problem.
+        """
         self._ledger.check_open()
         signature = self._cluster.signature
         state = checkpoint.load(path, {"weights": signature.weights, "optimizer": signature.optimizer})
@@ -317,20 +437,52 @@ class DistributedSGD:
         self.restore(checkpoint.directory_to_restore(checkpoint_dir))
 
     def foreach_worker(self, fn: Callable[[SGDWorker], Any]) -> list:
-        """``fn(worker)`` on each worker actor, its session the default; the results, worker order."""
+        """``fn(worker)`` on each worker actor, its session the default; the results, worker order.
+
+        ``worker.sess`` is the worker's ``tf.compat.v1.Session`` and
+        ``worker.models`` its replicas in device order. ``fn`` must be
+        picklable. Waits for the steps in flight first.
+
+        Raises:
+            DSGDError: a worker died while ``fn`` ran; it is replaced, but
+                ``fn`` is not run again (it may have run on some workers):
+                call again.
+        """
         return self._on_workers("apply_fn", fn, what="foreach_worker", rerun=False)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
-        """``fn(model)`` on every replica, its worker's session the default; a flat list, worker then device order."""
+        """``fn(model)`` on every replica, its worker's session the default; a flat list, worker then device order.
+
+        Example:
+            ```python
+            sgd.foreach_model(lambda m: m.get_metrics())   # numbers a model evaluates itself
+            ```
+
+        Raises:
+            DSGDError: a worker died while ``fn`` ran (as in ``foreach_worker``).
+        """
         per_worker = self._on_workers("foreach_model", fn, what="foreach_model", rerun=False)
         return [r for results in per_worker for r in results]
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
-        """``fn(model)`` on one replica (worker 0, device 0), its worker's session the default; its result."""
+        """``fn(model)`` on one replica (worker 0, device 0), its worker's session the default; its result.
+
+        Example:
+            ```python
+            logits = sgd.for_model(lambda m: m.predict(x_test))   # a dsgd.KerasModel in inference mode
+            ```
+
+        Raises:
+            DSGDError: worker 0 died while ``fn`` ran (as in ``foreach_worker``).
+        """
         return self._on_worker_0("for_model", fn, what="for_model", rerun=False)
 
     def warmup(self) -> None:
-        """Run each worker's forward and backward pass once without applying it."""
+        """Run each worker's forward and backward pass once without applying it.
+
+        Lets TensorFlow plan and allocate the step before timing starts; the
+        weights are unchanged.
+        """
         self._on_workers("warmup", what="the workers to warm up")
 
     # ---- elastic training ---------------------------------------------------
@@ -356,6 +508,23 @@ class DistributedSGD:
         stopped and the error raised. In every such case the engine is as it
         was and keeps stepping. Inside a placement group (a Ray Tune trial,
         whose bundles fix the workers) a resize is refused with a DSGDError.
+
+        Example:
+            ```python
+            sgd.resize(3)        # start one worker; it joins with the current state
+            sgd.resize(1)        # stop workers 2 and 1; worker 0 goes on
+            ```
+
+        Args:
+            n: the number of workers to run.
+
+        Raises:
+            TypeError: ``n`` is not an int.
+            ValueError: ``n < 1``, ``n`` outside an elastic engine's
+                ``(min, max)``, or ``n <= backup_workers``.
+            DSGDError: the cluster has no room for ``n`` workers, a new
+                worker failed to build, or the engine runs inside a Ray Tune
+                trial.
         """
         self._ledger.check_open()
         n = self.options.check_size(n)

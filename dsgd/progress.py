@@ -24,13 +24,26 @@ except ModuleNotFoundError as e:  # an optional extra: say which
 class Progress:
     """Progress of ``total`` steps, each handling some number of ``unit`` (e.g. samples).
 
-    Usage::
+    Example:
+        ```python
+        from dsgd.progress import Progress
 
         bar = Progress(400, unit="samples")
         for step in range(400):
             stats = sgd.step(fetch_stats=(step % 50 == 0))
             bar.update(samples=64, values={"loss": stats["loss"]} if stats else None)
         bar.close()
+        ```
+
+    Args:
+        total: the steps the loop will take (at least 1).
+        unit: what ``update``'s ``samples`` counts, shown as ``<unit>/s``.
+        every: off a terminal, write the line every this many steps.
+        stream: where to draw; stderr by default.
+        clock: the clock for throughput and ETA (for tests).
+
+    Raises:
+        ValueError: ``total`` or ``every`` is below 1.
     """
 
     def __init__(self, total: int, *, unit: str = "samples", every: int = 50,

@@ -100,6 +100,27 @@ def trainable(config_to_model_creator: Callable[[dict], ModelCreator], *, steps_
     Returns:
         a function trainable with its resource request attached
         (``tune.with_resources``): pass it to ``tune.Tuner``.
+
+    Raises:
+        TypeError: ``config_to_model_creator`` is not callable, or a
+            keyword is not a ``DistributedSGD`` option (the message names it).
+        ValueError: ``steps_per_report`` or ``checkpoint_every`` out of
+            range, or ``num_workers=(min, max)`` (a trial's workers are
+            fixed by its placement group).
+
+    Example:
+        ```python
+        from ray import tune
+        import dsgd.tune
+
+        trainable = dsgd.tune.trainable(
+            lambda config: (lambda w, d: MyModel(w, d, lr=config["lr"])),
+            steps_per_report=20, num_workers=2, strategy="ps")
+        results = tune.Tuner(
+            trainable, param_space={"lr": tune.grid_search([0.1, 0.01])},
+            tune_config=tune.TuneConfig(metric="loss", mode="min"),
+            run_config=tune.RunConfig(stop={"training_iteration": 10})).fit()
+        ```
     """
     if not callable(config_to_model_creator):
         raise TypeError("config_to_model_creator must be callable: config -> model_creator, got "

@@ -54,6 +54,29 @@ def get_dataset_shard(name: str) -> "ray.data.DataIterator":
     Ray starts it once every replica has asked, which with synchronous
     steps happens in one step as long as every replica reads with the same
     batch size.
+
+    Example:
+        ```python
+        def create(worker_index, device_index):
+            shard = dsgd.get_dataset_shard("train")
+            return dsgd.KerasModel(net(), loss="sparse_categorical_crossentropy",
+                                   optimizer=tf.compat.v1.train.AdamOptimizer(1e-3),
+                                   batches=shard.iter_batches(batch_size=32, batch_format="numpy"),
+                                   features="image", label="label")
+
+        sgd = dsgd.DistributedSGD(create, num_workers=2, datasets={"train": ray.data.read_parquet(path)})
+        ```
+
+    Args:
+        name: a key of the ``datasets`` dict given to ``DistributedSGD``.
+
+    Returns:
+        This replica's ``ray.data.DataIterator``.
+
+    Raises:
+        RuntimeError: called outside ``model_creator``.
+        ValueError: the engine was given no ``datasets``, or none named
+            ``name`` (the message lists the names there are).
     """
     replica = _current
     if replica is None:

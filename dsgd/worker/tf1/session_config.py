@@ -26,7 +26,7 @@ def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
     # with the parameter servers (which reserve no CPU), the other workers and its own receives, which
     # wait in threads of the pool. On the 2-core machine, 2-worker "ps" steps took 5-7 % less time
     # (MNIST 5.02 -> 4.69 ms, 4 M floats in 300 variables 28.8 -> 27.4 ms, ResNet-101 at 64 px
-    # 26.0 -> 26.7 images/s; README "Performance").
+    # 26.0 -> 26.7 images/s; docs/performance.md).
     proto.experimental.disable_thread_spinning = True
     if config.gpu:
         proto.gpu_options.allow_growth = True
