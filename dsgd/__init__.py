@@ -18,6 +18,7 @@ tf_logs.install()
 _EXPORTS = {
     "DistributedSGD": "dsgd.distributed_sgd",
     "Model": "dsgd.model",
+    "TF2Model": "dsgd.model",
     "KerasModel": "dsgd.integrations.keras",  # needs tf_keras (pip install 'dsgd[keras]') only when used
     "get_dataset_shard": "dsgd.integrations.data",  # DistributedSGD(datasets=...) needs Ray Data (pip install 'dsgd[data]')
     "ActorFailure": "dsgd.errors",
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from dsgd.errors import (ActorFailure, DSGDError, DSGDTimeoutError, ModelCreatorError,
                              NonFiniteGradientError, WorkerMismatchError)
     from dsgd.integrations.keras import KerasModel
-    from dsgd.model import Model
+    from dsgd.model import Model, TF2Model
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,11 +28,13 @@ from dsgd.errors import DSGDError
 from dsgd.exchange import registry
 from dsgd.exchange.base import Exchange
 from dsgd.exchange.ps_client import ParameterServerClient
-from dsgd.model import Model
+from dsgd.model import Model, TF2ModelInGraph
 from dsgd.wire import partitions
 from dsgd.worker import tf_logs
 from dsgd.worker.signature import WorkerSignature
+from dsgd.worker.runtime import ReplicaRuntime
 from dsgd.worker.tf1.runtime import Tf1Runtime
+from dsgd.worker.tf2.runtime import Tf2Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class SGDWorker:
         tf_logs.python_warnings_follow_cpp_level()
         self.worker_index = worker_index
         self.config = config
-        self.runtime = Tf1Runtime(worker_index, config)
+        self.runtime: ReplicaRuntime = Tf1Runtime(worker_index, config)  # Tf2Runtime once a TF2 model shows
         self.exchange: Exchange | None = None  # for "ps", made by connect
         self.client: ParameterServerClient | None = None  # "ps" with several workers, set by connect
         # Every exchange built so far, for a resize back to a count seen before: its step (graph
@@ -77,7 +80,7 @@ class SGDWorker:
         if self.runtime.is_built:
             state = self.runtime.get_state()
             gc.unfreeze()  # let the old replicas' objects be collected
-        signature = self.runtime.build(model_creator, state)
+        signature = self._build(model_creator, state)
         self._local_exchanges.clear()  # their steps were the old replicas'
         self._ps_exchanges.clear()
         if self.client is not None:  # its exchange went with the old replicas: ``connect`` makes a new one
@@ -88,6 +91,19 @@ class SGDWorker:
         # garbage collector from walking them on every full collection.
         gc.freeze()
         return signature
+
+    def _build(self, model_creator: Callable[[int, int], Any], state: dict | None) -> WorkerSignature:
+        """Build the replicas with the runtime their model needs: a TF1 graph first (``dsgd.Model``, tf_keras),
+        and for good the TF2 runtime once a TF2 model shows up there (``dsgd.TF2Model``, Keras 3)."""
+        try:
+            return self.runtime.build(model_creator, state)
+        except TF2ModelInGraph:
+            if not isinstance(self.runtime, Tf1Runtime):
+                raise
+        if "keras" in sys.modules:  # the graph's try named Keras layers: the replicas get the first names again
+            sys.modules["keras"].backend.clear_session(free_memory=False)
+        self.runtime = Tf2Runtime(self.worker_index, self.config)
+        return self.runtime.build(model_creator, state)
 
     def connect(self, layout: list[partitions.Partition], placement: list[int], servers: list,
                 routes: list[int] | None = None) -> int:

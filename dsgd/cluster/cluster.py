@@ -160,6 +160,11 @@ class Cluster:
         """Every worker of ``indices`` built what the first (or the engine so far) built, else WorkerMismatchError."""
         expected = self.signature or signatures[0]
         for i, sig in zip(indices, signatures):
+            if sig.runtime != expected.runtime:
+                kinds = {"tf1": "a TF1 dsgd.Model (or tf_keras KerasModel)", "tf2": "a TF2 model (dsgd.TF2Model or "
+                         "a Keras 3 KerasModel)"}
+                raise WorkerMismatchError(f"worker {i} built {kinds[sig.runtime]}, worker 0 {kinds[expected.runtime]}: "
+                                          "build one kind of model in an engine")
             if sig != expected:
                 raise WorkerMismatchError(
                     f"worker {i} built a model that differs from worker 0's: "

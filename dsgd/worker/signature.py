@@ -20,3 +20,4 @@ class WorkerSignature:
     exchange: tuple[partitions.VarSpec, ...]
     optimizer: tuple[partitions.VarSpec, ...]
     metrics: tuple[str, ...]
+    runtime: str = "tf1"  # "tf1": a TF1 graph (dsgd.Model, tf_keras); "tf2": eager replicas (TF2Model, Keras 3)

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from dsgd.config import WorkerConfig
-from dsgd.model import Model
+from dsgd.model import Model, TF2ModelInGraph
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf1 import session_runs, worker_graph
@@ -41,8 +41,13 @@ class Tf1Runtime(ReplicaRuntime):
         if self.sess is not None:
             self.sess.close()
         self.sess = tf.compat.v1.Session(graph=tf.Graph(), config=session_config(self.config))
-        with self.user_context():
-            self.worker_graph = worker_graph.build(self.worker_index, self.config, model_creator, self.sess, state)
+        try:
+            with self.user_context():
+                self.worker_graph = worker_graph.build(self.worker_index, self.config, model_creator, self.sess, state)
+        except TF2ModelInGraph:
+            self.sess.close()
+            self.sess = None
+            raise
         if state is not None:
             self.applied_steps = state["applied_steps"]
         return self.worker_graph.signature

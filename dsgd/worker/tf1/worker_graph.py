@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from dsgd.config import WorkerConfig
 from dsgd.errors import ModelCreatorError, WorkerMismatchError
-from dsgd.model import Model
+from dsgd.model import Model, TF2ModelInGraph
 from dsgd.wire import partitions
 from dsgd.worker import user_model
 from dsgd.worker.replica_names import device, replica_scope, strip_scope
@@ -136,6 +136,11 @@ def _build_replica(graph: tf.Graph, worker_index: int, config: WorkerConfig,
     with tf.device(device(i, config.gpu)), tf.compat.v1.variable_scope(replica_scope(i)):
         try:
             model = model_creator(worker_index, i)
+        except TF2ModelInGraph:
+            if i == 0:
+                raise  # a TF2 model: the worker builds it with the TF2 runtime
+            raise ModelCreatorError(f"model_creator returned a TF1 dsgd.Model on device 0 and a TF2 model on {where}: "
+                                    "build one kind of model in an engine") from None
         except Exception as e:
             raise ModelCreatorError(
                 f"model_creator raised on {where}: {type(e).__name__}: {e}\n"

@@ -1,0 +1,146 @@
+"""TF2 models for the tests (Keras 3 and dsgd.TF2Model), their data, and an eager single-process reference.
+
+Workers import this module by name (the tests' directory is on their
+PYTHONPATH). Every replica (worker w, device d) reads its own deterministic
+batches (``batch``), so the reference can replay a run: each step, every
+replica's loss and gradients from the same weights, their mean applied with
+the same Keras optimizer, the batch-norm statistics set to the replicas'
+mean (``reference_run``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import dsgd
+
+FEATURES, CLASSES, BATCH = 6, 3, 8
+
+
+def batch(worker_index: int, device_index: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1000 * step + 10 * worker_index + device_index)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    return x, (np.abs(x[:, :CLASSES]).argmax(1)).astype(np.int64)
+
+
+def batches(worker_index: int, device_index: int):
+    step = 0
+    while True:
+        yield batch(worker_index, device_index, step)
+        step += 1
+
+
+def sequential() -> keras.Model:
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.BatchNormalization(), keras.layers.Dense(CLASSES)])
+
+
+def functional() -> keras.Model:
+    """Two heads over a shared trunk, an L2 regularizer: several outputs, the regularization counted once."""
+    x = keras.Input((FEATURES,))
+    h = keras.layers.Dense(12, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01))(x)
+    h = keras.layers.BatchNormalization()(h)
+    return keras.Model(x, [keras.layers.Dense(CLASSES, name="a")(h), keras.layers.Dense(CLASSES, name="b")(h)])
+
+
+class Subclassed(keras.Model):
+    """A subclassed model holding a nested Sequential, built on its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = keras.Sequential([keras.layers.Dense(10, activation="relu"), keras.layers.BatchNormalization()])
+        self.head = keras.layers.Dense(CLASSES)
+
+    def call(self, x, training=False):
+        return self.head(self.trunk(x, training=training))
+
+
+NETS: dict[str, Callable[[], keras.Model]] = {"sequential": sequential, "functional": functional,
+                                              "subclassed": Subclassed}
+
+
+def optimizer(name: str) -> keras.optimizers.Optimizer:
+    return keras.optimizers.Adam(0.01) if name == "adam" else keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def loss_of(net_name: str):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return [loss, loss] if net_name == "functional" else loss
+
+
+def labels_of(net_name: str, y: np.ndarray):
+    return (y, y) if net_name == "functional" else y
+
+
+def keras_creator(net_name: str = "sequential", optimizer_name: str = "sgd") -> Callable:
+    """A model_creator of KerasModel replicas of ``NETS[net_name]`` reading ``batches``."""
+    def create(worker_index: int, device_index: int):
+        data = ((x, labels_of(net_name, y)) for x, y in batches(worker_index, device_index))
+        return dsgd.KerasModel(NETS[net_name](), loss=loss_of(net_name), optimizer=optimizer(optimizer_name),
+                               metrics=["accuracy"], batches=data)
+    return create
+
+
+class Regression(dsgd.TF2Model):
+    """A custom training function: linear regression on plain tf.Variables, with a metric."""
+
+    def __init__(self, worker_index: int, device_index: int):
+        self.w = tf.Variable(tf.zeros([FEATURES]), name="w")
+        self.b = tf.Variable(0.0, name="b")
+        self.opt = keras.optimizers.SGD(0.05)
+        self.data = batches(worker_index, device_index)
+
+    def get_variables(self):
+        return [self.w, self.b]
+
+    def get_optimizer(self):
+        return self.opt
+
+    def get_batch(self):
+        x, y = next(self.data)
+        return {"x": x, "y": y.astype(np.float32)}
+
+    def get_loss(self, batch):
+        err = tf.linalg.matvec(batch["x"], self.w) + self.b - batch["y"]
+        return tf.reduce_mean(err ** 2), {"mae": tf.reduce_mean(tf.abs(err))}
+
+
+def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray], replicas: list[tuple[int, int]],
+                  steps: int) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The weights after ``steps`` synchronous steps from ``weights`` (keyed as the engine keys them, by
+    position), and each step's mean replica loss: eager, one process."""
+    net = NETS[net_name]()
+    x0, y0 = batch(0, 0, 0)
+    net(x0, training=False)  # built
+    for v, value in zip(net.weights, weights.values()):
+        v.assign(value)
+    opt = optimizer(optimizer_name)
+    opt.build(net.trainable_weights)
+    loss_fn = loss_of(net_name)
+    state = [v for v in net.non_trainable_weights]
+    losses = []
+    for step in range(steps):
+        old = [v.numpy() for v in state]
+        grads, new_state, step_losses = [], [], []
+        for w, d in replicas:
+            for v, value in zip(state, old):
+                v.assign(value)
+            x, y = batch(w, d, step)
+            with tf.GradientTape() as tape:
+                out = net(x, training=True)
+                targets = labels_of(net_name, y)
+                loss = (tf.add_n([loss_fn[0](targets[0], out[0]), loss_fn[1](targets[1], out[1])])
+                        if net_name == "functional" else loss_fn(targets, out))
+                loss = tf.add_n([loss, *net.losses]) if net.losses else loss
+            grads.append(tape.gradient(loss, net.trainable_weights))
+            new_state.append([v.numpy() for v in state])
+            step_losses.append(float(loss))
+        opt.apply([tf.add_n(list(g)) / len(replicas) for g in zip(*grads)], net.trainable_weights)
+        for k, v in enumerate(state):
+            v.assign(np.mean([s[k] for s in new_state], axis=0))
+        losses.append(float(np.mean(step_losses)))
+    return dict(zip(weights, (v.numpy() for v in net.weights))), losses
