@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 @pytest.fixture(scope="session")
 def ray_session():
     ray.init(
+        address="local",  # a Ray of its own, even where a cluster started by `ray start` runs on the machine
         num_cpus=NUM_CPUS,
         object_store_memory=1 << 30,
         include_dashboard=False,

@@ -137,8 +137,8 @@ def test_plain_model_with_a_one_shot_tf_data_iterator_trains_and_replicas_stay_i
         assert_replicas_identical(sgd, WORKERS)
 
 
-def test_keras3_model_is_refused_with_what_to_do(ray_session):
-    with pytest.raises(dsgd.ModelCreatorError, match="Keras 3 model .*Use tf_keras.*inside model_creator"):
+def test_keras3_model_with_a_tf1_optimizer_is_refused_naming_the_keras3_one(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError, match="needs a Keras 3 optimizer.*use keras.optimizers.SGD"):
         dsgd.DistributedSGD(km.keras3_creator, num_workers=1)
 
 

@@ -92,6 +92,7 @@ class Regression(dsgd.TF2Model):
         self.w = tf.Variable(tf.zeros([FEATURES]), name="w")
         self.b = tf.Variable(0.0, name="b")
         self.opt = keras.optimizers.SGD(0.05)
+        self.worker_index, self.device_index = worker_index, device_index
         self.data = batches(worker_index, device_index)
 
     def get_variables(self):
@@ -107,6 +108,15 @@ class Regression(dsgd.TF2Model):
     def get_loss(self, batch):
         err = tf.linalg.matvec(batch["x"], self.w) + self.b - batch["y"]
         return tf.reduce_mean(err ** 2), {"mae": tf.reduce_mean(tf.abs(err))}
+
+
+class FixedRegression(Regression):
+    """``Regression`` on one batch per replica, every step: a replaced or new worker reads what the old one
+    would have."""
+
+    def get_batch(self):
+        x, y = batch(self.worker_index, self.device_index, 0)
+        return {"x": x, "y": y.astype(np.float32)}
 
 
 def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray], replicas: list[tuple[int, int]],

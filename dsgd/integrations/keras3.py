@@ -8,6 +8,7 @@ in a ``tf.function`` by the TF2 runtime (``dsgd.worker.tf2``).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -26,14 +27,19 @@ _KERAS3_OPTIMIZER = {"GradientDescentOptimizer": "keras.optimizers.SGD(learning_
 
 def import_keras():
     """The ``keras`` package (Keras 3), checked to run on TensorFlow in this process."""
-    import keras
-
+    try:
+        import keras
+    except ImportError as e:  # e.g. KERAS_BACKEND=jax without jax installed
+        raise ImportError(f"Keras 3 failed to import ({e}). {_backend_advice(os.environ.get('KERAS_BACKEND'))}") from e
     if keras.config.backend() != "tensorflow":
-        raise RuntimeError(
-            f"the workers' Keras backend is {keras.config.backend()!r}; dsgd trains Keras 3 on TensorFlow: set "
+        raise RuntimeError(_backend_advice(keras.config.backend()))
+    return keras
+
+
+def _backend_advice(backend: str | None) -> str:
+    return (f"The workers' Keras backend is {backend!r}; dsgd trains Keras 3 on TensorFlow: set "
             "KERAS_BACKEND=tensorflow in the workers' environment (ray.init(runtime_env={'env_vars': "
             "{'KERAS_BACKEND': 'tensorflow'}}))")
-    return keras
 
 
 def check_optimizer(optimizer: Any, who: str) -> None:
@@ -82,11 +88,14 @@ class Keras3Model(TF2Model):
         keras_outputs.check_labels(y, self._outputs_structure)
 
     def _find_state(self, x: Any) -> list:
-        """Call the model on ``x`` in training mode (building it if unbuilt); the non-trainable float weights
-        that call wrote, put back as they were."""
+        """The non-trainable float weights a call on ``x`` in training mode writes (put back as they were);
+        an unbuilt model is built first, by a call in inference mode."""
+        x = tf.nest.map_structure(tf.convert_to_tensor, x)
+        if not self.model.built:
+            self.model(x, training=False)  # builds it; in inference mode, no statistic moves
         candidates = [v for v in self.model.non_trainable_weights if tf.as_dtype(v.dtype).is_floating]
         before = [v.numpy() for v in candidates]
-        outputs = self.model(tf.nest.map_structure(tf.convert_to_tensor, x), training=True)
+        outputs = self.model(x, training=True)
         self._outputs_structure = tf.nest.map_structure(lambda t: None, outputs)
         self._names = keras_outputs.output_names(outputs, self.model)
         written = [v for v, old in zip(candidates, before) if not np.array_equal(v.numpy(), old)]

@@ -1,0 +1,207 @@
+"""The TF2 way: Keras 3 models and dsgd.TF2Model, against an eager single-process reference."""
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+import tf2_test_models as m
+from dsgd_test_models import actor_pids, kill, ps_actors
+
+STEPS = 3
+
+
+def replicas(workers: int, devices: int) -> list[tuple[int, int]]:
+    return [(w, d) for w in range(workers) for d in range(devices)]
+
+
+def assert_replicas_identical(sgd) -> None:
+    """Every variable of every replica (moving statistics included) bit-identical to worker 0, replica 0's."""
+    per_worker = sgd.foreach_worker(lambda w: w.runtime.replica_weights())
+    first = per_worker[0][0]
+    for worker in per_worker:
+        for replica in worker:
+            assert list(replica) == list(first)
+            for name in first:
+                np.testing.assert_array_equal(replica[name], first[name], err_msg=name)
+
+
+def run_against_reference(sgd, net_name: str, optimizer_name: str, workers: int, devices: int) -> list[dict]:
+    start = sgd.get_weights()
+    stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
+    expected, losses = m.reference_run(net_name, optimizer_name, start, replicas(workers, devices), STEPS)
+    got = sgd.get_weights()
+    assert list(got) == list(expected)
+    for name in got:
+        np.testing.assert_allclose(got[name], expected[name], rtol=2e-5, atol=2e-6, err_msg=name)
+    # The first step's loss is the mean replica loss from the same weights (regularization counted once).
+    assert stats[0]["loss"] == pytest.approx(losses[0], rel=1e-5)
+    assert_replicas_identical(sgd)
+    return stats
+
+
+@pytest.mark.parametrize("net_name, optimizer_name, strategy, devices", [
+    ("sequential", "adam", "ps", 2),
+    ("functional", "sgd", "simple", 1),
+    ("subclassed", "adam", "ps", 1),
+])
+def test_keras3_models_train_like_the_eager_reference_with_identical_replicas(
+        ray_session, net_name, optimizer_name, strategy, devices):
+    with dsgd.DistributedSGD(m.keras_creator(net_name, optimizer_name), num_workers=2, devices_per_worker=devices,
+                             strategy=strategy) as sgd:
+        stats = run_against_reference(sgd, net_name, optimizer_name, 2, devices)
+        assert 0 <= stats[-1]["accuracy" if net_name != "functional" else "a_accuracy"] <= 1
+        moving = [k for k in sgd.get_weights() if "moving_mean" in k]
+        assert moving and np.any(sgd.get_weights()[moving[0]] != 0)  # the statistics moved, averaged
+
+
+def test_keras3_checkpoint_round_trip_restores_weights_and_adam_state(ray_session, tmp_path):
+    with dsgd.DistributedSGD(m.keras_creator("sequential", "adam"), num_workers=2, strategy="ps") as sgd:
+        sgd.step()
+        path = str(tmp_path / "ckpt")
+        sgd.save(path)
+        saved = sgd.foreach_worker(lambda w: w.get_state())[0]
+        assert any(k.endswith("iteration") for k in saved["optimizer"])
+        for _ in range(2):
+            sgd.step()
+        sgd.restore(path)
+        restored = sgd.foreach_worker(lambda w: w.get_state())
+        for state in restored:
+            for group in ("weights", "optimizer"):
+                assert list(state[group]) == list(saved[group])
+                for name in saved[group]:
+                    np.testing.assert_array_equal(state[group][name], saved[group][name], err_msg=name)
+
+
+def test_tf2_model_reports_its_metrics_and_trains_like_the_reference(ray_session):
+    with dsgd.DistributedSGD(m.Regression, num_workers=2, devices_per_worker=2, strategy="ps") as sgd:
+        assert list(sgd.get_weights()) == ["w", "b"]
+        start = sgd.get_weights()
+        stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
+        expected = regression_reference(start, replicas(2, 2), STEPS)
+        for name, value in sgd.get_weights().items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+        assert stats[0]["mae"] > 0 and stats[0]["num_replicas"] == 4
+        assert sgd.foreach_worker(lambda w: w.sess) == [None, None]
+
+
+def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int, fixed: bool = False) -> dict:
+    """``Regression`` (``FixedRegression`` if ``fixed``) trained by plain SGD on the mean of the replicas'
+    gradients, in numpy (float64)."""
+    w, b = weights["w"].astype(np.float64), float(weights["b"])
+    for step in range(steps):
+        gw, gb = np.zeros_like(w), 0.0
+        for wi, d in reps:
+            x, y = m.batch(wi, d, 0 if fixed else step)
+            err = x @ w + b - y
+            gw += 2 * x.T @ err / len(err)
+            gb += 2 * err.mean()
+        w, b = w - 0.05 * gw / len(reps), b - 0.05 * gb / len(reps)
+    return {"w": w, "b": np.float64(b)}
+
+
+def test_tf2_model_with_bf16_compression_is_within_16_bit_rounding_of_float32(ray_session):
+    with dsgd.DistributedSGD(m.Regression, num_workers=2, strategy="ps", compression="bf16") as sgd:
+        start = sgd.get_weights()
+        for _ in range(STEPS):
+            sgd.step()
+        expected = regression_reference(start, replicas(2, 1), STEPS)
+        got = sgd.get_weights()
+        np.testing.assert_allclose(got["w"], expected["w"], rtol=2e-2, atol=2e-3)
+        assert not np.allclose(got["w"], expected["w"], rtol=1e-6, atol=1e-7)  # it did round
+
+
+def test_tf2_engine_resizes_and_trains_on_like_the_reference(ray_session):
+    with dsgd.DistributedSGD(m.FixedRegression, num_workers=2, strategy="ps") as sgd:
+        start = sgd.get_weights()
+        sgd.step()
+        sgd.resize(3)
+        sgd.step()
+        sgd.resize(1)
+        sgd.step()
+        expected = regression_reference(start, replicas(2, 1), 1, fixed=True)
+        expected = regression_reference(expected, replicas(3, 1), 1, fixed=True)
+        expected = regression_reference(expected, replicas(1, 1), 1, fixed=True)
+        for name, value in sgd.get_weights().items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_reference(ray_session):
+    with dsgd.DistributedSGD(m.FixedRegression, num_workers=2, strategy="ps") as sgd:
+        start = sgd.get_weights()
+        sgd.step()
+        sgd.get_weights()
+        old = actor_pids(sgd.workers[1], ps_actors(sgd)[0])
+        kill(sgd.workers[1])
+        sgd.step()
+        kill(ps_actors(sgd)[0])
+        sgd.step()
+        assert set(actor_pids(sgd.workers[1], ps_actors(sgd)[0])).isdisjoint(old)  # both were replaced
+        expected = regression_reference(start, replicas(2, 1), 3, fixed=True)
+        for name, value in sgd.get_weights().items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+        assert_replicas_identical(sgd)
+
+
+def test_a_tf1_model_and_a_tf2_model_in_one_engine_are_refused(ray_session):
+    with pytest.raises(dsgd.WorkerMismatchError, match="worker 1 built a TF2 model .*one kind of model"):
+        dsgd.DistributedSGD(tf1_then_tf2, num_workers=2, strategy="simple")
+
+
+def tf1_then_tf2(worker_index: int, device_index: int):
+    from dsgd_test_models import TanhNet
+
+    return TanhNet(worker_index, device_index) if worker_index == 0 else m.Regression(worker_index, device_index)
+
+
+def test_a_tf1_optimizer_with_a_keras3_model_is_refused_naming_the_keras_one(ray_session):
+    with pytest.raises(dsgd.ModelCreatorError,
+                       match="needs a Keras 3 optimizer, got .*GradientDescentOptimizer; use keras.optimizers.SGD"):
+        dsgd.DistributedSGD(keras3_with_tf1_optimizer, num_workers=1)
+
+
+def keras3_with_tf1_optimizer(worker_index: int, device_index: int):
+    import tensorflow as tf
+
+    return dsgd.KerasModel(m.sequential(), loss="mse", optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                           batches=m.batches(worker_index, device_index))
+
+
+class NonScalarLoss(m.Regression):
+    def get_loss(self, batch):
+        return tf_module().linalg.matvec(batch["x"], self.w)
+
+
+class UnreachedLoss(m.Regression):
+    def get_loss(self, batch):
+        return tf_module().reduce_sum(batch["x"])
+
+
+def tf_module():
+    import tensorflow as tf
+
+    return tf
+
+
+@pytest.mark.parametrize("model, message", [(NonScalarLoss, "must return a scalar loss, got shape"),
+                                            (UnreachedLoss, "depends on none of the variables")])
+def test_a_loss_that_is_not_a_scalar_or_reaches_no_variable_is_refused(ray_session, model, message):
+    with pytest.raises(dsgd.ModelCreatorError, match=message):
+        dsgd.DistributedSGD(model, num_workers=1)
+
+
+def test_a_keras3_model_on_another_backend_is_refused_naming_the_variable_to_set(ray_session):
+    result = ray.get(backend_check.options(runtime_env={"env_vars": {"KERAS_BACKEND": "jax"}}).remote(), timeout=120)
+    assert "Keras backend is 'jax'" in result and "set KERAS_BACKEND=tensorflow" in result
+
+
+@ray.remote(num_cpus=0)
+def backend_check() -> str:
+    """What a Keras 3 model gets in a process whose Keras backend is JAX (here jax is not even installed)."""
+    from dsgd.integrations import keras3
+
+    try:
+        keras3.import_keras()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
