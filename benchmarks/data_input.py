@@ -1,6 +1,6 @@
 """Input benchmark: Ray Data feeding against feed_dict from numpy, same model, interleaved in one run.
 
-The model is examples/mnist_keras.py's tf_keras convnet (dsgd.KerasModel) on
+The model is examples/mnist_tf_keras.py's tf_keras convnet (dsgd.KerasModel) on
 the same digits (MNIST if on this machine, else scikit-learn's 8x8 set),
 built two ways at dsgd's defaults ("ps"):
 
@@ -42,10 +42,12 @@ import dsgd
 from benchmarks import common
 
 sys.path.insert(0, str(common.REPO_ROOT / "examples"))
-import mnist_keras  # noqa: E402  examples/mnist_keras.py: the model and its two inputs
+import mnist_keras  # noqa: E402  examples/mnist_keras.py: the flags
+import mnist_tf_keras  # noqa: E402  examples/mnist_tf_keras.py: the tf_keras model and its two inputs
 
 # The example's model creators are sent to the workers by value (examples/ is not on their path).
 ray.cloudpickle.register_pickle_by_value(mnist_keras)
+ray.cloudpickle.register_pickle_by_value(mnist_tf_keras)
 
 SYSTEMS = ("numpy", "ray-data")
 
@@ -58,8 +60,8 @@ def run_case(batch_size: int, tiles: int, args: argparse.Namespace, data: dict[s
     arrays = {"image": data["x_train"][order], "label": data["y_train"][order]}
     dataset = ray.data.from_items([{"image": x, "label": y} for x, y in zip(arrays["image"], arrays["label"])])
     image_shape = arrays["image"].shape[1:]
-    creators = {"numpy": (mnist_keras.make_model_creator(example_args, image_shape, arrays), None),
-                "ray-data": (mnist_keras.make_model_creator(example_args, image_shape), {"train": dataset})}
+    creators = {"numpy": (mnist_tf_keras.make_model_creator(example_args, image_shape, arrays), None),
+                "ray-data": (mnist_tf_keras.make_model_creator(example_args, image_shape), {"train": dataset})}
     global_batch = batch_size * args.num_workers * args.devices_per_worker
     steps_per_epoch = len(order) // global_batch
     print(f"\n== batch {batch_size} per replica, {args.num_workers} x {args.devices_per_worker} replicas "

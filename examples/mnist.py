@@ -167,7 +167,7 @@ def start(args: argparse.Namespace, **init_kwargs) -> dict[str, np.ndarray]:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False, **init_kwargs)
+        ray.init(address="local", num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False, **init_kwargs)
     return data
 
 

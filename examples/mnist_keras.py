@@ -1,14 +1,17 @@
-"""Train a tf_keras convnet on handwritten digits with dsgd, reading a Ray Dataset.
+"""Train a Keras convnet on handwritten digits with dsgd, reading a Ray Dataset.
 
     python examples/mnist_keras.py                  # 2 workers, "ps", local Ray
     python examples/mnist_keras.py --address auto   # on a running Ray cluster
 
-The model is a ``tf_keras`` network wrapped in ``dsgd.KerasModel``; the
+The model is a Keras 3 network (``import keras``: the Keras TensorFlow
+ships as ``tf.keras``) wrapped in ``dsgd.KerasModel``, with a Keras
+optimizer; dsgd trains it the TF2 way (examples/mnist_tf_keras.py is the
+same with tf_keras, the TF1 graph way). The
 training images are a ``ray.data.Dataset`` passed as
 ``DistributedSGD(datasets={"train": ...})``, which every replica reads its
 own equal part of through ``dsgd.get_dataset_shard("train")``. Same data as
 examples/mnist.py (its loader): MNIST if it is on this machine, else the
-8x8 digits set that scikit-learn ships. Needs ``pip install 'dsgd[keras,data,examples]'``.
+8x8 digits set that scikit-learn ships. Needs ``pip install 'dsgd[data,examples]'``.
 """
 
 from __future__ import annotations
@@ -21,26 +24,25 @@ import ray
 import ray.data
 
 import dsgd  # before tensorflow: dsgd keeps TensorFlow's start-up lines out of the output
-import tensorflow as tf
 import mnist  # examples/mnist.py, next to this file: its data, flags and training loop
 
 
 def make_model_creator(args: argparse.Namespace, image_shape: tuple[int, ...],
                        train: dict[str, np.ndarray] | None = None):
-    """model_creator for DistributedSGD: one tf_keras convnet per replica, fed from its split of "train".
+    """model_creator for DistributedSGD: one Keras 3 convnet per replica, fed from its split of "train".
 
     The convnet is written as Keras code usually is: an input shape, batch
     normalization and dropout (both in training mode during steps; see
     ``test_accuracy`` for inference). With ``train`` (arrays; ``--input
     numpy``) each replica is fed its slice of them instead, from a list of
-    batches: the feed_dict baseline.
+    batches.
     """
     def create(worker_index: int, device_index: int) -> dsgd.KerasModel:
-        import tf_keras
+        import keras
 
-        layers = tf_keras.layers
-        net = tf_keras.Sequential([
-            layers.InputLayer(image_shape),
+        layers = keras.layers
+        net = keras.Sequential([
+            keras.Input(image_shape),
             layers.Conv2D(32, 3, padding="same", use_bias=False), layers.BatchNormalization(), layers.ReLU(),
             layers.Conv2D(64, 3, strides=2, padding="same", use_bias=False), layers.BatchNormalization(),
             layers.ReLU(),
@@ -48,26 +50,31 @@ def make_model_creator(args: argparse.Namespace, image_shape: tuple[int, ...],
             layers.Dropout(0.25),
             layers.Dense(10),
         ])
-        if train is None:
-            batches = dsgd.get_dataset_shard("train").iter_batches(
-                batch_size=args.batch_size, batch_format="numpy", drop_last=True)
-        else:
-            replica = worker_index * args.devices_per_worker + device_index
-            replicas = args.num_workers * args.devices_per_worker
-            x, y = train["image"][replica::replicas], train["label"][replica::replicas]
-            batches = [{"image": x[i:i + args.batch_size], "label": y[i:i + args.batch_size]}
-                       for i in range(0, len(y) - args.batch_size + 1, args.batch_size)]
         return dsgd.KerasModel(
-            net, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=tf.compat.v1.train.AdamOptimizer(args.lr), metrics=["accuracy"],
-            batches=batches, features="image", label="label")
+            net, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras.optimizers.Adam(args.lr), metrics=["accuracy"],
+            batches=replica_batches(args, worker_index, device_index, train), features="image", label="label")
     return create
+
+
+def replica_batches(args: argparse.Namespace, worker_index: int, device_index: int,
+                    train: dict[str, np.ndarray] | None):
+    """This replica's batches: its split of the "train" Ray Dataset, or (with ``train``) its slice of the
+    arrays, as a list of batches."""
+    if train is None:
+        return dsgd.get_dataset_shard("train").iter_batches(
+            batch_size=args.batch_size, batch_format="numpy", drop_last=True)
+    replica = worker_index * args.devices_per_worker + device_index
+    replicas = args.num_workers * args.devices_per_worker
+    x, y = train["image"][replica::replicas], train["label"][replica::replicas]
+    return [{"image": x[i:i + args.batch_size], "label": y[i:i + args.batch_size]}
+            for i in range(0, len(y) - args.batch_size + 1, args.batch_size)]
 
 
 def test_accuracy(model: dsgd.KerasModel, images: np.ndarray, labels: np.ndarray) -> float:
     """Accuracy of one replica on the test set, in inference mode (batch norm's moving statistics, no dropout).
 
-    Runs on the replica's worker, through ``sgd.for_model``: ``predict`` uses its session.
+    Runs on the replica's worker, through ``sgd.for_model``.
     """
     logits = model.predict(images, batch_size=1000)
     return float(np.mean(np.argmax(logits, axis=1) == labels))
@@ -81,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> float:
+def main(argv: list[str] | None = None, model_creator=make_model_creator) -> float:
+    """Train and test; ``model_creator(args, image_shape, train=None)`` makes the replicas' model_creator."""
     args = parse_args(argv)
     # RAY_DATA_LOG_LEVEL: Ray Data's per-epoch "execution finished" lines stay in its log files.
     data = mnist.start(args, runtime_env={"env_vars": {"RAY_DATA_LOG_LEVEL": "WARNING"}})
@@ -95,10 +103,10 @@ def main(argv: list[str] | None = None) -> float:
     if args.input == "ray-data":
         train = ray.data.from_items([{"image": x, "label": y}
                                      for x, y in zip(data["x_train"][order], data["y_train"][order])])
-        create, datasets = make_model_creator(args, image_shape), {"train": train}
+        create, datasets = model_creator(args, image_shape), {"train": train}
     else:
         arrays = {"image": data["x_train"][order], "label": data["y_train"][order]}
-        create, datasets = make_model_creator(args, image_shape, arrays), None
+        create, datasets = model_creator(args, image_shape, arrays), None
     start = time.perf_counter()
     with dsgd.DistributedSGD(create, num_workers=args.num_workers,
                              devices_per_worker=args.devices_per_worker, strategy=args.strategy,

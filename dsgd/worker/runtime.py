@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import numpy as np
@@ -77,6 +78,15 @@ class ReplicaRuntime(abc.ABC):
         self.applied_steps = 0
         self.trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+        # One thread per replica to ask for batches, with Ray Data input: a
+        # streaming split starts an epoch only once every replica has asked.
+        self._batch_pool = (ThreadPoolExecutor(config.devices_per_worker, thread_name_prefix="dsgd-batches")
+                            if config.feed_concurrently and config.devices_per_worker > 1 else None)
+
+    def each_replica(self, ask: Callable[[Any], Any], replicas: Sequence[Any]) -> list:
+        """``ask(replica)`` for every replica, in order; in threads of their own with Ray Data input
+        (``WorkerConfig.feed_concurrently``), where each replica's next batch may wait for the others' asks."""
+        return list(self._batch_pool.map(ask, replicas) if self._batch_pool else map(ask, replicas))
 
     # ---- building ---------------------------------------------------------
 

@@ -19,9 +19,8 @@ from dsgd.config import WorkerConfig
 from dsgd.model import Model, TF2ModelInGraph
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
-from dsgd.worker.tf1 import session_runs, worker_graph
+from dsgd.worker.tf1 import feeds, session_runs, worker_graph
 from dsgd.worker.tf1.applies import build_apply
-from dsgd.worker.tf1.feeds import Feeder
 from dsgd.worker.tf1.session_config import session_config
 
 
@@ -32,7 +31,6 @@ class Tf1Runtime(ReplicaRuntime):
         super().__init__(worker_index, config)
         self.sess: tf.compat.v1.Session | None = None
         self.worker_graph: worker_graph.WorkerGraph | None = None
-        self._feeder = Feeder(config)
         self._feed_names: tuple[str, ...] | None = None  # the tensors the last step's feeds went to, sorted
 
     # ---- building -----------------------------------------------------------
@@ -101,8 +99,8 @@ class Tf1Runtime(ReplicaRuntime):
         """Every replica's next batch; starts the step (its phase timings)."""
         self.start_step()
         with self.phase("get_feed_dict"):
-            feed = self._feeder.feed_dict(self.worker_graph.replicas, self.sess.graph, self.user_context,
-                                          self.worker_index)
+            feed = feeds.feed_dict(self.worker_graph.replicas, self.sess.graph, self.user_context,
+                                   self.worker_index, self.each_replica)
             self._feed_names = session_runs.names_of(self.sess.graph, feed)
             return feed
 

@@ -191,7 +191,7 @@ class Tf2Runtime(ReplicaRuntime):
             if self._pending is not None:
                 batches, self._pending = self._pending, None
             else:
-                batches = [_next_batch(r, self.worker_index) for r in self.replicas]
+                batches = self.each_replica(lambda r: _next_batch(r, self.worker_index), self.replicas)
             flat = []
             for r, structure, batch in zip(self.replicas, self._structure, batches):
                 try:
