@@ -205,3 +205,49 @@ def backend_check() -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def test_tf2_backup_workers_timeline_and_logdir_work_together(ray_session, tmp_path):
+    from test_tensorboard import read_scalars
+    from test_timeline import load_trace, names
+
+    with dsgd.DistributedSGD(m.Regression, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=16,
+                             logdir=str(tmp_path / "logs")) as sgd:
+        sgd.step()
+        stats = sgd.step(fetch_stats=True, write_timeline=str(tmp_path / "step.json"))
+        assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1 and stats["mae"] > 0
+        assert_replicas_identical(sgd)
+    _, spans = load_trace(tmp_path / "step.json")
+    pushed = [w for w in range(3) if "send partition 0" in names(spans[f"worker {w}"])]
+    assert len(pushed) >= 2  # the step's sends, from inside the traced TF2 step
+    assert {"get_batch", "compute, exchange and apply"} <= names(spans[f"worker {pushed[0]}"])
+    scalars = read_scalars(tmp_path / "logs")
+    assert {"loss", "mae", "num_replicas"} <= set(scalars) and [s for s, _, _ in scalars["loss"]] == [1]
+
+
+@pytest.mark.parametrize("strategy", ["ps", "simple"])
+def test_tf2_non_finite_mean_is_skipped_on_every_worker_under_nan_policy_skip(ray_session, strategy):
+    with dsgd.DistributedSGD(m.NaNOnWorker1AtStep1, num_workers=2, strategy=strategy, nan_policy="skip") as sgd:
+        start = sgd.get_weights()
+        sgd.step()
+        sgd.step()  # worker 1's gradient is NaN: skipped on both workers
+        sgd.step()
+        expected = regression_reference(start, replicas(2, 1), 2, fixed=True)  # the NaN step applied nowhere
+        for name, value in sgd.get_weights().items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+        assert sgd.foreach_worker(lambda w: w.applied_steps_count()) == [3, 3]
+
+
+def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path):
+    from test_tune import run
+    from ray import tune
+
+    import dsgd.tune as dsgd_tune
+
+    trainable = dsgd_tune.trainable(m.regression_creator, num_workers=2, steps_per_report=2, checkpoint_every=1,
+                                    strategy="ps", startup_timeout_s=120, timeout_s=60)
+    [result] = run(trainable, {"lr": tune.grid_search([0.05])}, tmp_path, iterations=2)
+    history = result.metrics_dataframe.sort_values("training_iteration")
+    assert list(history["num_steps"]) == [2, 4] and (history["mae"] > 0).all()
+    assert history["loss"].iloc[-1] < history["loss"].iloc[0]
+    assert result.checkpoint is not None

@@ -154,3 +154,27 @@ def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndar
             v.assign(np.mean([s[k] for s in new_state], axis=0))
         losses.append(float(np.mean(step_losses)))
     return dict(zip(weights, (v.numpy() for v in net.weights))), losses
+
+
+class NaNOnWorker1AtStep1(FixedRegression):
+    """``FixedRegression`` whose worker 1 reads a NaN target in its second batch."""
+
+    def __init__(self, worker_index: int, device_index: int):
+        super().__init__(worker_index, device_index)
+        self.read = 0
+
+    def get_batch(self):
+        b = super().get_batch()
+        if self.worker_index == 1 and self.read == 1:
+            b["y"] = np.full_like(b["y"], np.nan)
+        self.read += 1
+        return b
+
+
+def regression_creator(config: dict):
+    """A Tune config -> a model_creator of ``Regression`` replicas with the config's learning rate."""
+    def create(worker_index: int, device_index: int) -> Regression:
+        model = Regression(worker_index, device_index)
+        model.opt = keras.optimizers.SGD(config["lr"])
+        return model
+    return create
