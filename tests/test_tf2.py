@@ -251,3 +251,19 @@ def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path)
     assert list(history["num_steps"]) == [2, 4] and (history["mae"] > 0).all()
     assert history["loss"].iloc[-1] < history["loss"].iloc[0]
     assert result.checkpoint is not None
+
+
+@pytest.mark.parametrize("name", ["MobileNetV2", pytest.param("ResNet50", marks=pytest.mark.slow),
+                                  pytest.param("EfficientNetB0", marks=pytest.mark.slow)])
+def test_keras_applications_with_batch_norm_train_with_identical_replicas(ray_session, name):
+    with dsgd.DistributedSGD(m.application_creator(name), num_workers=1, devices_per_worker=2,
+                             startup_timeout_s=600, timeout_s=600) as sgd:
+        before = sgd.get_weights()
+        for _ in range(2):
+            sgd.step()
+        after = sgd.get_weights()
+        trainable = set(sgd.foreach_model(lambda mm: [v.path for v in mm.model.trainable_weights])[0])
+        moved = {k for k in after if not np.array_equal(after[k], before[k])}
+        assert trainable <= moved  # every trainable weight had a gradient applied
+        assert any("moving_mean" in k for k in moved - trainable)  # and the statistics were averaged in
+        assert_replicas_identical(sgd)

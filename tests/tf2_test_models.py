@@ -178,3 +178,16 @@ def regression_creator(config: dict):
         model.opt = keras.optimizers.SGD(config["lr"])
         return model
     return create
+
+
+def application_creator(name: str) -> Callable:
+    """A model_creator of ``keras.applications.<name>`` replicas (weights=None, 32 px, 10 classes) on random
+    images."""
+    def create(worker_index: int, device_index: int):
+        kwargs = {"MobileNetV2": {"alpha": 0.35}}.get(name, {})
+        net = getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=10, **kwargs)
+        rng = np.random.default_rng(10 * worker_index + device_index)
+        images = ((rng.normal(size=(4, 32, 32, 3)).astype(np.float32), rng.integers(0, 10, 4)) for _ in iter(int, 1))
+        return dsgd.KerasModel(net, loss="sparse_categorical_crossentropy", optimizer=keras.optimizers.SGD(0.01),
+                               batches=images)
+    return create

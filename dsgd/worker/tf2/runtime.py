@@ -1,14 +1,15 @@
 """The TF2 replica runtime: eager replicas (``dsgd.TF2Model``, Keras 3), stepped by traced ``tf.function``s.
 
-``build`` sets up the process (``process``), builds the replicas eagerly
-(``replicas``) and traces ``compute`` (every replica's loss and gradients
-under a ``GradientTape`` and their local mean), which checks the user's
-loss once before any step. A step calls a traced function's
+``build`` sets up the process (``process``) and builds the replicas eagerly
+(``replicas``). A step calls a traced function's
 ``ConcreteFunction`` with every replica's batch: ``compute`` and ``apply``
-("simple", the Python "ps", a backup worker's catch-up) or a ``Tf2FusedStep``
+("simple", the Python "ps", a backup worker's catch-up: every replica's
+loss and gradients under a ``GradientTape`` and their local mean, then the
+apply of the means) or a ``Tf2FusedStep``
 whose function also holds the exchange (``InStepExchange``: "ps" through
 the op library, sends leaving as back-propagation makes the gradients) and
-the apply. The apply runs only once every check passed, on every replica:
+the apply. Each is traced on its first use (the user's loss is checked
+then). The apply runs only once every check passed, on every replica:
 each replica's Keras optimizer applies the mean gradients, and the state
 variables (batch-norm statistics) take the mean values.
 
@@ -54,7 +55,6 @@ class Tf2Runtime(ReplicaRuntime):
         self._losses: list[Callable] = []  # per replica: get_loss, converted by autograph
         self._compute: Any = None  # ConcreteFunction: flat batches -> local means, losses, metrics
         self._apply: Any = None  # ConcreteFunction: means -> (), checked
-        self._metric_names: tuple[str, ...] = ()
         self._pending: list | None = None  # the replicas' first batches, for the first step
         self._stepped = False
 
@@ -72,13 +72,11 @@ class Tf2Runtime(ReplicaRuntime):
         self._batch_specs = [_spec(a, self.worker_index, r.index)
                              for r in built for a in tf.nest.flatten(r.first_batch)]
         self._losses = [_converted(r.model.get_loss) for r in built]
-        self._compute = self._trace(self._compute_body, self._batch_specs)
-        exchange_specs = [tf.TensorSpec(v.shape, v.dtype) for v in built[0].train_vars + built[0].state_vars]
-        self._apply = self._trace(self._apply_body, exchange_specs)
+        self._compute = self._apply = None  # traced on first use, like a fused step
         weights, exchange, optimizer = replica_builds.specs(built[0], self.names)
+        # The metrics' names are known once a step is traced: the signature leaves them out.
         self._signature = WorkerSignature(tuple(sorted(weights, key=lambda s: s.name)), exchange,
-                                          tuple(sorted(optimizer, key=lambda s: s.name)), self._metric_names,
-                                          runtime="tf2")
+                                          tuple(sorted(optimizer, key=lambda s: s.name)), (), runtime="tf2")
         if state is not None:
             self.set_state(state)
         return self._signature
@@ -134,7 +132,6 @@ class Tf2Runtime(ReplicaRuntime):
             if sorted(m) != names:
                 raise ModelCreatorError(f"get_loss on worker {self.worker_index}, device {r.index} returns metrics "
                                         f"{sorted(m)}, device 0 {names}")
-        self._metric_names = tuple(names)
         n = len(self.replicas)
         if n == 1:
             means = exchanged[0]
@@ -206,13 +203,14 @@ class Tf2Runtime(ReplicaRuntime):
     def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
         flat = self.batches()
         with self.phase("compute"):
-            means, losses, metrics = self._compute(*flat)
+            means, losses, metrics = self._traced_compute()(*flat)
             local = [m.numpy() for m in means]
         return local, (self.stats_values(losses, metrics) if fetch_stats else {})
 
     def apply(self, means: Sequence[np.ndarray]) -> dict:
         with self.phase("apply"):
-            return self.checked_call(lambda: self._apply(*[tf.constant(m) for m in means]))[1]
+            apply = self._traced_apply()
+            return self.checked_call(lambda: apply(*[tf.constant(m) for m in means]))[1]
 
     def checked_call(self, call: Callable[[], Any]) -> tuple[Any, dict]:
         """Run an apply: its outputs and {}; or (None, {"skipped": why}) if a non-finite check failed it."""
@@ -233,7 +231,19 @@ class Tf2Runtime(ReplicaRuntime):
         return Tf2FusedStep(self, exchange)
 
     def warmup(self) -> None:
-        self._compute(*self.batches())
+        self._traced_compute()(*self.batches())
+
+    def _traced_compute(self) -> Any:
+        if self._compute is None:
+            self._compute = self._trace(self._compute_body, self._batch_specs)
+        return self._compute
+
+    def _traced_apply(self) -> Any:
+        if self._apply is None:
+            first = self.replicas[0]
+            self._apply = self._trace(self._apply_body, [tf.TensorSpec(v.shape, v.dtype)
+                                                         for v in first.train_vars + first.state_vars])
+        return self._apply
 
     @property
     def feed_names(self) -> tuple[str, ...] | None:
