@@ -172,7 +172,7 @@ def test_non_keras_model_and_stateful_metric_are_refused():
     with tf.Graph().as_default():
         with pytest.raises(TypeError, match="must be a tf_keras.Model, got function"):
             build_replica(0, km.dense_net)
-        with pytest.raises(TypeError, match="stateful tf_keras.metrics.Metric"):
+        with pytest.raises(TypeError, match="stateful keras Metric object"):
             build_replica(0, metrics=[tf_keras.metrics.AUC()])
         with pytest.raises(TypeError, match="tf.compat.v1.train.Optimizer"):
             build_replica(0, optimizer=tf_keras.optimizers.SGD())

@@ -1,5 +1,7 @@
 """The TF2 way: Keras 3 models and dsgd.TF2Model, against an eager single-process reference."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import ray
@@ -267,3 +269,19 @@ def test_keras_applications_with_batch_norm_train_with_identical_replicas(ray_se
         assert trainable <= moved  # every trainable weight had a gradient applied
         assert any("moving_mean" in k for k in moved - trainable)  # and the statistics were averaged in
         assert_replicas_identical(sgd)
+
+
+def test_the_readmes_keras3_model_runs_as_written_and_learns_its_target(ray_session, capsys):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("```python", readme.index("A Keras 3 model: build it inside")) + len("```python")
+    code = readme[start:readme.index("```", start)]
+    assert "ray.init()" in code and "range(200)" in code
+    namespace: dict = {}
+    exec(compile(code.replace("ray.init()", "pass").replace("range(200)", "range(60)"), "README.md", "exec"),
+         namespace)
+    assert "'mae':" in capsys.readouterr().out
+    with dsgd.DistributedSGD(namespace["create"], num_workers=1) as sgd:  # the same creator, trained on
+        for _ in range(60):
+            sgd.step()
+        kernel = sgd.get_weights()["sequential/dense/kernel"]
+    np.testing.assert_allclose(kernel[:, 0], [1.0, -2.0, 0.5], atol=1e-3)

@@ -144,11 +144,13 @@ class KerasModel(Model):
         self.outputs = self.model(self.inputs, training=True)
         names = keras_outputs.output_names(self.outputs, self.model)
         keras_outputs.check_labels(self.labels, self.outputs)
-        self.loss = keras_outputs.total_loss(loss, self.labels, self.outputs, names, tf_keras)
+        self.loss = keras_outputs.total_loss(keras_outputs.loss_functions(loss, self.outputs, names, tf_keras),
+                                             self.labels, self.outputs)
         regularization = [l for l in self.model.losses if _op(l) not in earlier]
         if regularization:
             self.loss = tf.add_n([self.loss] + [tf.cast(l, self.loss.dtype) for l in regularization])
-        self.metrics = keras_outputs.build_metrics(metrics, self.labels, self.outputs, names, tf_keras)
+        self.metrics = keras_outputs.build_metrics(
+            keras_outputs.metric_functions(metrics, self.outputs, names, tf_keras), self.labels, self.outputs)
         self.updates = [u for u in self.model.updates if _op(u) not in earlier]
         _check_feeds(self.model, fed=tf.nest.flatten(self.inputs) + tf.nest.flatten(self.labels),
                      fetches={"loss": self.loss, **{f"metric {k!r}": v for k, v in self.metrics.items()},

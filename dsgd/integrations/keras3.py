@@ -80,12 +80,13 @@ class Keras3Model(TF2Model):
             batches = _NumpyPasses(batches)
         self.model = model
         self.optimizer = optimizer
-        self._loss, self._metrics = loss, metrics
         self._batches = Batches(batches, features, label)
         x, y = self._batches.first
-        self._names: list[str] = []
         self._state = self._find_state(x)
-        keras_outputs.check_labels(y, self._outputs_structure)
+        keras_outputs.check_labels(y, self._outputs)
+        names = keras_outputs.output_names(self._outputs, model)
+        self._losses = keras_outputs.loss_functions(loss, self._outputs, names, keras)
+        self._metrics = keras_outputs.metric_functions(metrics, self._outputs, names, keras)
 
     def _find_state(self, x: Any) -> list:
         """The non-trainable float weights a call on ``x`` in training mode writes (put back as they were);
@@ -96,8 +97,7 @@ class Keras3Model(TF2Model):
         candidates = [v for v in self.model.non_trainable_weights if tf.as_dtype(v.dtype).is_floating]
         before = [v.numpy() for v in candidates]
         outputs = self.model(x, training=True)
-        self._outputs_structure = tf.nest.map_structure(lambda t: None, outputs)
-        self._names = keras_outputs.output_names(outputs, self.model)
+        self._outputs = tf.nest.map_structure(lambda t: None, outputs)  # their structure
         written = [v for v, old in zip(candidates, before) if not np.array_equal(v.numpy(), old)]
         for v, old in zip(candidates, before):
             v.assign(old)
@@ -125,12 +125,11 @@ class Keras3Model(TF2Model):
     def get_loss(self, batch: tuple[Any, Any]) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
         x, y = batch
         outputs = self.model(x, training=True)
-        keras = import_keras()
-        loss = keras_outputs.total_loss(self._loss, y, outputs, self._names, keras)
+        loss = keras_outputs.total_loss(self._losses, y, outputs)
         regularization = [tf.cast(l, loss.dtype) for l in self.model.losses]
         if regularization:
             loss = tf.add_n([loss, *regularization])
-        return loss, keras_outputs.build_metrics(self._metrics, y, outputs, self._names, keras)
+        return loss, keras_outputs.build_metrics(self._metrics, y, outputs)
 
     # ---- input and inference ------------------------------------------------------------
 

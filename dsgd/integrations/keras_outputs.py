@@ -40,32 +40,42 @@ def check_labels(labels: Any, outputs: Any) -> None:
             "a list of keys or a dict of keys)") from None
 
 
-def total_loss(loss: Any, labels: Any, outputs: Any, names: list[str], tf_keras) -> tf.Tensor:
+def loss_functions(loss: Any, outputs: Any, names: list[str], keras_module) -> list[Callable]:
+    """One loss function per output (``outputs``: the outputs or their structure), resolved now: names
+    through ``keras_module`` (tf_keras or Keras 3)."""
+    return [_resolve_loss(fn, keras_module) for fn in _per_output(loss, outputs, names, "loss")]
+
+
+def total_loss(functions: list[Callable], labels: Any, outputs: Any) -> tf.Tensor:
     """The sum over outputs of each output's loss (a scalar: a non-scalar loss is averaged)."""
-    flat_outputs = tf.nest.flatten(outputs)
-    losses = _per_output(loss, outputs, names, "loss")
-    terms = [scalar(_resolve_loss(fn, tf_keras)(y, out))
-             for fn, y, out in zip(losses, tf.nest.flatten(labels), flat_outputs)]
+    terms = [scalar(fn(y, out)) for fn, y, out in zip(functions, tf.nest.flatten(labels), tf.nest.flatten(outputs))]
     return terms[0] if len(terms) == 1 else tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
 
 
-def build_metrics(metrics: Any, labels: Any, outputs: Any, names: list[str], tf_keras) -> dict[str, tf.Tensor]:
-    """``{name: scalar tensor}``: every metric on every output (or per output, for a dict)."""
+def metric_functions(metrics: Any, outputs: Any, names: list[str], keras_module) -> dict[str, tuple[int, Callable]]:
+    """``{name: (output index, function)}``: every metric on every output (or per output, for a dict), resolved
+    now (a Keras 3 name makes a stateful object, which cannot be made inside a traced step)."""
     if isinstance(metrics, str) or callable(metrics):
         raise TypeError(f"KerasModel metrics must be a list of names or callables, got {metrics!r}")
     several = len(names) > 1
     per_output = (_per_output(metrics, outputs, names, "metrics")
                   if isinstance(metrics, collections.abc.Mapping) else [metrics] * len(names))
-    built: dict[str, tf.Tensor] = {}
-    for output, wanted, y, out in zip(names, per_output, tf.nest.flatten(labels), tf.nest.flatten(outputs)):
+    resolved: dict[str, tuple[int, Callable]] = {}
+    for index, (output, wanted) in enumerate(zip(names, per_output)):
         for metric in [wanted] if isinstance(wanted, str) or callable(wanted) else wanted:
-            name, fn = _resolve_metric(metric, tf_keras)
+            name, fn = _resolve_metric(metric, keras_module)
             name = f"{output}_{name}" if several else name
-            if name in built or name in RESERVED_METRIC_NAMES:
+            if name in resolved or name in RESERVED_METRIC_NAMES:
                 raise ValueError(f"KerasModel metric name {name!r} is used twice or is reserved "
                                  f"({', '.join(RESERVED_METRIC_NAMES)})")
-            built[name] = scalar(fn(y, out))
-    return built
+            resolved[name] = index, fn
+    return resolved
+
+
+def build_metrics(functions: dict[str, tuple[int, Callable]], labels: Any, outputs: Any) -> dict[str, tf.Tensor]:
+    """``{name: scalar tensor}`` of ``metric_functions``'s metrics."""
+    flat_labels, flat_outputs = tf.nest.flatten(labels), tf.nest.flatten(outputs)
+    return {name: scalar(fn(flat_labels[i], flat_outputs[i])) for name, (i, fn) in functions.items()}
 
 
 def scalar(value: Any) -> tf.Tensor:
@@ -102,28 +112,26 @@ def _resolve_loss(loss: Any, tf_keras) -> Callable:
         try:
             return tf_keras.losses.get(loss)
         except ValueError as e:
-            raise ValueError(f"KerasModel loss {loss!r} is not a tf_keras loss name: {e}") from e
+            raise ValueError(f"KerasModel loss {loss!r} is not a Keras loss name: {e}") from e
     if not callable(loss):
-        raise TypeError(f"KerasModel loss must be a tf_keras loss, a loss name or a callable "
+        raise TypeError(f"KerasModel loss must be a Keras loss, a loss name or a callable "
                         f"(y_true, y_pred) -> tensor, got {type(loss).__name__}")
     return loss
 
 
-def _resolve_metric(metric: str | Callable, tf_keras) -> tuple[str, Callable]:
-    """A metric's name in the stats and its function ``(y_true, y_pred) -> tensor``."""
-    if isinstance(metric, tf_keras.metrics.Metric):
+def _resolve_metric(metric: str | Callable, keras_module) -> tuple[str, Callable]:
+    """A metric's name in the stats and its function ``(y_true, y_pred) -> tensor`` (``keras_module``: tf_keras
+    or Keras 3, whose ``metrics.get`` gives stateful objects for names a function exists for)."""
+    if isinstance(metric, keras_module.metrics.Metric):
         raise TypeError(
-            f"KerasModel metric {metric.name!r} is a stateful tf_keras.metrics.Metric, whose running totals "
+            f"KerasModel metric {metric.name!r} is a stateful keras Metric object, whose running totals "
             "dsgd does not average; pass its name or a function (y_true, y_pred) -> tensor")
     if isinstance(metric, str):
         if metric in ("accuracy", "acc"):
             return metric, _accuracy
-        try:
-            fn = tf_keras.metrics.get(metric)
-        except ValueError as e:
-            raise ValueError(f"KerasModel metric {metric!r} is not a tf_keras metric name: {e}") from e
-        if isinstance(fn, tf_keras.metrics.Metric):
-            raise TypeError(f"KerasModel metric {metric!r} names a stateful tf_keras.metrics.Metric; "
+        fn = _metric_function(metric, keras_module)
+        if fn is None:
+            raise TypeError(f"KerasModel metric {metric!r} names only a stateful keras Metric; "
                             "pass a function (y_true, y_pred) -> tensor instead")
         return metric, fn
     if callable(metric):
@@ -133,6 +141,24 @@ def _resolve_metric(metric: str | Callable, tf_keras) -> tuple[str, Callable]:
                              "(its __name__ is the name in the step's stats)")
         return name, metric
     raise TypeError(f"KerasModel metrics must be names or callables, got {metric!r}")
+
+
+def _metric_function(name: str, keras_module) -> Callable | None:
+    """The stateless function ``name`` names: a metric function, or a loss function ("mae", "mse"); None if the
+    name is known only as a stateful Metric."""
+    try:
+        fn = keras_module.metrics.get(name)
+    except ValueError as e:
+        raise ValueError(f"KerasModel metric {name!r} is not a Keras metric name: {e}") from e
+    if not isinstance(fn, keras_module.metrics.Metric):
+        return fn
+    candidates = [getattr(keras_module.metrics, name, None)]
+    try:
+        candidates.append(keras_module.losses.get(name))
+    except ValueError:
+        pass
+    return next((f for f in candidates if callable(f) and not isinstance(f, type)
+                 and not isinstance(f, keras_module.metrics.Metric)), None)
 
 
 def _accuracy(labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
