@@ -66,11 +66,13 @@ CONTROL_THREADS = 3
 
 def start(server_index: int, num_workers: int, partitions: list[Partition], step_timeout_s: float,
           backup_workers: int = 0, relays: Sequence[Relay] = (),
-          node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, **options) -> ray.actor.ActorHandle:
+          node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, generation: int = 0,
+          **options) -> ray.actor.ActorHandle:
     """A ``ParameterServer`` actor with the threads it needs; ``options`` go to ``.options``."""
     return ray.remote(ParameterServer).options(
         num_cpus=0, max_concurrency=num_workers * (len(partitions) + len(relays)) + CONTROL_THREADS,
-        **options).remote(server_index, num_workers, partitions, step_timeout_s, backup_workers, relays, node_sums)
+        **options).remote(server_index, num_workers, partitions, step_timeout_s, backup_workers, relays, node_sums,
+                          generation)
 
 
 class ParameterServer:
@@ -78,7 +80,7 @@ class ParameterServer:
 
     def __init__(self, server_index: int, num_workers: int, partitions: list[Partition], step_timeout_s: float,
                  backup_workers: int = 0, relays: Sequence[Relay] = (),
-                 node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None):
+                 node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, generation: int = 0):
         """``partitions``: the partitions of the layout this server sums.
 
         ``step_timeout_s`` bounds how long a push waits for the other workers'
@@ -86,7 +88,7 @@ class ParameterServer:
         ``relays``: the partitions of other servers this one sums for its
         node's workers; ``node_sums[j]``: the worker groups (one per node)
         whose partial sums of partition j come from relays instead of their
-        workers' pushes.
+        workers' pushes. ``generation``: its group's resets so far (``reset``).
         """
         self.server_index = server_index
         self.name = f"parameter server {server_index}"
@@ -109,7 +111,10 @@ class ParameterServer:
         self.changed = threading.Condition()  # guards everything that changes below
         self.transports = Transports(server_index, num_workers, ray.get_runtime_context().get_node_id(),
                                      ray.util.get_node_ip_address(), self.layout, step_timeout_s)
-        self.links = RelayLinks(server_index, step_timeout_s, self.changed)
+        self.links = RelayLinks(server_index, step_timeout_s, self.changed, generation)
+        # The group's resets so far, the same on every server of the group: a relay's partial sum says the
+        # generation it was summed in, and a server refuses one of another (made before its reset, taken after).
+        self.generation = generation
         self.aborted = False
         self.resets = 0  # a push that waited across a reset fails as aborted
         self.begun = {w: -1 for w in range(num_workers)}  # worker -> the last step it began (backup workers)
@@ -119,9 +124,10 @@ class ParameterServer:
     def _mean(self, step_id: int, j: int) -> np.ndarray:
         return self.layout.places[j].mean(step_id)
 
-    def _pushes_of(self, key: int) -> Callable[[int, int], tuple[list, tuple[int, ...]]]:
-        """``key``'s pushes as a transport end makes them (looked up on each call: tests wrap ``push``)."""
-        return lambda step_id, j: self.push(step_id, key, j)
+    def _pushes_of(self, key: int) -> Callable[..., tuple[list, tuple[int, ...]]]:
+        """``key``'s pushes as a transport end makes them, ``(step_id, j)`` or, down a stream, ``(step_id, j,
+        generation)`` (looked up on each call: tests wrap ``push``)."""
+        return lambda step_id, j, generation=None: self.push(step_id, key, j, None, generation)
 
     # ---- connection --------------------------------------------------------
 
@@ -183,8 +189,8 @@ class ParameterServer:
 
     # ---- pushes ------------------------------------------------------------
 
-    def push(self, step_id: int, worker_index: int, j: int,
-             stored: list[np.ndarray] | None = None) -> tuple[list, tuple[int, ...]]:
+    def push(self, step_id: int, worker_index: int, j: int, stored: list[np.ndarray] | None = None,
+             generation: int | None = None) -> tuple[list, tuple[int, ...]]:
         """One worker's copy of partition j for ``step_id`` is ready; wait for the step's mean.
 
         ``stored`` is what ``object_store.put`` stored (a remote worker's
@@ -196,13 +202,18 @@ class ParameterServer:
         (backup workers) is dropped and answered at once. A bad push fails
         the step: it raises, and so do the step's other pushes of the
         partition, at once, instead of waiting for a sum that cannot come.
+        A node's partial sum (``worker_index`` its relay's key) comes with
+        the ``generation`` its relay summed it in; one of another generation
+        was summed before this server's last reset, for the step that failed,
+        and is refused (StepAborted) instead of counted in the step run again.
         """
         start = timeline.now_us()
         inputs = None
         with self.changed:
             p = self._partition(j, worker_index)
             self._check_not_aborted(p, step_id)
-            resets = self.resets
+            self._check_generation(j, step_id, worker_index, generation)
+            resets, summed_in = self.resets, self.generation
             late = self.quorum < self.num_workers and p.is_late(step_id)
             if not late:
                 self._take(p, step_id, worker_index, stored)
@@ -212,7 +223,7 @@ class ParameterServer:
                 recorder = self.traces.recorder(step_id)
         if inputs is not None:  # this push closes the step: sum outside the lock, so other partitions go on
             try:
-                ref, averaged = self._sum(p, step_id, inputs, averaged, recorder)
+                ref, averaged = self._sum(p, step_id, inputs, averaged, recorder, summed_in)
             except Exception as e:  # e.g. a relay's server died: the step's other pushes fail now, not at a timeout
                 with self.changed:
                     p.failures[step_id] = e
@@ -231,6 +242,13 @@ class ParameterServer:
                                               start, timeline.now_us(), "pushes")
             ref, averaged = p.done[step_id]
             return self._end(p, worker_index).reply(ref), averaged
+
+    def _check_generation(self, j: int, step_id: int, key: int, generation: int | None) -> None:
+        """Refuse a node's partial sum summed in another generation than this server's (before its reset)."""
+        if self.node_sums.expects(j, key) and generation != self.generation:
+            raise StepAborted(f"{self.name}: the partial sum of partition {j}, step {step_id} pushed as worker "
+                              f"{key}'s was summed before the reset (generation {generation}, now "
+                              f"{self.generation}): the step it was for failed")
 
     def _partition(self, j: int, worker_index: int) -> PartitionSteps:
         if j not in self.partitions:
@@ -289,9 +307,10 @@ class ParameterServer:
         return p.settled(step_id) or self.aborted
 
     def _sum(self, p: PartitionSteps, step_id: int, inputs: list[list[np.ndarray]], averaged: tuple[int, ...],
-             recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
+             recorder: timeline.Recorder, generation: int) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
         """Average the pushes (``averaged``: the workers they stand for) into the step's mean slot, or, relayed,
-        sum them and push the sum on; the mean's ref if remote workers read it, and the workers it averages."""
+        sum them and push the sum on, as of ``generation`` (this server's when the pushes came); the mean's ref
+        if remote workers read it, and the workers it averages."""
         relayed = self.relayed.get(p.index)
         with recorder.span(f"{'average' if relayed is None else 'sum'} partition {p.index} of workers "
                            f"{list(averaged)}", "sum"):
@@ -300,7 +319,7 @@ class ParameterServer:
             else:
                 sums.add(relayed.partial(p.place, step_id), p.place, inputs)
         if relayed is not None:
-            ref, averaged = self.links.push(p.place, relayed, step_id, averaged, recorder)
+            ref, averaged = self.links.push(p.place, relayed, step_id, averaged, recorder, generation)
             if ref is not None:  # through the object store: its server's mean, for workers here on it
                 return ref, averaged
         if not (self.node_sums.any_remote(p.index) or self.transports.any_remote()):
@@ -348,14 +367,16 @@ class ParameterServer:
             self.aborted = True
             self.changed.notify_all()
 
-    def reset(self, step_id: int) -> None:
-        """Forget partial sums and aborted steps; expect ``step_id`` next."""
+    def reset(self, step_id: int, generation: int) -> None:
+        """Forget partial sums and aborted steps; expect ``step_id`` next, in ``generation`` (the group's resets,
+        ``ServerGroup.reset``): partial sums of earlier generations are refused from now on."""
         with self.changed:
             self.resets += 1
+            self.generation = generation
             for p in self.partitions.values():
                 p.reset(step_id)
             self.begun = {w: step_id - 1 for w in range(self.num_workers)}
-            broken = self.links.forget()  # the failed step's answers are dropped, its waits fail
+            broken = self.links.forget(generation)  # the failed step's answers are dropped, its waits fail
             self.aborted = False
             self.changed.notify_all()
         if broken:  # a stream that ended with both servers alive (a send cut short): open them anew

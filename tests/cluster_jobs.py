@@ -12,6 +12,7 @@ import time
 from typing import Iterator
 
 import ray
+from ray._private import internal_api
 from ray.cluster_utils import Cluster
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -53,3 +54,10 @@ def wait_until_idle(timeout_s: float = 30.0) -> None:
             raise TimeoutError(f"CPUs still taken {timeout_s:g} s after the last engine shut down: "
                                f"{ray.available_resources().get('CPU', 0.0):g} of {total:g} free")
         time.sleep(0.1)
+
+
+def objects_created(node_id: str | None = None) -> int:
+    """Objects a node's object store has created since it started (Ray's node stats); the first live node if None."""
+    node = next(n for n in ray.nodes() if n["Alive"] and node_id in (None, n["NodeID"]))
+    reply = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+    return reply.store_stats.cumulative_created_objects

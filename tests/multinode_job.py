@@ -15,7 +15,7 @@ table) and of every parameter server (GCS actor table) of the float32
 engine, per engine which partitions each worker reads through shared
 memory, the start weights, every replica's final weights and the lockstep
 record, weights as nested lists; under "backup", the same for a run with a
-straggler and one backup worker (``run_with_backup``); under "node_local",
+straggler held at a gate and one backup worker (``run_with_backup``); under "node_local",
 2 workers per node, whose partitions cross through each node's relay
 (``run_node_local``), and under "node_local_bf16" the same under bf16
 compression, each step's weights before and after (``run_node_local_bf16``).
@@ -24,16 +24,19 @@ compression, each step's weights before and after (``run_node_local_bf16``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import tempfile
 
+import numpy as np
 import ray
 
 import dsgd
 from dsgd.transport.listener import shut_down
-from cluster_jobs import actor_node, local_cluster, wait_until_idle
+from cluster_jobs import actor_node, local_cluster, objects_created, wait_until_idle
 from compression_runs import FLOAT32, STEPS, lockstep
-from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,
-                              set_start_weights, ps_actors, server_group)
+from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedStragglerNet, TanhNet, kill,
+                              replica_weights, set_start_weights, ps_actors, server_group)
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
@@ -70,7 +73,22 @@ def run() -> dict:
                        for e in record],
         }
         result["broken_stream"] = break_a_stream(sgd)
+        result["objects_created"] = objects_created_by_steps(sgd, result["nodes"])
         return result
+
+
+FLAT_STEPS = 10
+
+
+def objects_created_by_steps(sgd, nodes: list[str]) -> dict[str, int]:
+    """Per node: the objects its object store created over ``FLAT_STEPS`` steps (some fetching stats), counted
+    once the steps before have ended on every worker."""
+    sgd.foreach_worker(lambda worker: None)
+    before = {node: objects_created(node) for node in nodes}
+    for i in range(FLAT_STEPS):
+        sgd.step(fetch_stats=(i % 3 == 0))
+    sgd.foreach_worker(lambda worker: None)
+    return {node: objects_created(node) - before[node] for node in nodes}
 
 
 def _shut_worker_0s_stream(worker) -> int:
@@ -94,18 +112,34 @@ def break_a_stream(sgd) -> dict:
             "replicas": [_listed(r) for r in replica_weights(sgd)]}
 
 
-class SlowWorker1(StragglerNet):
+class GatedWorker1(GatedStragglerNet):
     SLOW_WORKER = 1
 
 
-def run_with_backup() -> dict:
-    """Worker 1 a straggler and one backup worker: every step is worker 0's alone, the replicas alike."""
-    with dsgd.DistributedSGD(SlowWorker1, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
-                             backup_workers=1) as sgd:
+# A step closes only once every worker has begun the one before, so a worker held in its first batch lets the
+# others take two steps without it.
+HELD_STEPS = 2
+
+
+def run_with_backup(gates: str) -> dict:
+    """One backup worker; worker 1 held at the gate of its first batch (``gates``, see ``GatedStragglerNet``)
+    while ``HELD_STEPS`` steps close with worker 0's gradient alone, then let go: it catches up."""
+    gate = Gate(gates + "-0")
+    gate.close()
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1, gates=gates), num_workers=2, strategy="ps",
+                             grad_shard_bytes=PARTITION_BYTES, backup_workers=1) as sgd:
         start = set_start_weights(sgd)
-        dropped = [sgd.step(fetch_stats=True)["dropped_gradients"] for _ in range(STEPS)]
-        replicas = replica_weights(sgd)
-        return {"start": {k: v.tolist() for k, v in start.items()}, "dropped": dropped,
+        dropped = []
+        for _ in range(HELD_STEPS):
+            dropped.append(sgd.step(fetch_stats=True)["dropped_gradients"])
+            gate.wait_arrived()  # worker 1 is at the gate (raises if not): this step closed without it
+        # Asked of worker 0 alone: worker 1 is still inside its first step, held.
+        applied_while_held = ray.get(sgd.workers[0].applied_steps_count.remote(), timeout=60)
+        gate.open()
+        replicas = replica_weights(sgd)  # after the drain, which waits for worker 1 to catch up
+        return {"start": {k: v.tolist() for k, v in start.items()}, "dropped": dropped, "steps": HELD_STEPS,
+                "applied_while_held": applied_while_held,
+                "batches_computed": sgd.foreach_model(lambda m: m.step),
                 "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
                 "replicas": [{k: v.tolist() for k, v in r.items()} for r in replicas],
                 "transports": _transports(sgd)}
@@ -116,13 +150,24 @@ def _transports(sgd) -> list:
     return sgd.foreach_worker(lambda w: [type(end).__name__ for end in w.client.ends])
 
 
-def run_node_local() -> dict:
-    """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions; then
+def run_node_local(scratch: str) -> dict:
+    """2 nodes x 2 workers: each node's relay sums its workers' copies of the other node's partitions, ``STEPS``
+    steps; the same steps again from a checkpoint of the start (in ``scratch``), bit for bit the same or not; then
     worker 3 is killed and ``STEPS`` more steps run through the recovery, then server 0 and ``STEPS`` more."""
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=4, devices_per_worker=1, strategy="ps",
                              grad_shard_bytes=PARTITION_BYTES) as sgd:
         start = set_start_weights(sgd)
+        sgd.save(scratch)
         stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
+        first_run = replica_weights(sgd)
+        group = server_group(sgd)
+        # per server: partition -> pushes that came from another node
+        traffic = [{str(j): n for j, n in t.items()} for t in ray.get([a.traffic.remote() for a in group.actors],
+                                                                      timeout=60)]
+        sgd.restore(scratch)  # weights, momentum and step count as at the start
+        for _ in range(STEPS):
+            sgd.step()
+        second_run = replica_weights(sgd)
         group = server_group(sgd)
         result = {
             "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
@@ -131,9 +176,9 @@ def run_node_local() -> dict:
             "partition_bytes": [s.wire_nbytes for s in group.layout],
             "relays": _relays(group),
             "routes": [group.routes(w) for w in range(4)],
-            # per server: partition -> pushes that came from another node
-            "traffic": [{str(j): n for j, n in t.items()} for t in ray.get([a.traffic.remote() for a in group.actors])],
+            "traffic": traffic,
             "relay_transports": _relay_transports(group),
+            "rerun_identical": all(np.array_equal(a[k], b[k]) for a, b in zip(first_run, second_run) for k in a),
             "node_sent_bytes": [s["node_sent_bytes"] for s in stats],
             "sent_bytes": [s["sent_bytes"] for s in stats]}
         kill(sgd.workers[3])
@@ -179,12 +224,12 @@ def _relays(group) -> list:
 
 
 def main() -> None:
-    with local_cluster(NODE_ARGS, NODE_ARGS):
+    with local_cluster(NODE_ARGS, NODE_ARGS), tempfile.TemporaryDirectory() as scratch:
         result = run()
         wait_until_idle()
-        result["backup"] = run_with_backup()
+        result["backup"] = run_with_backup(scratch + "/gate")
         wait_until_idle()
-        result["node_local"] = run_node_local()
+        result["node_local"] = run_node_local(scratch + "/start.npz")
         wait_until_idle()
         result["node_local_bf16"] = run_node_local_bf16()
     print(RESULT_PREFIX + json.dumps(result))

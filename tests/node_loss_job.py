@@ -21,6 +21,12 @@ Three 2-CPU nodes besides the head:
    free: the next step's error, the seconds it took, the recoveries it
    counted, the actors still waiting to start afterwards, then ``save`` (worker 1's state) restored
    into a one-worker engine on the node left.
+3. ``relays_lost``: a node joins the one left; two workers of 1 CPU on
+   each of the two, so every partition is relayed from the node other than
+   its server's (node-local aggregation). A third node joins; worker 1 is
+   held before its batches of step 1 while the server on its node holds
+   worker 3's pushes, and the other node is lost. Reports the relays and where everything runs before and
+   after, the recoveries, every replica's weights.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ import ray
 from ray._private import ray_constants
 
 import dsgd
-from cluster_jobs import actor_node, local_cluster
+from cluster_jobs import actor_node, local_cluster, wait_until_idle
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedWorker1Net, known_actors,
-                              pushes_waiting, replica_weights, set_start_weights, steps_applied, wait_until, ps_actors)
+                              pushes_waiting, replica_weights, server_group, set_start_weights, steps_applied, wait_until,
+                              ps_actors)
 
 MIB = 1024 * 1024
 HEAD = {"num_cpus": 0, "object_store_memory": 100 * MIB,
@@ -154,9 +161,70 @@ def no_room(cluster, checkpoint_dir: str) -> dict:
         }
 
 
+def contributors_waiting(server) -> dict[int, list[int]]:
+    """Partition -> the contributors (workers, or a node's relay keyed by its lowest worker) whose pushes of the
+    current step a server holds."""
+    def waiting(ps) -> dict[int, list[int]]:  # runs in the server (nested: pickled by value)
+        with ps.changed:
+            return {j: sorted(p.waiting) for j, p in ps.partitions.items() if p.waiting}
+
+    return ray.get(server.__ray_call__.remote(waiting), timeout=TIMEOUT_S)
+
+
+def relays_lost(cluster, gate: Gate) -> dict:
+    """Two nodes of two workers each, every partition relayed from the node other than its server's; a third node
+    joins. Worker 1 is held before its batches of step 1, the step in flight; the other node is lost. The engine replaces its two workers
+    and its server on the new node, relays again, re-runs step 1 and trains step 2."""
+    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=4, strategy="ps",
+                             grad_shard_bytes=PARTITION_BYTES, timeout_s=TIMEOUT_S) as sgd:
+        start = set_start_weights(sgd)
+        servers, plan = ps_actors(sgd), server_group(sgd)
+        worker_nodes_before = [actor_node(w) for w in sgd.workers]
+        ps_nodes_before = [actor_node(ps) for ps in servers]
+        relays_before = {j: {r: list(ws) for r, ws in by.items()} for j, by in plan.relays.items()}
+        actors = engine_actors(sgd)
+        lost = next(n for n in worker_nodes_before if n != worker_nodes_before[1])
+        [kept] = [s for s, n in enumerate(ps_nodes_before) if n != lost]
+        sgd.step()
+        assert steps_applied(sgd) == [1] * 4  # step 0 done: the gate holds step 1
+        cluster.add_node(**NODE)  # room for the lost node's workers
+        gate.close()
+        sgd.step()  # step 1: worker 1 is held before its batch, the others push
+        gate.wait_arrived(TIMEOUT_S)
+        # Step 1 is in flight: the kept server holds worker 3's first push (to sum, or to relay), not worker 1's.
+        # (Whether the lost node's partial sums are in by then depends on the order the pushes came in: a server's
+        # channel from a worker of its node is read in order, and a push of a partition it sums waits there for
+        # the step to close, here for worker 1, before the worker's next pushes are read.)
+        wait_until(lambda: contributors_waiting(servers[kept]), TIMEOUT_S)
+        waiting_at_loss = contributors_waiting(servers[kept])
+        crash_node(cluster, lost, actors)
+        gate.open()
+        sgd.get_weights()  # waits for step 1: recovery re-runs it
+        sgd.step()
+        plan = server_group(sgd)
+        return {
+            "lost_node": lost,
+            "waiting_at_loss": {str(j): keys for j, keys in waiting_at_loss.items()},
+            "live_nodes": cpu_nodes(),
+            "worker_nodes_before": worker_nodes_before,
+            "ps_nodes_before": ps_nodes_before,
+            "relays_before": {str(j): {str(r): ws for r, ws in by.items()} for j, by in relays_before.items()},
+            "worker_nodes": [actor_node(w) for w in sgd.workers],
+            "ps_nodes": [actor_node(ps) for ps in ps_actors(sgd)],
+            "relays": {str(j): {str(r): list(ws) for r, ws in by.items()} for j, by in plan.relays.items()},
+            "failures": sgd.failures,
+            "start": as_lists(start),
+            "replicas": [as_lists(r) for r in replica_weights(sgd)],
+            "steps": sgd.num_steps,
+        }
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, local_cluster(HEAD, NODE, NODE, NODE) as cluster:
         result = {"replaced": replaced(cluster, Gate(os.path.join(tmp, "gate"))), "no_room": no_room(cluster, os.path.join(tmp, ""))}
+        cluster.add_node(**NODE)  # with the node left: two nodes of 2 CPUs, for 2 workers each
+        wait_until_idle()
+        result["relays_lost"] = relays_lost(cluster, Gate(os.path.join(tmp, "relays-gate")))
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -9,12 +9,14 @@ import pytest
 import ray
 
 import dsgd
-from dsgd.driver import checkpoint
+from dsgd.cluster.topology import Topology
+from dsgd.driver import checkpoint, step_stats
 from dsgd.transport import object_store
 from dsgd import ps_actor
 from dsgd.wire.partitions import VarSpec, plan_partitions, segments
 from dsgd_test_models import (LR, Gate, GatedStragglerNet, StragglerNet, TanhNet, actor_pids, assert_replicas_identical,
-                              assert_weights_close, batch, kill, numpy_gradients, numpy_step, ps_actors, pushes_waiting,
+                              assert_weights_close, batch, kill, numpy_forward, numpy_gradients, numpy_step, ps_actors,
+                              pushes_waiting,
                               server_group, set_start_weights, wait_until)
 
 FAST = [(0, 0), (1, 0)]  # (worker, device) of the workers that keep up with each other
@@ -28,13 +30,14 @@ def _begun(server) -> dict[int, int]:
 # ---- the server's rule ------------------------------------------------------
 
 LAYOUT = plan_partitions([VarSpec("a", (6,), np.dtype(np.float32))], 0)
+TWO_PARTITIONS = plan_partitions([VarSpec("a", (6,), np.dtype(np.float32)), VarSpec("b", (6,), np.dtype(np.float32))],
+                                 24)
 
 
-def _push(server, step, worker, value):
-    [partition] = LAYOUT
+def _push(server, step, worker, value, partition=LAYOUT[0]):
     flat = np.full(partition.size, value, np.float32)
-    return server.push.remote(step, worker, 0, object_store.put([flat[s.start:s.start + s.size]
-                                                                 for s in segments(partition)]))
+    return server.push.remote(step, worker, partition.index, object_store.put([flat[s.start:s.start + s.size]
+                                                                               for s in segments(partition)]))
 
 
 def _mean(answer):
@@ -67,6 +70,31 @@ def test_a_server_averages_the_first_pushes_and_answers_a_late_one_with_their_me
         ray.kill(server)
 
 
+def test_a_server_with_backup_workers_chooses_the_workers_of_each_partition_apart(ray_session):
+    """One step, two partitions pushed in opposite orders: partition 0 averages workers 0 and 1, which came
+    first, and partition 1 workers 1 and 2; each late push is answered with its own partition's mean."""
+    first, second = TWO_PARTITIONS
+    server = ps_actor.start(0, 3, TWO_PARTITIONS, 30.0, backup_workers=1)
+    try:
+        early = {first: [_push(server, 0, w, value, first) for w, value in [(0, 2.0), (1, 4.0)]]}
+        assert [_mean(a) for a in ray.get(early[first], timeout=30)] == [(3.0, (0, 1))] * 2
+        early[second] = [_push(server, 0, w, value, second) for w, value in [(2, 8.0), (1, 4.0)]]
+        assert [_mean(a) for a in ray.get(early[second], timeout=30)] == [(6.0, (1, 2))] * 2
+        assert _mean(ray.get(_push(server, 0, 2, 100.0, first), timeout=30)) == (3.0, (0, 1))
+        assert _mean(ray.get(_push(server, 0, 0, 100.0, second), timeout=30)) == (6.0, (1, 2))
+    finally:
+        ray.kill(server)
+
+
+def test_a_steps_loss_and_metrics_are_the_means_of_the_workers_that_computed_it():
+    """A worker that caught up on the step (it applied the servers' means without computing) returns no loss."""
+    caught_up = {"backup": {"computed": False, "kept": [0, 2]}}
+    per_worker = [{"loss": 1.0, "abs_error": 4.0, "backup": {"computed": True, "kept": [0, 2]}}, caught_up,
+                  {"loss": 3.0, "abs_error": 8.0, "backup": {"computed": True, "kept": [0, 2]}}]
+    stats = step_stats.combine(5, per_worker, Topology("ps", 3, 1), devices_per_worker=2)
+    assert stats == {"loss": 2.0, "abs_error": 6.0, "num_replicas": 4.0, "dropped_gradients": 1.0}
+
+
 # ---- the engine ---------------------------------------------------------------
 
 def _slow_worker_1_too(model) -> None:
@@ -91,6 +119,10 @@ def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session, t
             stats = sgd.step(fetch_stats=True)
             gate.wait_arrived()  # the straggler is held in step 0 while this step closes
             assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
+            # The loss and the metric are the means of the two workers that computed the step.
+            losses, errors = zip(*[numpy_forward(expected, *batch(w, d, step))[2:] for w, d in FAST])
+            assert np.isclose(stats["loss"], np.mean(losses), rtol=1e-5)
+            assert np.isclose(stats["abs_error"], np.mean(errors), rtol=1e-5)
             # Step `step` closed: every worker has begun step - 1 (so applied every step before it).
             assert all(min(_begun(server).values()) >= step - 1 for server in servers)
             expected = numpy_step(expected, FAST, step)

@@ -16,7 +16,7 @@ from dsgd.config import WorkerConfig
 from dsgd.sgd_worker import SGDWorker
 from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
                               assert_replicas_identical, assert_weights_close, fails_to_build_from_worker_2, is_dead,
-                              known_actors, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
+                              kill, known_actors, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
                               weights_from_json)
 
 
@@ -124,12 +124,33 @@ def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothin
     sgd, pids = shared_engine
     start = set_start_weights(sgd)
     steps = sgd.num_steps
+    before = known_actors()
     with pytest.raises(dsgd.DSGDError, match=r"grow to 9 workers: no room for new worker 8: it needs 1 CPU"):
         sgd.resize(9)  # the session's Ray has 8 CPUs
+    assert actors_started_since(before) == []  # refused before any worker (or server) started
     assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
     assert_weights_close(sgd.get_weights(), start)
     run_steps(sgd, 1)
     assert sgd.num_steps == steps + 1 and sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps + 1] * 2
+
+
+def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(ray_session, shared_engine):
+    """Growing 2 -> 3: once the new worker is built, survivor 1 is killed as the workers take up the exchange of 3
+    (the servers planned anew); the resize goes on, replaces it from the other survivor's state and steps on.
+    (After the other tests of ``shared_engine``, which expect its first workers.)"""
+    sgd, _ = shared_engine
+    run_steps(sgd, 1)
+    weights, steps, failures = sgd.get_weights(), sgd.num_steps, sgd.failures
+    survivor = sgd.workers[1]
+    before_first_wait(sgd, "change their exchange", lambda: kill(survivor))
+    sgd.resize(3)
+    assert is_dead(survivor) and sgd.workers[1] is not survivor
+    assert sgd.num_workers == 3 and sgd.failures == failures + 1
+    assert sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps] * 3
+    assert_weights_close(sgd.get_weights(), weights)  # the replacement and the new worker hold the survivors' state
+    assert_replicas_identical(sgd, 3)
+    assert run_steps(sgd, 2)["num_replicas"] == 3
+    assert_replicas_identical(sgd, 3)
 
 
 def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(ray_session):
@@ -211,18 +232,28 @@ def test_elastic_engine_below_its_minimum_raises_the_error_naming_what_is_missin
     assert error is not None and "cannot replace dead worker" in error and "it needs 2 CPU on one node" in error
 
 
-def interrupt_once(sgd, what: str) -> None:
-    """Ctrl-C (a KeyboardInterrupt) in the driver the first time it waits for ``what`` while building or connecting."""
+def before_first_wait(sgd, what: str, action) -> None:
+    """``action()`` in the driver the first time it waits for ``what`` while building or connecting, its calls
+    sent."""
     calls = sgd._cluster.calls
     wait = calls.call_startup
 
-    def interrupted(refs, waiting_for):
-        if what in waiting_for and calls.call_startup is interrupted:
+    def acted(refs, waiting_for):
+        if what in waiting_for and calls.call_startup is acted:
             calls.call_startup = wait
-            raise KeyboardInterrupt
+            action()
         return wait(refs, waiting_for)
 
-    calls.call_startup = interrupted
+    calls.call_startup = acted
+
+
+def _ctrl_c() -> None:
+    raise KeyboardInterrupt
+
+
+def interrupt_once(sgd, what: str) -> None:
+    """Ctrl-C (a KeyboardInterrupt) in the driver the first time it waits for ``what`` while building or connecting."""
+    before_first_wait(sgd, what, _ctrl_c)
 
 
 def test_ctrl_c_while_new_workers_build_leaves_the_engine_at_its_old_size(ray_session):

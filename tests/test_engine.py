@@ -118,9 +118,9 @@ def test_a_same_node_ps_step_pushes_through_signal_channels_without_an_actor_cal
         ps.pushes_seen = []
         push = type(ps).push
 
-        def recorded(step_id, worker_index, partition, stored=None):
+        def recorded(step_id, worker_index, partition, stored=None, generation=None):
             ps.pushes_seen.append((worker_index, partition, threading.current_thread().name))
-            return push(ps, step_id, worker_index, partition, stored)
+            return push(ps, step_id, worker_index, partition, stored, generation)
         ps.push = recorded
 
     def stop_recording(ps):

@@ -12,8 +12,8 @@ import dsgd
 from dsgd.common import calls
 from dsgd.driver import checkpoint
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, assert_replicas_identical, assert_weights_close,
-                              known_actors, numpy_momentum_run, run_job, set_start_weights, wait_until,
-                              weights_from_json)
+                              known_actors, numpy_momentum_run, replica_weights, run_job, set_start_weights,
+                              wait_until, weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "interrupt_job.py")
@@ -142,7 +142,8 @@ def test_ctrl_c_while_a_set_of_calls_is_sent_raises_once_the_last_is_sent():
 
 def test_ctrl_c_while_a_call_between_steps_waits_for_the_workers_leaves_the_engine_usable(ray_session, monkeypatch,
                                                                                           tmp_path):
-    """get_weights, set_weights, save and foreach_worker, each interrupted once its calls are sent."""
+    """get_weights, set_weights, save and foreach_worker, each interrupted once its calls are sent; then
+    set_weights interrupted between its calls to the two workers (``dsgd.common.calls.sending``)."""
     path = str(tmp_path / "run.ckpt")
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
                              timeout_s=20) as sgd:
@@ -173,6 +174,41 @@ def test_ctrl_c_while_a_call_between_steps_waits_for_the_workers_leaves_the_engi
             sgd.set_weights(new)
         assert_weights_close(sgd.get_weights(), new)  # sent to every worker, so set on every replica
         assert_replicas_identical(sgd, 2)
+
+        # Ctrl-C (a real SIGINT) between the two workers' submissions: it takes effect once both are sent.
+        newer = {k: np.full_like(v, 0.25) for k, v in start.items()}
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI shell may have SIGINT ignored
+        try:
+            with monkeypatch.context() as patch:
+                first, *others = sgd._cluster.workers
+                patch.setattr(sgd._cluster, "workers", [CtrlCOnceSubmitted(first), *others])
+                with pytest.raises(KeyboardInterrupt):
+                    sgd.set_weights(newer)
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        for replica in replica_weights(sgd):  # on both workers, read from their graphs
+            assert_weights_close(replica, newer)
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
         assert sgd.num_steps == 3
         assert_replicas_identical(sgd, 2)
+
+
+class CtrlCOnceSubmitted:
+    """A worker's actor handle whose calls each send this process SIGINT, as Ctrl-C would, right after they are
+    submitted: the interrupt lands between that worker's call and the next worker's."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name: str):
+        return _Interrupting(getattr(self.worker, name))
+
+
+class _Interrupting:
+    def __init__(self, method):
+        self.method = method
+
+    def remote(self, *args, **kwargs):
+        ref = self.method.remote(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return ref

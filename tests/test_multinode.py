@@ -7,7 +7,7 @@ parameter servers (one per node) for 3 steps and reports where every actor
 ran and the final weights; beside it, compressed engines (bf16 through the
 op library, fp16 through Python) step in lockstep, their 16-bit partitions
 crossing the object stores (tests/test_compression.py has the one-node runs);
-then the same cluster runs 2 workers with one backup worker and a straggler,
+then the same cluster runs 2 workers with one backup worker and a straggler held at a gate,
 and 2 nodes x 2 workers with node-local aggregation (float32, then bf16),
 the relays' partial sums crossing down streams.
 """
@@ -23,7 +23,7 @@ from dsgd_test_models import (REPLICAS_2x1, assert_weights_close, numpy_momentum
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
-TIMEOUT_S = 240
+TIMEOUT_S = 360  # the job took up to 216 s on this 2-core machine under other tests
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,12 @@ def test_each_worker_reads_its_own_nodes_partitions_from_shared_memory_and_the_r
             assert ends == ["SharedMemoryWorkerEnd" if ps_nodes[server] == worker_node else "StreamWorkerEnd"
                             for server in placement], name
             assert len(set(ends)) == 2  # both transports are exercised
+
+
+def test_across_nodes_a_ps_step_creates_no_ray_object_on_either_node(job):
+    """README: no Ray call or object per partition, across nodes too: shared memory on a worker's node, a stream
+    to the other; over 10 steps (after a stream was opened anew by a recovery) neither object store creates one."""
+    assert job["objects_created"] == {node: 0 for node in job["nodes"]}
 
 
 def test_a_stream_that_ends_with_both_actors_alive_is_opened_anew_by_the_recovery(job):
@@ -87,19 +93,26 @@ def test_compressed_partitions_cross_nodes_within_16_bit_rounding_of_float32(job
 
 
 def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
-    """Worker 1 sleeps in every get_feed_dict; with backup_workers=1 each step is worker 0's gradient alone,
-    over both transports, and worker 1 catches up to bit-identical weights."""
+    """Worker 1 is held at a gate in its first batch; with backup_workers=1 the steps close on worker 0's gradient
+    alone, over both transports, while worker 1 is provably held; let go, it catches up to bit-identical weights
+    without computing the steps it missed."""
     run = job["backup"]
     assert len(set(run["worker_nodes"])) == 2, "the two workers were not spread over the two nodes"
     # a worker catching up reads closed steps' means from the servers' replies: no streams with backup workers
     assert all(set(ends) <= {"SharedMemoryWorkerEnd", "ObjectStoreWorkerEnd"} and "ObjectStoreWorkerEnd" in ends
                for ends in run["transports"])
+    steps = run["steps"]
+    # Each step closed with worker 1 at the gate (the job waited for it there), and worker 0 applied them all
+    # before worker 1 was let go.
+    assert run["applied_while_held"] == steps
+    assert run["dropped"] == [1.0] * steps
+    # Worker 1 computed its first batch only: the second step it caught up on, from the servers' means.
+    assert run["batches_computed"] == [steps, 1]
     replicas = [weights_from_json(r) for r in run["replicas"]]
     for name in replicas[0]:
         assert np.array_equal(replicas[1][name], replicas[0][name]), name
-    assert run["dropped"] == [1.0] * job["steps"]
     expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
-    for step in range(job["steps"]):
+    for step in range(steps):
         expected = numpy_step(expected, [(0, 0)], step)
     assert_weights_close(replicas[0], expected)
 
@@ -107,7 +120,8 @@ def test_with_a_backup_worker_the_straggler_is_left_out_across_nodes(job):
 def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across(job):
     """Node-local aggregation: per partition summed on the other node, each node's relay (its server) sums its
     two workers' copies and pushes one partial sum; the result matches the numpy reference of 4 replicas,
-    also through the recoveries from a killed worker and from a killed server that a relay streamed to."""
+    run twice from one checkpoint it gives the same weights bit for bit, and it matches also through the
+    recoveries from a killed worker and from a killed server that a relay streamed to."""
     run = job["node_local"]
     nodes = sorted(set(run["worker_nodes"]))
     assert len(nodes) == 2 and sorted(run["worker_nodes"].count(n) for n in nodes) == [2, 2]
@@ -127,6 +141,9 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
         assert run["traffic"][home][str(j)] == job["steps"]
         sent[other] += run["partition_bytes"][j]
     _assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
+    # The same steps from the same checkpoint give the same weights bit for bit: partial sums are added in the
+    # same order whichever arrives first.
+    assert run["rerun_identical"]
     gradient_bytes = sum(run["partition_bytes"])
     assert run["node_sent_bytes"] == [float(max(sent.values()))] * job["steps"]
     assert max(sent.values()) <= gradient_bytes

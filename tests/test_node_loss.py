@@ -1,6 +1,7 @@
-"""A whole node lost during training: its workers and parameter servers replaced on live nodes, or a clear error.
+"""A whole node lost during training (with node-local aggregation too): its workers and parameter servers replaced on
+live nodes, or a clear error.
 
-tests/node_loss_job.py runs both scenarios on one ``ray.cluster_utils.Cluster``
+tests/node_loss_job.py runs the three scenarios on one ``ray.cluster_utils.Cluster``
 in a subprocess (``run_job``) and reports what happened; see its docstring
 for the set-up.
 """
@@ -13,7 +14,7 @@ import pytest
 from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_momentum_run, run_job, weights_from_json
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_loss_job.py")
-TIMEOUT_S = 300
+TIMEOUT_S = 480  # three scenarios, the last with 4 workers; under load the job took 4 min
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +64,34 @@ def test_after_the_error_the_surviving_worker_saves_and_a_new_engine_restores(jo
     assert run["restored_steps"] == 2
     start = weights_from_json(run["start"])
     assert_weights_close(weights_from_json(run["restored"]), numpy_momentum_run(start, REPLICAS_2x1, 2))
+
+
+REPLICAS_4x1 = [(w, 0) for w in range(4)]
+
+
+def test_lost_node_with_relays_is_replaced_and_the_relays_planned_again(job):
+    """Two workers per node, so every partition homed on one node is relayed from the other: the node without the
+    held worker 1 is lost mid-step. Its two workers and its server are replaced on the node that joined, in one
+    recovery; the relays are planned again from there, and the re-run step counts the new workers' gradients,
+    not what the lost node had pushed: the replicas equal the numpy reference of 4 replicas over 3 steps."""
+    run = job["relays_lost"]
+    lost, live = run["lost_node"], run["live_nodes"]
+    before, after = run["worker_nodes_before"], run["worker_nodes"]
+    assert lost not in live and len(live) == 2
+    assert sorted(before.count(n) for n in set(before)) == [2, 2] and before[1] != lost
+    assert sorted(run["ps_nodes_before"]) == sorted(set(before))
+    assert run["relays_before"] and all(len(by) == 1 for by in run["relays_before"].values())
+    assert run["waiting_at_loss"]  # step 1 was in flight at the server on worker 1's node
+    # After: the lost node's workers and server on the node that joined, worker 1's node as it was.
+    [joined] = [n for n in live if n not in before]
+    assert [n for w, n in enumerate(after) if before[w] == lost] == [joined, joined]
+    assert [n for w, n in enumerate(after) if before[w] != lost] == [n for n in before if n != lost]
+    assert sorted(run["ps_nodes"]) == sorted(live)
+    assert run["relays"] and all(len(by) == 1 for by in run["relays"].values())
+    assert run["failures"] == 1
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    for replica in replicas[1:]:
+        for name in replicas[0]:
+            assert np.array_equal(replica[name], replicas[0][name]), name
+    assert run["steps"] == 3
+    assert_weights_close(replicas[0], numpy_momentum_run(weights_from_json(run["start"]), REPLICAS_4x1, 3))

@@ -17,7 +17,7 @@ from dsgd.exchange.ps_client import ParameterServerClient
 from dsgd.wire.partitions import VarSpec, plan_partitions, segments
 from dsgd.transport.listener import shut_down
 from dsgd.transport.ends import StreamWorkerEnd
-from dsgd_test_models import pushes_waiting, wait_until
+from dsgd_test_models import Gate, pushes_waiting, wait_until
 
 # Two partitions: one of two small variables (packed together), one of a large one (its own segment).
 SPECS = [VarSpec("a", (5,), np.dtype(np.float32)), VarSpec("b", (3,), np.dtype(np.float32)),
@@ -224,10 +224,10 @@ def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     flat = _data(np.random.default_rng(5))[1]
     waiting = server.push.remote(0, 0, 1, _stored(partition, flat))
     wait_until(lambda: pushes_waiting(server) == {1: [1]})  # the push waits
-    ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
+    ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0, 1), timeout=30)
     with pytest.raises(StepAborted):
         ray.get(waiting, timeout=30)
-    ray.get(server.reset.remote(0), timeout=30)
+    ray.get(server.reset.remote(0, 2), timeout=30)
     pushes = [server.push.remote(0, w, 1, _stored(partition, flat)) for w in range(2)]  # usable again
     [ref], _ = ray.get(pushes[1], timeout=30)
     np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], flat)
@@ -245,7 +245,7 @@ def test_abort_and_reset_reach_a_local_worker_blocked_on_its_signal(ray_session,
         receiving = pool.submit(local.receive, partition, 0)
         wait_until(lambda: pushes_waiting(server) == {1: [0]})  # the push waits for worker 0
         assert not receiving.done()
-        ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0), timeout=30)
+        ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0, 1), timeout=30)
         with pytest.raises(StepAborted, match=f"step 0 was {release}"):
             receiving.result(timeout=30)
     ray.kill(server)
@@ -263,7 +263,7 @@ def test_a_local_worker_drops_the_answers_of_a_failed_step(ray_session):
     with pytest.raises(StepAborted):
         local.receive(LAYOUT[0], 0)  # the step fails at its first partition; partition 1's abort is still to come
     local.forget_pushes()
-    ray.get(server.reset.remote(0), timeout=30)
+    ray.get(server.reset.remote(0, 2), timeout=30)
     expected = _expected(parts)
     for partition in LAYOUT:  # step 0 again, both workers
         local.send(partition, 0, _segments_of(partition, parts[1][partition.index]))
@@ -446,7 +446,8 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
         with pytest.raises(OSError):
             first.send(0, 0, [np.zeros(LAYOUT[0].size, np.float32)])
         assert first.broken
-        relay.reset(0)
+        ray.get(home.reset.remote(0, 1), timeout=30)  # the recovery resets every server of the group
+        relay.reset(0, 1)
         assert relay.relay_transports() == {0: "stream"} and not relay.links.streams[0].broken
         assert first._socket.fileno() == -1  # the old one closed
         partition = LAYOUT[0]
@@ -462,6 +463,73 @@ def test_a_relays_stream_that_ended_with_both_servers_alive_is_opened_anew_by_re
     finally:
         for stream in relay.links.streams.values():
             stream.close()
+        ray.kill(home)
+
+
+def _hold_pushes_of(server, key: int, gate: Gate) -> None:
+    """On ``server``: each push of contributor ``key`` (its relay's, for a node's partial sum) waits at ``gate``
+    once read off its transport, before the server takes it; its outcome, the exception's name or "answered",
+    goes to ``held_outcomes``."""
+    def install(ps):  # runs in the server (nested: pickled by value)
+        push, ps.held_outcomes = ps.push, []
+
+        def held(step_id, worker_index, j, stored=None, generation=None):
+            if worker_index != key:
+                return push(step_id, worker_index, j, stored, generation)
+            gate.pass_through()
+            try:
+                answer = push(step_id, worker_index, j, stored, generation)
+            except Exception as e:
+                ps.held_outcomes.append(type(e).__name__)
+                raise
+            ps.held_outcomes.append("answered")
+            return answer
+
+        ps.push = held
+
+    ray.get(server.__ray_call__.remote(install), timeout=30)
+
+
+def _taken_or_refused(server, key: int) -> tuple[bool, list[str]]:
+    """Whether ``server`` holds a push of ``key`` for the step it sums, and the outcomes of its held pushes."""
+    def look(ps):
+        with ps.changed:
+            return any(key in p.waiting for p in ps.partitions.values()), list(ps.held_outcomes)
+
+    return ray.get(server.__ray_call__.remote(look), timeout=30)
+
+
+def test_a_relays_partial_sum_read_before_a_reset_and_taken_after_it_does_not_count_in_the_re_run(ray_session,
+                                                                                                   tmp_path):
+    """A late push after a reset, made to happen: the relay's partial sum of step 0 came down its stream before
+    the recovery's abort, and the server takes it only after its reset to step 0. It is refused, not counted as
+    the relay's partial sum of step 0 run again: the re-run's own partial sum is, bit for bit."""
+    rng = np.random.default_rng(14)
+    partition = LAYOUT[0]
+    home = ps_actor.start(0, 4, LAYOUT, 30.0, node_sums={p.index: [(2, 3)] for p in LAYOUT})
+    means = {p.index: np.empty(p.size, p.wire_dtype) for p in LAYOUT}
+    address = ray.get(home.attach_relay.remote(1, 2, "another node", [p.index for p in LAYOUT]), timeout=30)
+    relay = streams.Stream(address, lambda step, j: means[j], 30, 30)  # this process as the relaying server
+    gate = Gate(str(tmp_path / "relay-push"))
+    gate.close()
+    _hold_pushes_of(home, 2, gate)
+    try:
+        relay.send(0, 0, _segments_of(partition, _data(rng)[0]))  # the partial sum of the step that fails
+        gate.wait_arrived()  # read off the stream, not taken
+        ray.get(home.abort.remote(), timeout=30)  # the recovery: abort, then reset to run step 0 again
+        ray.get(home.reset.remote(0, 1), timeout=30)  # the group's generation 1
+        relay.forget(1)  # as the relaying server's own reset to generation 1 does
+        gate.open()
+        wait_until(lambda: _taken_or_refused(home, 2) != (False, []))
+        assert _taken_or_refused(home, 2) == (False, ["StepAborted"])
+        w0, w1, partial = (_data(rng)[0] for _ in range(3))  # step 0 run again: workers 0, 1 and the relay's sum
+        pushes = [home.push.remote(0, w, 0, _stored(partition, flat)) for w, flat in [(0, w0), (1, w1)]]
+        relay.send(0, 0, _segments_of(partition, partial))
+        assert relay.wait(0, 0, timeout_s=30) == (0, 1, 2, 3)
+        np.testing.assert_array_equal(means[0], ((w0 + w1) + partial) / np.float32(4))
+        assert [averaged for _, averaged in ray.get(pushes, timeout=30)] == [(0, 1, 2, 3)] * 2
+    finally:
+        relay.close()
         ray.kill(home)
 
 

@@ -1,17 +1,8 @@
 """Claims the README makes about what a step costs, checked through Ray's own accounting."""
 
-from ray._private import internal_api
-import ray
-
 import dsgd
 import model_check_models as mc
-
-
-def objects_created() -> int:
-    """Objects this node's object store has created since Ray started (Ray's node stats)."""
-    node = next(n for n in ray.nodes() if n["Alive"])
-    reply = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
-    return reply.store_stats.cumulative_created_objects
+from cluster_jobs import objects_created
 
 
 def test_on_one_node_a_ps_step_creates_no_ray_object_while_simple_creates_some(ray_session):

@@ -135,6 +135,7 @@ class ServerGroup:
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
         self.relays = self._plan_relays(worker_nodes)
+        self.generation = 0  # resets so far: every server of the group has it (``ParameterServer.reset``)
 
     def plan(self) -> tuple:
         """What the group was planned as: two groups of one plan are interchangeable (a server holds nothing
@@ -187,7 +188,7 @@ class ServerGroup:
         for j in indices:
             node_sums = {k: list(by.values()) for k, by in self.relays.items() if self.placement[k] == j}
             self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.step_timeout_s,
-                                            self.backup_workers, self.relays_of(j), node_sums,
+                                            self.backup_workers, self.relays_of(j), node_sums, self.generation,
                                             scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
@@ -223,8 +224,10 @@ class ServerGroup:
             actor.excuse.remote(worker_index)
 
     def reset(self, step_id: int) -> list:
-        """Refs of every server's reset to expect ``step_id`` next."""
-        return [actor.reset.remote(step_id) for actor in self.actors]
+        """Refs of every server's reset to expect ``step_id`` next, in the group's next generation (a relay's
+        partial sum summed before it is refused)."""
+        self.generation += 1
+        return [actor.reset.remote(step_id, self.generation) for actor in self.actors]
 
     def traces(self, step_id: int) -> list:
         return [actor.trace.remote(step_id) for actor in self.actors]

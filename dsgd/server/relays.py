@@ -103,9 +103,11 @@ class NodeSums:
 class RelayLinks:
     """A relaying server's links to the servers it pushes partial sums to: a stream each where it connects."""
 
-    def __init__(self, server_index: int, step_timeout_s: float, lock: threading.Condition):
-        """``lock``: the server's, which guards the streams (``forget`` and ``transport`` are called under it)."""
+    def __init__(self, server_index: int, step_timeout_s: float, lock: threading.Condition, generation: int = 0):
+        """``lock``: the server's, which guards the streams (``forget`` and ``transport`` are called under it);
+        ``generation``: the server's (its streams' epoch, until ``forget``)."""
         self.server_index = server_index
+        self.generation = generation
         self.step_timeout_s = step_timeout_s
         self.lock = lock
         self.peers: list = []  # every server's actor, index = server index
@@ -125,7 +127,7 @@ class RelayLinks:
             stream = connect_or_fall_back(
                 self._answer_of(call, home),
                 lambda address: streams.Stream(address, mean, min(self.step_timeout_s, streams.CONNECT_TIMEOUT_S),
-                                               self.step_timeout_s),
+                                               self.step_timeout_s, self.generation),
                 lambda: self._answer_of(servers[home].attach_relay.remote(self.server_index, key(home), None,
                                                                           homes[home]), home))
             if stream is not None:
@@ -142,10 +144,12 @@ class RelayLinks:
         """How partial sums go to server ``home``: "stream" or "object store"."""
         return "stream" if home in self.streams else "object store"
 
-    def forget(self) -> bool:
-        """Drop the answers of a failed step (its waits fail); whether a stream broke and needs opening anew."""
+    def forget(self, generation: int) -> bool:
+        """Drop the answers of a failed step (its waits fail); pushes from now on are of ``generation``. Whether a
+        stream broke and needs opening anew."""
+        self.generation = generation
         for stream in self.streams.values():
-            stream.forget()
+            stream.forget(generation)
         return any(stream.broken for stream in self.streams.values())
 
     def close(self) -> None:
@@ -156,8 +160,9 @@ class RelayLinks:
             stream.close()
 
     def push(self, place: Place, relayed: RelayedPartition, step_id: int, summed: tuple[int, ...],
-             recorder: timeline.Recorder) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
-        """Push the node's partial sum of ``place``'s partition as workers ``summed`` to its server and wait
+             recorder: timeline.Recorder, generation: int) -> tuple[ray.ObjectRef | None, tuple[int, ...]]:
+        """Push the node's partial sum of ``place``'s partition as workers ``summed``, summed in ``generation``
+        (its server refuses it if that is not its own: it was summed before a reset), to its server and wait
         (bounded) for the mean in the mean slot: down the stream to that server, which sends the mean straight
         into the slot, else through the object store. The mean's ref if it came through the object store (for
         workers here on it), and the workers it averages."""
@@ -175,11 +180,12 @@ class RelayLinks:
             if stream is not None:
                 try:  # the stream ended (OSError): the server died or was replaced; its own errors come as they are
                     with peer_errors(timed_out, lambda _: died, lambda e: e if isinstance(e, OSError) else None):
-                        epoch = stream.send(step_id, partition.index, parts)
+                        epoch = stream.send(step_id, partition.index, parts, generation)
                         return None, tuple(stream.wait(step_id, partition.index, self.step_timeout_s, epoch))
                 except Forgotten:
                     raise StepAborted(f"parameter server {self.server_index}: step {step_id} was reset") from None
-            call = self.peers[home].push.remote(step_id, min(summed), partition.index, object_store.put(parts))
+            call = self.peers[home].push.remote(step_id, min(summed), partition.index, object_store.put(parts),
+                                                generation)
             try:
                 with peer_errors(timed_out, lambda _: died,
                                  lambda e: e if isinstance(e, ray.exceptions.RayActorError) else None):

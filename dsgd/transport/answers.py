@@ -81,10 +81,12 @@ class Answers:
         elif answer is not None and answer[0] == self.epoch:
             self._answers[answer[1]] = answer[2]
 
-    def forget(self) -> None:
-        """Drop the answers to every request sent so far, arrived or still to come; their waits fail."""
+    def forget(self, epoch: int | None = None) -> None:
+        """Drop the answers to every request sent so far, arrived or still to come; their waits fail. Requests
+        from now on are of ``epoch`` (a relaying server's generation, ``ParameterServer.reset``), by default the
+        next."""
         with self._changed:
-            self.epoch += 1
+            self.epoch = self.epoch + 1 if epoch is None else epoch
             self._answers.clear()
             self._changed.notify_all()
 

@@ -290,11 +290,13 @@ class StreamServerEnd:
     crosses_nodes = True
 
     def __init__(self, server_index: int, worker_index: int, host: str, nbytes: int,
-                 places: dict[int, list[tuple[int, int]]], push: Callable[[int, int], tuple[list, tuple[int, ...]]],
+                 places: dict[int, list[tuple[int, int]]],
+                 push: Callable[[int, int, int], tuple[list, tuple[int, ...]]],
                  mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = ()):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
         byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for
-        ``SharedMemoryServerEnd``, ``mean(step_id, j)`` the mean it answered with (sent after it); ``host``: this
+        ``SharedMemoryServerEnd``, with the epoch the push was sent in (a relaying server's generation) as third
+        argument; ``mean(step_id, j)`` the mean it answered with (sent after it); ``host``: this
         node's address, where the stream listens."""
         self.buffer = bytearray(nbytes)
         self.places = places
@@ -302,7 +304,7 @@ class StreamServerEnd:
         self.server_index, self.worker_index = server_index, worker_index
         self.listener = streams.StreamListener(
             f"ps{server_index}-w{worker_index}", host, self._target,
-            lambda step_id, j: (push(step_id, j)[1], mean(step_id, j)),
+            lambda step_id, j, epoch: (push(step_id, j, epoch)[1], mean(step_id, j)),
             connect_timeout_s, apart=lambda step_id, j: j in relayed)
 
     def _target(self, j: int, nbytes: int) -> list[memoryview]:

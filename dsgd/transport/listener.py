@@ -111,7 +111,7 @@ class Listener:
         try:
             if error is not None:
                 raise error
-            answer = self._answer(a, b)
+            answer = self._answer_of(epoch, a, b)
         except Exception as e:  # the pusher raises it
             answer = e
         try:
@@ -123,6 +123,10 @@ class Listener:
         except OSError:
             return False
         return True
+
+    def _answer_of(self, epoch: int, a: int, b: int) -> Any:
+        """The server's answer to request ``(a, b)`` of the pusher's ``epoch`` (a subclass may hand it on)."""
+        return self._answer(a, b)
 
     def close(self) -> None:
         """Stop answering: the connection (or the wait for it) ends, and the pusher reads end-of-file."""

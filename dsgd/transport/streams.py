@@ -88,12 +88,12 @@ class StreamListener(Listener):
     and answers them."""
 
     def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
-                 answer: Callable[[int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
+                 answer: Callable[[int, int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
                  apart: Callable[[int, int], bool] = lambda step, j: False):
         """``target(j, nbytes)``: where a push of partition j goes, its bytes filling each view in turn
-        (ValueError if ``nbytes`` is not their size); ``answer(step, j)``: the server's push, returning
-        what goes back and the mean to send (or raising, which goes back too). The worker must connect within
-        ``accept_timeout_s``."""
+        (ValueError if ``nbytes`` is not their size); ``answer(step, j, epoch)``: the server's push (``epoch``:
+        the one it was sent in), returning what goes back and the mean to send (or raising, which goes back
+        too). The worker must connect within ``accept_timeout_s``."""
         super().__init__(f"dsgd stream {name}", answer, apart, read_ahead=True)
         self._target = target
         self.token = secrets.token_bytes(TOKEN_BYTES)
@@ -135,6 +135,9 @@ class StreamListener(Listener):
             _receive_into(connection, target)
         return epoch, step, j, None
 
+    def _answer_of(self, epoch: int, step: int, j: int) -> Any:
+        return self._answer(step, j, epoch)
+
     def _send(self, connection: socket.socket, epoch: int, step: int, j: int, answer: Any) -> None:
         """The answer's header, the pickled answer (the workers averaged, or the exception), and the mean's bytes."""
         value, mean = (answer, None) if isinstance(answer, BaseException) else answer
@@ -154,10 +157,10 @@ class Stream:
     answer, its mean read into ``means(step, j)`` (j: the partition's index)."""
 
     def __init__(self, address: tuple[str, int, bytes], means: Callable[[int, int], np.ndarray],
-                 connect_timeout_s: float, send_timeout_s: float):
+                 connect_timeout_s: float, send_timeout_s: float, epoch: int = 0):
         """Connect to the ``StreamListener`` at ``address``; OSError if this process cannot reach it within
         ``connect_timeout_s``. ``send_timeout_s`` bounds each send (the server stopped reading) and the rest
-        of an answer that started to arrive."""
+        of an answer that started to arrive. Pushes are of ``epoch`` until ``forget``."""
         host, port, token = address
         self._means = means
         self._socket = socket.create_connection((host, port), timeout=connect_timeout_s)
@@ -170,16 +173,19 @@ class Stream:
             raise
         self._sending = threading.Lock()  # a push goes out whole
         self._answers = Answers(self._read_answer, "the stream")
+        self._answers.epoch = epoch
         self._wakeup = socket.socketpair()  # ``forget`` wakes the reading thread out of its poll
         for end in self._wakeup:
             end.setblocking(False)
 
-    def send(self, step: int, j: int, arrays: Sequence[np.ndarray]) -> int:
-        """Push ``arrays`` (partition j's segments, in the wire dtype) as ``(step, j)``; the push's epoch
-        (for ``wait``). OSError: a ConnectionError if the server is gone, TimeoutError if it stopped reading."""
+    def send(self, step: int, j: int, arrays: Sequence[np.ndarray], epoch: int | None = None) -> int:
+        """Push ``arrays`` (partition j's segments, in the wire dtype) as ``(step, j)``, of ``epoch`` (default:
+        the stream's now; a relaying server's pushes say the generation they were summed in); the push's epoch
+        (for ``wait``, which fails at once if it is not the stream's). OSError: a ConnectionError if the server
+        is gone, TimeoutError if it stopped reading."""
         views = [_bytes(a) for a in arrays]
         with self._sending:
-            epoch = self._answers.epoch
+            epoch = self._answers.epoch if epoch is None else epoch
             try:
                 self._socket.sendall(PUSH.pack(epoch, step, j, sum(v.nbytes for v in views)))
                 for view in views:
@@ -221,9 +227,10 @@ class Stream:
             _receive_into(self._socket, _bytes_of(self._means(step, j), mean_bytes))
         return epoch, (step, j), value
 
-    def forget(self) -> None:
-        """Drop the answers to every push sent so far (a failed step's), arrived or still to come."""
-        self._answers.forget()  # waits for those pushes fail
+    def forget(self, epoch: int | None = None) -> None:
+        """Drop the answers to every push sent so far (a failed step's), arrived or still to come; pushes from
+        now on are of ``epoch`` (default: the next)."""
+        self._answers.forget(epoch)  # waits for those pushes fail
         try:
             self._wakeup[1].send(b"\0")
         except BlockingIOError:  # it is awake already
