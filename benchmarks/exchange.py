@@ -41,6 +41,10 @@ pushes to a server on another node cross the object store (the cross-node
 path); the record lists each node's actors.
 `--compression bf16 [fp16]` adds a system per value, "ps-bf16" ("ps" whose
 partitions travel as 16-bit floats), interleaved with the others.
+`--tf2` adds "ps-tf2": the same variables and loss written as a
+``dsgd.TF2Model`` (eager variables, a Keras SGD optimizer, the step traced
+in a ``tf.function``), "ps" the TF2 way; its ratio to "ps" is reported
+(target <= 1.1). Not for the mnist shape.
 A step is `sgd.step(fetch_stats=True)` timed in the driver; with `--burst N`
 a system's turn is N steps back to back, all but the last without stats
 (as examples/mnist.py trains: steps in flight, stats every `--log-every`),
@@ -54,6 +58,7 @@ Writes benchmarks/results/exchange.json. From the repository root:
     .venv/bin/python benchmarks/exchange.py
     .venv/bin/python -m benchmarks.exchange --shapes huge --steady-warmup 20
     .venv/bin/python -m benchmarks.exchange --shapes small tiny mnist
+    .venv/bin/python -m benchmarks.exchange --shapes resnet101 small --tf2
     .venv/bin/python -m benchmarks.exchange --shapes resnet101 --nodes 2 --num-workers 4   # 2 workers per node
 """
 
@@ -85,7 +90,8 @@ HUGE_ROWS, HUGE_COLS = 174_020, 128  # two of these: ResNet-101's 44.5 M float32
 TINY_SHAPE = [32, 8]
 SMALL_WIDTH = 0.3  # the small shape: ResNet-101's channel counts times this (4.0 M float32)
 LEARNING_RATE = 0.01
-TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0, "(ps - ideal)/bound": 1.5, "ps/union": 1.5}
+TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0, "(ps - ideal)/bound": 1.5, "ps/union": 1.5,
+           "ps-tf2/ps": 1.1}
 
 
 def resnet_shapes(model: str) -> list[tuple[str, list[int]]]:
@@ -150,6 +156,29 @@ class ExchangeModel(dsgd.Model):
         return tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE)
 
 
+class ExchangeModelTF2(dsgd.TF2Model):
+    """``ExchangeModel`` the TF2 way: the same variables (eager, zeros) and loss, a Keras SGD optimizer."""
+
+    def __init__(self, worker_index: int, device_index: int, shapes: list[tuple[str, list[int]]]):
+        import keras
+
+        self.variables = [tf.Variable(tf.zeros(shape), name=name.split(":")[0]) for name, shape in shapes]
+        self.optimizer = keras.optimizers.SGD(LEARNING_RATE)
+
+    def get_variables(self) -> list:
+        return self.variables
+
+    def get_optimizer(self):
+        return self.optimizer
+
+    def get_batch(self) -> np.ndarray:
+        return np.zeros((1,), np.float32)  # the loss reads no input
+
+    def get_loss(self, batch: tf.Tensor) -> tf.Tensor:
+        scales = tf.unstack(tf.random.uniform([len(self.variables)], 0.5, 1.5))
+        return tf.add_n([tf.reduce_sum(v) * scale for v, scale in zip(self.variables, scales)])
+
+
 class Bound:
     """The in-process bound: average `workers` gradient-sized arrays into a preallocated buffer."""
 
@@ -208,6 +237,8 @@ def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any
                        "(ps - ideal)/bound": (medians["ps"] - medians["ideal"]) / medians["bound"]})
         if medians.get("union") is not None:
             ratios["ps/union"] = medians["ps"] / medians["union"]
+        if medians.get("ps-tf2") is not None:
+            ratios["ps-tf2/ps"] = medians["ps-tf2"] / medians["ps"]
     return {"warmup": warmup, "measured_steps": min(len(t[warmup:]) for t in times.values()),
             "median_ms": medians, "ratios": ratios, "step_s": times}
 
@@ -236,10 +267,13 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         builds = [("floor", 1, {}), *((name, 1, {}) for name in ideal_engines),
                   ("simple", args.num_workers, {"strategy": "simple"}), ("ps", args.num_workers, {"strategy": "ps"})]
         builds += [(f"ps-{c}", args.num_workers, {"strategy": "ps", "compression": c}) for c in args.compression]
+        if args.tf2 and union is None:
+            builds.append(("ps-tf2", args.num_workers, {"strategy": "ps"}))
         for name, workers, strategy in builds:
             start = time.perf_counter()
+            made_by = functools.partial(ExchangeModelTF2, shapes=variables) if name == "ps-tf2" else creator
             engines[name] = engines_alive.enter_context(
-                dsgd.DistributedSGD(creator, num_workers=workers, **strategy, **kwargs))
+                dsgd.DistributedSGD(made_by, num_workers=workers, **strategy, **kwargs))
             record["setup_s"][name] = time.perf_counter() - start
             print(f"  {name}: built in {record['setup_s'][name]:.1f} s", flush=True)
         ps = engines["ps"]
@@ -308,7 +342,7 @@ def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> st
     """A markdown table of every shape and phase: medians, ratios, servers and partitions."""
     systems = list(dict.fromkeys(name for r in records for name in r["systems"])) or list(SYSTEMS)
     lines = ["| shape | steps | " + " | ".join(f"{n} ms" for n in systems)
-             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | ps/union | servers / partitions |",
+             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | ps/union | ps-tf2/ps | servers / partitions |",
              "|---" * (len(systems) + 3 + len(TARGETS)) + "|"]
     for r in records:
         for label, phase in phases(r, args):
@@ -341,6 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compression", nargs="+", choices=["bf16", "fp16"], default=[],
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
     common.add_ray_flags(p, "the CPUs the engines reserve: 3 x workers, and workers more per --compression value")
+    p.add_argument("--tf2", action="store_true", help='also "ps" the TF2 way ("ps-tf2", a dsgd.TF2Model)')
     p.add_argument("--object-store-memory", type=int, default=2 << 30,
                    help="bytes (per node with --nodes), when starting Ray here")
     p.add_argument("--nodes", type=int, default=1,
@@ -362,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
     # floor and ideal: one engine of 1 worker per worker; simple, ps and each ps-<compression>: one of all workers
-    cpus = args.num_cpus or args.num_workers * (3 + len(args.compression))
+    cpus = args.num_cpus or args.num_workers * (3 + len(args.compression) + args.tf2)
     if args.nodes > 1:
         cluster = common.local_cluster(args.nodes, math.ceil(cpus / args.nodes), args.object_store_memory)
     else:
