@@ -41,9 +41,27 @@ def _is_keras3(obj: Any) -> bool:
 
 
 class KerasModel(Model):
-    """A ``tf_keras`` model trained by dsgd, one replica per device.
+    """A Keras model trained by dsgd, one replica per device.
 
-    Create it inside ``model_creator``, together with the tf_keras model::
+    Given a Keras 3 model (``import keras``; ``tf.keras`` on TensorFlow
+    2.16+), with a Keras optimizer, it makes a ``dsgd.TF2Model`` that dsgd
+    trains the TF2 way (``dsgd.integrations.keras3.Keras3Model``: the same
+    arguments, ``optimizer`` a ``keras.optimizers.Optimizer``)::
+
+        def create(worker_index, device_index):
+            net = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation="relu"),
+                                    keras.layers.Dense(10)])
+            return dsgd.KerasModel(
+                net,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                optimizer=keras.optimizers.Adam(1e-3),
+                metrics=["accuracy"],
+                batches=my_batches(worker_index, device_index))
+
+    Given a ``tf_keras`` (Keras 2) model, it is a ``dsgd.Model``, trained the
+    TF1 graph way, with a ``tf.compat.v1`` optimizer; the arguments below
+    describe this case. Create it inside ``model_creator``, together with
+    the tf_keras model::
 
         def create(worker_index, device_index):
             net = tf_keras.Sequential([tf_keras.layers.Dense(64, activation="relu"),
