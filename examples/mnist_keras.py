@@ -40,21 +40,25 @@ def make_model_creator(args: argparse.Namespace, image_shape: tuple[int, ...],
     def create(worker_index: int, device_index: int) -> dsgd.KerasModel:
         import keras
 
-        layers = keras.layers
-        net = keras.Sequential([
-            keras.Input(image_shape),
-            layers.Conv2D(32, 3, padding="same", use_bias=False), layers.BatchNormalization(), layers.ReLU(),
-            layers.Conv2D(64, 3, strides=2, padding="same", use_bias=False), layers.BatchNormalization(),
-            layers.ReLU(),
-            layers.Flatten(),
-            layers.Dropout(0.25),
-            layers.Dense(10),
-        ])
         return dsgd.KerasModel(
-            net, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            convnet(keras, image_shape), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             optimizer=keras.optimizers.Adam(args.lr), metrics=["accuracy"],
             batches=replica_batches(args, worker_index, device_index, train), features="image", label="label")
     return create
+
+
+def convnet(keras_module, image_shape: tuple[int, ...]):
+    """The convnet, in ``keras_module``: Keras 3 (``keras``) or Keras 2 (``tf_keras``)."""
+    layers = keras_module.layers
+    return keras_module.Sequential([
+        keras_module.Input(image_shape),
+        layers.Conv2D(32, 3, padding="same", use_bias=False), layers.BatchNormalization(), layers.ReLU(),
+        layers.Conv2D(64, 3, strides=2, padding="same", use_bias=False), layers.BatchNormalization(),
+        layers.ReLU(),
+        layers.Flatten(),
+        layers.Dropout(0.25),
+        layers.Dense(10),
+    ])
 
 
 def replica_batches(args: argparse.Namespace, worker_index: int, device_index: int,
