@@ -285,3 +285,15 @@ def test_the_readmes_keras3_model_runs_as_written_and_learns_its_target(ray_sess
             sgd.step()
         kernel = sgd.get_weights()["sequential/dense/kernel"]
     np.testing.assert_allclose(kernel[:, 0], [1.0, -2.0, 0.5], atol=1e-3)
+
+
+class WiderOnDevice1(m.Regression):
+    def __init__(self, worker_index: int, device_index: int):
+        super().__init__(worker_index, device_index)
+        if device_index == 1:
+            self.w = tf_module().Variable(tf_module().zeros([m.FEATURES + 1]), name="w")
+
+
+def test_replicas_whose_variables_disagree_are_refused_naming_the_variable(ray_session):
+    with pytest.raises(dsgd.WorkerMismatchError, match="replica 1 on worker 0 built different variables.*'w'"):
+        dsgd.DistributedSGD(WiderOnDevice1, num_workers=1, devices_per_worker=2)
