@@ -30,7 +30,7 @@ import ray
 
 import dsgd
 from dsgd.transport.listener import shut_down
-from cluster_jobs import actor_node, local_cluster, wait_until_idle
+from cluster_jobs import actor_node, local_cluster
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, StragglerNet, TanhNet, kill, replica_weights,
                               set_start_weights, ps_actors, server_group)
@@ -181,11 +181,8 @@ def _relays(group) -> list:
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
-        wait_until_idle()
         result["backup"] = run_with_backup()
-        wait_until_idle()
         result["node_local"] = run_node_local()
-        wait_until_idle()
         result["node_local_bf16"] = run_node_local_bf16()
     print(RESULT_PREFIX + json.dumps(result))
 

@@ -11,6 +11,7 @@ import ray
 
 import dsgd
 from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS, worker_env
+from dsgd.cluster.placement import actor_state
 from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
                               assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
                               set_start_weights)
@@ -86,6 +87,21 @@ def test_initial_weights_are_assigned_only_where_a_replica_differs(ray_session):
         assert [len(names) for names in sgd.foreach_worker(assigned)] == [3, 3]
     finally:
         sgd.shutdown()
+
+
+def test_shutdown_returns_once_its_actors_are_dead_and_their_cpus_free(ray_session):
+    """No wait after ``shutdown()``: an engine built right after is placed on every CPU this one held.
+
+    Runs before ``engines`` holds its workers' CPUs.
+    """
+    free = ray.available_resources().get("CPU", 0)
+    sgd = dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps")
+    actors = sgd._cluster.workers + ps_actors(sgd)
+    assert len(actors) > WORKERS
+    assert ray.available_resources().get("CPU", 0) == free - WORKERS  # what the workers hold
+    sgd.shutdown()
+    assert ray.available_resources().get("CPU", 0) == free
+    assert [actor_state(a) for a in actors] == ["DEAD"] * len(actors)
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])

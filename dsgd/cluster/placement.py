@@ -83,6 +83,22 @@ def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str,
     return nodes
 
 
+def resource_name(resource: str) -> str:
+    """The name under which the engine's actors take ``resource``: inside the caller's placement group (a Tune
+    trial), the group's share of it (``CPU_group_<id>``), which is what a killed actor gives back."""
+    group = get_current_placement_group()
+    return resource if group is None else f"{resource}_group_{group.id.hex()}"
+
+
+def actor_state(actor) -> str:
+    """"ALIVE", "DEAD", ... as Ray's actor table (in its GCS) lists ``actor`` now.
+
+    Read through ``ray._private.state`` (Ray 2.60): the public state API
+    (``ray.util.state``) needs the dashboard, which a cluster may run without.
+    """
+    return ray._private.state.actors(actor_id=actor._actor_id.hex()).get("State", "DEAD")
+
+
 def live_node_resources() -> dict[str, dict[str, float]]:
     """Node id -> total resources, of the nodes Ray lists as alive."""
     return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}
