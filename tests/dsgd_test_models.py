@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -457,27 +458,29 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_job(script: str, timeout_s: float) -> dict:
-    """Run ``script`` in its own process, session and Ray temp dir; the JSON of its last ``RESULT`` line.
+def run_job(script: str, timeout_s: float, *args: str) -> dict:
+    """Run ``script`` (with ``args``) in its own process, session and Ray temp dir; the JSON of its last ``RESULT``
+    line.
 
     A job starts its own Ray (a process holds one Ray instance, and the test
-    session's is taken). Its session is killed when it ends or after
+    session's is taken), or joins the session's as another driver when
+    ``args`` give it the address. Its session is killed when it ends or after
     ``timeout_s``, so nothing it started outlives it; a job that times out,
     fails or prints no result fails the test with its stderr's tail.
     """
-    return _run_job(script, timeout_s, stderr=subprocess.PIPE)[0]
+    return _run_job(script, timeout_s, args, stderr=subprocess.PIPE)[0]
 
 
 def run_job_with_output(script: str, timeout_s: float) -> tuple[dict, str]:
     """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
-    return _run_job(script, timeout_s, stderr=subprocess.STDOUT)
+    return _run_job(script, timeout_s, (), stderr=subprocess.STDOUT)
 
 
-def _run_job(script: str, timeout_s: float, stderr: int) -> tuple[dict, str]:
+def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int) -> tuple[dict, str]:
     """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
     with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
         env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        proc = subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout_s)
