@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 @pytest.fixture(scope="session")
 def ray_session():
     ray.init(
+        address="local",  # a new instance, even where a Ray cluster started with `ray start` runs on the machine
         num_cpus=NUM_CPUS,
         object_store_memory=1 << 30,
         include_dashboard=False,

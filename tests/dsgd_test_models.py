@@ -194,18 +194,6 @@ def numpy_momentum_stages(weights: dict, stages: list[tuple[int, list[tuple[int,
     return weights
 
 
-class SlowWorkerNet(FixedDataMomentumNet):
-    """Worker 1 takes a while to produce its batch: a window to kill an actor mid-step."""
-
-    DELAY_S = 3.0
-
-    def get_feed_dict(self):
-        if self.worker_index == 1:
-            import time
-            time.sleep(self.DELAY_S)
-        return super().get_feed_dict()
-
-
 class Gate:
     """A file-backed gate that holds worker code at a chosen point until the test lets it on.
 
@@ -296,10 +284,13 @@ class GatedStragglerNet(StragglerNet):
         return super().get_feed_dict()
 
 
+SLOW_BUILD_S = 3.0  # how much longer worker 1 of slow_to_build_on_worker_1 builds
+
+
 def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
-    """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
+    """TanhNet replicas; worker 1 takes ``SLOW_BUILD_S`` longer to build its own."""
     if worker_index == 1:
-        time.sleep(SlowWorkerNet.DELAY_S)
+        time.sleep(SLOW_BUILD_S)
     return TanhNet(worker_index, device_index)
 
 

@@ -227,8 +227,9 @@ class Cluster:
     # ---- teardown ---------------------------------------------------------
 
     def kill(self) -> None:
-        """Kill every actor (if Ray is still up); return once they are dead and Ray lists the workers' resources
-        free again, so that an engine started next is placed on them (both waits bounded). Safe to call twice."""
+        """Kill every actor (if Ray is still up); return once they are dead and (from a driver) Ray lists the
+        workers' resources free again, so that an engine started next is placed on them (``HeldResources``; both
+        waits bounded). Safe to call twice."""
         if ray.is_initialized():
             actors = self.workers + self.server_slots.actors()
             held = HeldResources(self.workers, self.room.needs)

@@ -83,11 +83,9 @@ def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str,
     return nodes
 
 
-def resource_name(resource: str) -> str:
-    """The name under which the engine's actors take ``resource``: inside the caller's placement group (a Tune
-    trial), the group's share of it (``CPU_group_<id>``), which is what a killed actor gives back."""
-    group = get_current_placement_group()
-    return resource if group is None else f"{resource}_group_{group.id.hex()}"
+def in_driver() -> bool:
+    """The caller is a Ray driver, not a task or actor (such as a Tune trial)."""
+    return ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
 
 
 def actor_state(actor) -> str:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import ray
 
-from dsgd.cluster.placement import actor_state, live_node_resources, place_new_workers, resource_name
+from dsgd.cluster.placement import actor_state, in_driver, live_node_resources, place_new_workers
 from dsgd.config import Options
 from dsgd.errors import DSGDError
 from dsgd.wire import codec
@@ -119,12 +119,16 @@ class HeldResources:
 
     Ray gives a killed actor's resources back some 0.1 s after it lists the
     actor dead; an actor started meanwhile is placed as if they were taken
-    (with "SPREAD", on the other nodes).
+    (with "SPREAD", on the other nodes). Only a driver waits: a task or
+    actor (a Tune trial) gives its own CPU back while it waits on Ray and
+    takes it again after, so what Ray lists free is no reference there; and
+    inside a placement group a new worker waits for its bundle rather than
+    going to another node.
     """
 
     def __init__(self, actors: Sequence, needs: dict[str, float]):
-        live = sum(actor_state(a) == "ALIVE" for a in actors)
-        self.held = {resource_name(r): amount * live for r, amount in needs.items() if live}
+        live = sum(actor_state(a) == "ALIVE" for a in actors) if in_driver() else 0
+        self.held = {r: amount * live for r, amount in needs.items() if live}
         self.free_before = ray.available_resources()
 
     def released(self) -> bool:
