@@ -129,7 +129,7 @@ class HeldResources:
     def __init__(self, actors: Sequence, needs: dict[str, float]):
         live = sum(actor_state(a) == "ALIVE" for a in actors) if in_driver() else 0
         self.held = {r: amount * live for r, amount in needs.items() if live}
-        self.free_before = ray.available_resources()
+        self.free_before = ray.available_resources() if self.held else {}
 
     def released(self) -> bool:
         """Ray lists the held resources free again (or, if another job took some meanwhile, all it has)."""
