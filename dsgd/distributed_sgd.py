@@ -539,6 +539,12 @@ class DistributedSGD:
     def shutdown(self) -> None:
         """Kill the worker and parameter-server actors, at once, even mid-step. Safe to call twice.
 
+        It returns once they are dead and, called from a driver, once Ray
+        lists the workers' CPUs (and GPUs) free again, so that an engine
+        built next can be placed on them (each wait bounded by 10 s). In a
+        task or actor (a Tune trial) it waits for the deaths only
+        (``dsgd.cluster.room.HeldResources`` says why).
+
         Leaving a ``with`` block calls it, also when a KeyboardInterrupt
         leaves the block. Without it, the engine kills them when it is
         garbage-collected, and Ray when the driver exits. With ``datasets=``,

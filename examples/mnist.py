@@ -165,7 +165,7 @@ def start(args: argparse.Namespace, **init_kwargs) -> dict[str, np.ndarray]:
         print("No MNIST files found (--data-dir, ~/.keras/datasets); using the digits set scikit-learn ships.")
     print(f"data: {name}, {len(data['y_train'])} train / {len(data['y_test'])} test images")
     if args.address:
-        ray.init(address=args.address)
+        ray.init(address=args.address, **init_kwargs)
     else:
         ray.init(address="local", num_cpus=args.num_cpus or max(4, args.num_workers), include_dashboard=False, **init_kwargs)
     return data

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Iterator
 
 import ray
@@ -38,22 +37,6 @@ def local_cluster(*nodes: dict) -> Iterator[Cluster]:
 def actor_node(actor) -> str:
     """The node an actor runs on, from the GCS actor table (needs no dashboard)."""
     return ray._private.state.actors(actor_id=actor._actor_id.hex())["Address"]["NodeID"]
-
-
-def wait_until_idle(timeout_s: float = 30.0) -> None:
-    """Wait (at most ``timeout_s``) until every CPU of the cluster is free again.
-
-    ``ray.kill`` returns before the actor's process is gone and its CPU back
-    with its raylet; an engine built at once may find one node still busy,
-    and Ray's "SPREAD" then puts all its workers on the other node.
-    """
-    deadline = time.monotonic() + timeout_s
-    total = ray.cluster_resources().get("CPU", 0.0)
-    while ray.available_resources().get("CPU", 0.0) < total:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"CPUs still taken {timeout_s:g} s after the last engine shut down: "
-                               f"{ray.available_resources().get('CPU', 0.0):g} of {total:g} free")
-        time.sleep(0.1)
 
 
 def objects_created(node_id: str | None = None) -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -193,18 +194,6 @@ def numpy_momentum_stages(weights: dict, stages: list[tuple[int, list[tuple[int,
     return weights
 
 
-class SlowWorkerNet(FixedDataMomentumNet):
-    """Worker 1 takes a while to produce its batch: a window to kill an actor mid-step."""
-
-    DELAY_S = 3.0
-
-    def get_feed_dict(self):
-        if self.worker_index == 1:
-            import time
-            time.sleep(self.DELAY_S)
-        return super().get_feed_dict()
-
-
 class Gate:
     """A file-backed gate that holds worker code at a chosen point until the test lets it on.
 
@@ -295,10 +284,13 @@ class GatedStragglerNet(StragglerNet):
         return super().get_feed_dict()
 
 
+SLOW_BUILD_S = 3.0  # how much longer worker 1 of slow_to_build_on_worker_1 builds
+
+
 def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
-    """TanhNet replicas; worker 1 takes ``SlowWorkerNet.DELAY_S`` longer to build its own."""
+    """TanhNet replicas; worker 1 takes ``SLOW_BUILD_S`` longer to build its own."""
     if worker_index == 1:
-        time.sleep(SlowWorkerNet.DELAY_S)
+        time.sleep(SLOW_BUILD_S)
     return TanhNet(worker_index, device_index)
 
 
@@ -457,27 +449,29 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_job(script: str, timeout_s: float) -> dict:
-    """Run ``script`` in its own process, session and Ray temp dir; the JSON of its last ``RESULT`` line.
+def run_job(script: str, timeout_s: float, *args: str) -> dict:
+    """Run ``script`` (with ``args``) in its own process, session and Ray temp dir; the JSON of its last ``RESULT``
+    line.
 
     A job starts its own Ray (a process holds one Ray instance, and the test
-    session's is taken). Its session is killed when it ends or after
+    session's is taken), or joins the session's as another driver when
+    ``args`` give it the address. Its session is killed when it ends or after
     ``timeout_s``, so nothing it started outlives it; a job that times out,
     fails or prints no result fails the test with its stderr's tail.
     """
-    return _run_job(script, timeout_s, stderr=subprocess.PIPE)[0]
+    return _run_job(script, timeout_s, args, stderr=subprocess.PIPE)[0]
 
 
 def run_job_with_output(script: str, timeout_s: float) -> tuple[dict, str]:
     """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
-    return _run_job(script, timeout_s, stderr=subprocess.STDOUT)
+    return _run_job(script, timeout_s, (), stderr=subprocess.STDOUT)
 
 
-def _run_job(script: str, timeout_s: float, stderr: int) -> tuple[dict, str]:
+def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int) -> tuple[dict, str]:
     """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
     with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
         env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        proc = subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout_s)

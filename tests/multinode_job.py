@@ -33,7 +33,7 @@ import ray
 
 import dsgd
 from dsgd.transport.listener import shut_down
-from cluster_jobs import actor_node, local_cluster, objects_created, wait_until_idle
+from cluster_jobs import actor_node, local_cluster, objects_created
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedStragglerNet, TanhNet, kill,
                               replica_weights, set_start_weights, ps_actors, server_group)
@@ -226,11 +226,8 @@ def _relays(group) -> list:
 def main() -> None:
     with local_cluster(NODE_ARGS, NODE_ARGS), tempfile.TemporaryDirectory() as scratch:
         result = run()
-        wait_until_idle()
         result["backup"] = run_with_backup(scratch + "/gate")
-        wait_until_idle()
         result["node_local"] = run_node_local(scratch + "/start.npz")
-        wait_until_idle()
         result["node_local_bf16"] = run_node_local_bf16()
     print(RESULT_PREFIX + json.dumps(result))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 
 import dsgd
 import data_test_models as dm
@@ -140,10 +141,12 @@ def test_importing_dsgd_does_not_import_ray_data():
     assert out.stdout.split() == ["False"]
 
 
-def test_keras_example_trains_on_its_ray_dataset_at_reduced_steps():
-    """examples/mnist_keras.py as a user runs it (its own Ray), on the offline digits, 60 steps."""
+def test_keras_example_trains_on_its_ray_dataset_at_reduced_steps(ray_session):
+    """examples/mnist_keras.py as a user runs it on a running cluster (this session's), on the offline digits,
+    60 steps. (test_output runs examples/mnist.py, which starts its own Ray as the Keras example does.)"""
     example = Path(__file__).resolve().parent.parent / "examples" / "mnist_keras.py"
-    out = subprocess.run([sys.executable, str(example), "--steps", "60", "--log-every", "30", "--num-cpus", "4"],
+    out = subprocess.run([sys.executable, str(example), "--steps", "60", "--log-every", "30",
+                          "--address", ray.get_runtime_context().gcs_address],
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"test accuracy ([0-9.]+) after 60 steps", out.stdout).group(1))

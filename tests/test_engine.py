@@ -12,6 +12,7 @@ import ray
 import dsgd
 from dsgd import ops
 from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS, worker_env
+from dsgd.cluster.placement import actor_state
 from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
                               assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
                               set_start_weights)
@@ -64,29 +65,47 @@ def test_a_workers_session_runs_on_its_cpus_and_its_idle_threads_sleep():
     assert proto.device_count["CPU"] == 2 and proto.device_count["GPU"] == 0
 
 
-def test_initial_weights_are_assigned_only_where_a_replica_differs(ray_session):
-    """Replicas start identical; a worker builds and runs assigns only for the variables that differed.
+@pytest.fixture(scope="module")
+def per_replica_init_engine(ray_session):
+    """A 2x2 "ps" engine of PerReplicaInitNet, and the CPUs Ray listed free before it was built.
 
-    Runs before ``engines`` holds its workers' CPUs.
+    Its two tests run before ``engines`` holds its workers' CPUs, in file
+    order: the second shuts it down.
     """
-    sgd = dsgd.DistributedSGD(PerReplicaInitNet, num_workers=WORKERS, devices_per_worker=DEVICES)
-    try:
-        replicas = replica_weights(sgd)
-        assert_all_identical(replicas)
-        assert np.all(replicas[0]["layer/w"] == 0) and np.all(replicas[0]["out/v"] == 0.5)  # worker 0, replica 0's
+    free = ray.available_resources().get("CPU", 0)
+    sgd = dsgd.DistributedSGD(PerReplicaInitNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps")
+    yield sgd, free
+    sgd.shutdown()
 
-        def assigned(worker):  # the state ops are built on first use, one placeholder per variable written
-            return sorted(op.name for op in worker.sess.graph.get_operations()
-                          if op.type == "Placeholder" and op.name.startswith("set_weights/"))
-        assert [len(names) for names in sgd.foreach_worker(assigned)] == [1, 1]  # 'layer/w' alone
-        # Built on first use, they write any weights bit for bit (every variable's ops now).
-        weights = set_start_weights(sgd)
-        got = sgd.get_weights()
-        assert all(np.array_equal(got[name], value) for name, value in weights.items())
-        assert_all_four_identical(sgd)
-        assert [len(names) for names in sgd.foreach_worker(assigned)] == [3, 3]
-    finally:
-        sgd.shutdown()
+
+def test_initial_weights_are_assigned_only_where_a_replica_differs(per_replica_init_engine):
+    """Replicas start identical; a worker builds and runs assigns only for the variables that differed."""
+    sgd, _ = per_replica_init_engine
+    replicas = replica_weights(sgd)
+    assert_all_identical(replicas)
+    assert np.all(replicas[0]["layer/w"] == 0) and np.all(replicas[0]["out/v"] == 0.5)  # worker 0, replica 0's
+
+    def assigned(worker):  # the state ops are built on first use, one placeholder per variable written
+        return sorted(op.name for op in worker.sess.graph.get_operations()
+                      if op.type == "Placeholder" and op.name.startswith("set_weights/"))
+    assert [len(names) for names in sgd.foreach_worker(assigned)] == [1, 1]  # 'layer/w' alone
+    # Built on first use, they write any weights bit for bit (every variable's ops now).
+    weights = set_start_weights(sgd)
+    got = sgd.get_weights()
+    assert all(np.array_equal(got[name], value) for name, value in weights.items())
+    assert_all_four_identical(sgd)
+    assert [len(names) for names in sgd.foreach_worker(assigned)] == [3, 3]
+
+
+def test_shutdown_returns_once_its_actors_are_dead_and_their_cpus_free(per_replica_init_engine):
+    """No wait after ``shutdown()``: an engine built right after is placed on every CPU this one held."""
+    sgd, free = per_replica_init_engine
+    actors = sgd._cluster.workers + ps_actors(sgd)
+    assert len(actors) > WORKERS
+    assert ray.available_resources().get("CPU", 0) == free - WORKERS  # what the workers hold
+    sgd.shutdown()
+    assert ray.available_resources().get("CPU", 0) == free
+    assert [actor_state(a) for a in actors] == ["DEAD"] * len(actors)
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])

@@ -33,7 +33,7 @@ from dsgd.errors import DSGDError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.cluster import replacement, resizing
 from dsgd.cluster.placement import actor_placement
-from dsgd.cluster.room import WorkerRoom, check_object_store
+from dsgd.cluster.room import HeldResources, WorkerRoom, check_object_store
 from dsgd.cluster.server_group import ServerGroup, plan_group
 from dsgd.cluster.server_slots import ServerSlots
 from dsgd.sgd_worker import SGDWorker
@@ -42,7 +42,7 @@ from dsgd.worker.signature import WorkerSignature
 
 logger = logging.getLogger(__name__)
 
-KILL_WAIT_S = 10.0  # how long kill waits for killed workers to be gone before it stops their datasets
+KILL_WAIT_S = 10.0  # how long kill waits for the killed actors to be dead, then for the workers' resources
 
 # The workers' environment, each variable unless the driver's environment sets it:
 # - TF_CPP_MIN_LOG_LEVEL 3 hides TensorFlow's start-up lines, including "failed call to
@@ -232,17 +232,21 @@ class Cluster:
     # ---- teardown ---------------------------------------------------------
 
     def kill(self) -> None:
-        """Kill every actor (if Ray is still up). Safe to call twice."""
+        """Kill every actor (if Ray is still up); return once they are dead and (from a driver) Ray lists the
+        workers' resources free again, so that an engine started next is placed on them (``HeldResources``; both
+        waits bounded). Safe to call twice."""
         if ray.is_initialized():
+            actors = self.workers + self.server_slots.actors()
+            held = HeldResources(self.workers, self.room.needs)
             for actor in self.workers:
                 ray.kill(actor)
             self.server_slots.kill()
-            if self.splits.datasets and self.workers:
-                # ray.kill returns before the process is gone: a worker still reading could start a new epoch
-                # on a split coordinator being stopped, whose progress bars would then be left open. A call on
-                # a killed actor fails once it is dead; wait for that (bounded).
-                ray.wait([w.identity.remote() for w in self.workers], num_returns=len(self.workers),
-                         timeout=KILL_WAIT_S)
+            # ray.kill returns before the processes are gone: a worker still reading could start a new epoch on
+            # a split coordinator being stopped, whose progress bars would then be left open. A call on a
+            # killed actor fails once it is dead.
+            if actors:
+                ray.wait([a.identity.remote() for a in actors], num_returns=len(actors), timeout=KILL_WAIT_S)
+            held.wait_released(KILL_WAIT_S)
             self.stop_datasets()
         self.workers = []
         self.server_slots.current = None

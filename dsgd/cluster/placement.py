@@ -83,6 +83,20 @@ def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str,
     return nodes
 
 
+def in_driver() -> bool:
+    """The caller is a Ray driver, not a task or actor (such as a Tune trial)."""
+    return ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
+
+
+def actor_state(actor) -> str:
+    """"ALIVE", "DEAD", ... as Ray's actor table (in its GCS) lists ``actor`` now.
+
+    Read through ``ray._private.state`` (Ray 2.60): the public state API
+    (``ray.util.state``) needs the dashboard, which a cluster may run without.
+    """
+    return ray._private.state.actors(actor_id=actor._actor_id.hex()).get("State", "DEAD")
+
+
 def live_node_resources() -> dict[str, dict[str, float]]:
     """Node id -> total resources, of the nodes Ray lists as alive."""
     return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}

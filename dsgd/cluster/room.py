@@ -5,6 +5,7 @@ starts, a live node for each new one beside those that run (a DSGDError
 names what is missing), how many more fit, how many an elastic engine
 starts with. ``check_object_store`` answers for the exchange, once the
 workers have built their models (its size is the model's).
+``HeldResources`` waits until killed workers' resources are free again.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Sequence
 
 import ray
 
-from dsgd.cluster.placement import live_node_resources, place_new_workers
+from dsgd.cluster.placement import actor_state, in_driver, live_node_resources, place_new_workers
 from dsgd.config import Options
 from dsgd.errors import DSGDError
 from dsgd.wire import codec
@@ -24,6 +25,8 @@ from dsgd.wire.partitions import VarSpec
 logger = logging.getLogger(__name__)
 
 ELASTIC_POLL_S = 1.0  # an elastic engine waiting for room for its minimum looks again this often
+RELEASE_POLL_S = 0.02  # a wait for killed workers' resources looks again this often
+RESOURCE_EPSILON = 1e-4  # Ray counts resources in units of 1/10000
 
 
 class WorkerRoom:
@@ -108,6 +111,41 @@ class WorkerRoom:
             logger.info("num_workers=%s: room for %d workers, waiting for %d", (opts.min_workers, opts.max_workers),
                         fit, opts.min_workers)
             time.sleep(ELASTIC_POLL_S)
+
+
+class HeldResources:
+    """The resources that the live ones of ``actors`` hold (``needs`` each), and how much of them Ray listed free
+    before: ``wait_released`` waits, after they are killed, until Ray lists those free again.
+
+    Ray gives a killed actor's resources back some 0.1 s after it lists the
+    actor dead; an actor started meanwhile is placed as if they were taken
+    (with "SPREAD", on the other nodes). Only a driver waits: a task or
+    actor (a Tune trial) gives its own CPU back while it waits on Ray and
+    takes it again after, so what Ray lists free is no reference there; and
+    inside a placement group a new worker waits for its bundle rather than
+    going to another node.
+    """
+
+    def __init__(self, actors: Sequence, needs: dict[str, float]):
+        live = sum(actor_state(a) == "ALIVE" for a in actors) if in_driver() else 0
+        self.held = {r: amount * live for r, amount in needs.items() if live}
+        self.free_before = ray.available_resources() if self.held else {}
+
+    def released(self) -> bool:
+        """Ray lists the held resources free again (or, if another job took some meanwhile, all it has)."""
+        free, total = ray.available_resources(), ray.cluster_resources()
+        return all(free.get(r, 0) >= min(self.free_before.get(r, 0) + amount, total.get(r, 0)) - RESOURCE_EPSILON
+                   for r, amount in self.held.items())
+
+    def wait_released(self, timeout_s: float) -> None:
+        """Wait, up to ``timeout_s``, until ``released``; log a warning if it is not."""
+        deadline = time.monotonic() + timeout_s
+        while self.held and not self.released():
+            if time.monotonic() >= deadline:
+                logger.warning("%.0f s after the workers were killed Ray still lists some of their %s as taken; "
+                               "an engine started now may be placed as if they were", timeout_s, amounts(self.held))
+                return
+            time.sleep(RELEASE_POLL_S)
 
 
 def check_object_store(exchange: Sequence[VarSpec], compression: str | None, num_workers: int) -> None:

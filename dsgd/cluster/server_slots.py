@@ -78,6 +78,11 @@ class ServerSlots:
         kept.kill()
         return None
 
+    def actors(self) -> list:
+        """The server actors of every group, in every slot."""
+        groups = {id(g): g for g in (self.current, self.staged, self.kept) if g is not None}
+        return [actor for g in groups.values() for actor in g.actors if actor is not None]
+
     def kill(self) -> None:
         """Kill every group, in every slot."""
         if self.current is not None:
