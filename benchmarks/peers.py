@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -221,16 +222,23 @@ class VariableStore:
         return [v for v in self.variables.values() if v.trainable]
 
 
-def _ray_train_loop(config: dict[str, Any]) -> None:
-    """Ray Train worker: MultiWorkerMirroredStrategy around the shared ResNet graph,
-    stepping when the turnstile gives it the turn."""
-    from ray import train
-
+def prepare_ray_train_worker(config: dict[str, Any]) -> common.BenchConfig:
+    """A Ray Train worker set up as dsgd's are, from `RayTrainRun`'s loop config: the benchmark's CPU allocator,
+    TensorFlow's warnings quieted, `cpus_per_worker` threads; the run's BenchConfig."""
     os.environ[ALLOCATOR_ENV] = config["allocator"]  # read when TensorFlow makes its first CPU tensor
     dsgd.worker.tf_logs.python_warnings_follow_cpp_level()  # MultiWorkerMirroredStrategy's INFO lines, as in dsgd's workers
     cfg = common.BenchConfig(**config["cfg"])
     tf.config.threading.set_intra_op_parallelism_threads(cfg.cpus_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, cfg.cpus_per_worker))  # as dsgd's workers
+    return cfg
+
+
+def _ray_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train worker: MultiWorkerMirroredStrategy around the shared ResNet graph,
+    stepping when the turnstile gives it the turn."""
+    from ray import train
+
+    cfg = prepare_ray_train_worker(config)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     replica_batch = cfg.batch_size * cfg.devices_per_worker
     store = VariableStore()
@@ -264,11 +272,16 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
 
 
 class RayTrainRun:
-    """Ray Train's TensorflowTrainer, its `fit()` in a driver thread, stepped through a Turnstile."""
+    """Ray Train's TensorflowTrainer, its `fit()` in a driver thread, stepped through a Turnstile.
+
+    `train_loop(config)` runs on every worker: `config` holds the BenchConfig as a dict ("cfg"), the
+    "turnstile" and the "allocator" (see `prepare_ray_train_worker`); it steps through `take_turns`.
+    """
 
     label = SYSTEM_NAMES["raytrain"]
 
-    def __init__(self, cfg: common.BenchConfig, spread: bool):
+    def __init__(self, cfg: common.BenchConfig, spread: bool,
+                 train_loop: Callable[[dict[str, Any]], None] = _ray_train_loop):
         from ray.train import RunConfig, ScalingConfig
         from ray.train.tensorflow import TensorflowTrainer
 
@@ -277,8 +290,8 @@ class RayTrainRun:
         self.turnstile = Turnstile.remote(cfg.num_workers)
         self.storage = tempfile.mkdtemp(prefix="dsgd-raytrain-")
         trainer = TensorflowTrainer(
-            _ray_train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": self.turnstile,
-                                                "allocator": os.environ[ALLOCATOR_ENV]},
+            train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": self.turnstile,
+                                           "allocator": os.environ[ALLOCATOR_ENV]},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers,
                                          resources_per_worker={"CPU": cfg.cpus_per_worker},
                                          placement_strategy="SPREAD" if spread else "PACK"),
@@ -323,17 +336,19 @@ class RayTrainRun:
 
 class IdealRun:
     """"ideal": one 1-worker dsgd engine per worker (no exchange), stepped at once from threads
-    (``common.Ideal``)."""
+    (``common.Ideal``); each trains ``model_creator``'s model (default: ``DsgdRun``'s ResNet)."""
 
     label = SYSTEM_NAMES["ideal"]
 
-    def __init__(self, cfg: common.BenchConfig, **engine_kwargs: Any):
+    def __init__(self, cfg: common.BenchConfig, model_creator: Callable[[int, int], Any] | None = None,
+                 **engine_kwargs: Any):
         one_worker = dataclasses.replace(cfg, num_workers=1)
         self.runs: list[DsgdRun] = []
         self.ideal: common.Ideal | None = None
         try:
             for k in range(cfg.num_workers):
-                self.runs.append(DsgdRun(one_worker, strategy="simple", label=f"{self.label} {k}", **engine_kwargs))
+                self.runs.append(DsgdRun(one_worker, strategy="simple", label=f"{self.label} {k}",
+                                         model_creator=model_creator, **engine_kwargs))
         except BaseException:
             self.close()
             raise
@@ -370,13 +385,13 @@ def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any
     return DsgdRun(cfg, strategy=system, **engine_kwargs)
 
 
-def run_interleaved(systems: list[str], cfg: common.BenchConfig, engine_kwargs: dict[str, Any],
-                    spread: bool, **record_fields: Any) -> list[dict[str, Any]]:
-    """Build every system, run them in alternating rounds, close them; one record per system."""
+def run_interleaved(systems: list[str], cfg: common.BenchConfig, build: Callable[[str], Run],
+                    **record_fields: Any) -> list[dict[str, Any]]:
+    """Build every system (`build(system)`), run them in alternating rounds, close them; one record per system."""
     runs: list[Run] = []
     try:
         for system in systems:
-            runs.append(build_run(system, cfg, engine_kwargs, spread))
+            runs.append(build(system))
         times, order, interrupted = common.run_rounds(
             {run.label: run.step for run in runs}, cfg.warmup + cfg.num_iters, cfg.warmup,
             describe=common.images_per_s(cfg.global_batch))
@@ -499,8 +514,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ray_context = contextlib.nullcontext()
     # One allocator for this process (the single process), dsgd's workers and Ray Train's.
     with ray_context, common.environment(**{ALLOCATOR_ENV: ALLOCATORS[args.allocator]}):
-        records = run_interleaved(args.systems, cfg, common.engine_kwargs(args), args.two_node or args.spread,
-                                  command=command, cluster=where, allocator=args.allocator)
+        build = functools.partial(build_run, cfg=cfg, engine_kwargs=common.engine_kwargs(args),
+                                  spread=args.two_node or args.spread)
+        records = run_interleaved(args.systems, cfg, build, command=command, cluster=where, allocator=args.allocator)
     for record in records:
         common.print_summary(record)
         common.write_json(record, args.results_dir / f"{record['system']}.json")

@@ -16,6 +16,7 @@ if not __package__:  # run as `python benchmarks/resnet101.py`
 import argparse
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -47,18 +48,18 @@ def _node_id(worker: Any) -> str:
 
 
 class DsgdRun:
-    """A dsgd engine training `cfg.model`, built at once and stepped by the caller."""
+    """A dsgd engine training `cfg.model` (or `model_creator`'s model), built at once and stepped by the caller."""
 
     def __init__(self, cfg: common.BenchConfig, strategy: str, gpu: bool = False, label: str | None = None,
-                 **engine_kwargs: Any):
+                 model_creator: Callable[[int, int], Any] | None = None, **engine_kwargs: Any):
         self.label = label or (f"dsgd-{strategy}"
                                + (f"-{engine_kwargs['compression']}" if engine_kwargs.get("compression") else "")
                                + ("-no-ops" if engine_kwargs.get("use_ops") is False else ""))
         self.strategy, self.gpu, self.engine_kwargs = strategy, gpu, engine_kwargs
         print(f"[{self.label}] building {cfg.num_workers} worker(s) x {cfg.devices_per_worker} device(s)",
               flush=True)
-        model_creator = functools.partial(ResNetModel, model=cfg.model, batch_size=cfg.batch_size,
-                                          image_size=cfg.image_size)
+        model_creator = model_creator or functools.partial(ResNetModel, model=cfg.model, batch_size=cfg.batch_size,
+                                                           image_size=cfg.image_size)
         start = time.perf_counter()
         self.sgd = dsgd.DistributedSGD(model_creator, num_workers=cfg.num_workers,
                                        devices_per_worker=cfg.devices_per_worker, gpu=gpu, strategy=strategy,

@@ -14,7 +14,7 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, peers, resnet, resnet101, setup_cost, soak, step_breakdown
+from benchmarks import common, exchange, keras3, peers, resnet, resnet101, setup_cost, soak, step_breakdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -261,6 +261,24 @@ def test_peers_run_interleaved(ray_session, tmp_path):
     assert "`python -m benchmarks.peers --model resnet50" in report
 
 
+def test_keras3_benchmark_steps_single_and_ps_interleaved(ray_session, tmp_path):  # one worker: under a minute
+    out = tmp_path / "keras3.json"
+    result = keras3.main(["--image-size", "32", "--batch-size", "2", "--num-workers", "1", "--warmup", "1",
+                          "--steps", "1", "--systems", "single", "ps", "--nan-policy", "ignore", "--out", str(out)])
+    assert json.loads(out.read_text())["ratios"] == result["ratios"]
+    assert result["command"].startswith("python -m benchmarks.keras3 --image-size 32")
+    assert [r["system"] for r in result["systems"]] == ["keras3-single", "dsgd-ps"]
+    for record in result["systems"]:
+        assert record["run_order"] == ["keras3-single", "dsgd-ps", "dsgd-ps", "keras3-single"]
+        assert record["global_batch"] == 2 and len(record["step_times_s"]) == 2 and record["measured_steps"] == 1
+        assert record["images_per_sec_mean"] > 0 and not record["interrupted"]
+    single, ps = result["systems"]
+    assert ps["engine_kwargs"] == {**keras3.ENGINE_TIMEOUTS, "nan_policy": "ignore"}
+    assert result["ratios"] == {"ps/raytrain": None, "ps/ideal": None,
+                                "ps/single": pytest.approx(ps["images_per_sec_mean"] / single["images_per_sec_mean"])}
+    assert "| dsgd-ps |" in result["table"] and "| ps/raytrain | – | >= 1.5 |" in result["table"]
+
+
 def test_turnstile_gives_every_worker_each_turn_in_step(ray_session):
     turnstile = peers.Turnstile.remote(2)
     try:
@@ -322,7 +340,8 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
     ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"], ["benchmarks/setup_cost.py"],
-    ["benchmarks/step_breakdown.py"], ["benchmarks/finite_check.py"], ["-m", "benchmarks.finite_check"],
+    ["benchmarks/step_breakdown.py"], ["benchmarks/finite_check.py"], ["benchmarks/keras3.py"],
+    ["-m", "benchmarks.keras3"], ["-m", "benchmarks.finite_check"],
     ["-m", "benchmarks.step_breakdown"], ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
     ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"], ["-m", "benchmarks.setup_cost"],
 ], ids=" ".join)
