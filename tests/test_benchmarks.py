@@ -136,6 +136,7 @@ def test_exchange_benchmark_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(
     assert "| ideal ms |" in result["table"] and "(ps − ideal)/bound" in result["table"]
 
 
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget); the huge shape's runs by default
 def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_union_batch(ray_session, tmp_path):
     result = exchange.main(["--shapes", "mnist", "--batch-size", "8", "--warmup", "1", "--steps", "2",
                             "--burst", "3", "--settle-s", "0", "--out", str(tmp_path / "exchange.json")])
@@ -181,6 +182,7 @@ def test_step_breakdown_kinds_of_events():
     assert step_breakdown.cpu_seconds(os.getpid()) > 0
 
 
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget)
 def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_session, tmp_path):
     out = tmp_path / "soak.json"
     result = soak.main(["--shape", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "3",
@@ -210,6 +212,7 @@ def test_soak_reports_object_store_and_every_actors_rss_at_start_and_end(ray_ses
     assert f"| {label} | worker 1 RSS |" in result["table"] and f"{label} " in result["table"].splitlines()[-1]
 
 
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget)
 def test_setup_cost_times_plain_tensorflow_process_start_and_dsgd_interleaved(ray_session, tmp_path):
     out = tmp_path / "setup_cost.json"
     result = setup_cost.main(["--variables", "12", "--floats", "3000", "--rounds", "1", "--later-steps", "3",
@@ -245,6 +248,7 @@ def test_soak_compares_the_first_and_last_sample():
     assert not summary["worker 1"]["flat"]
 
 
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget); Ray Train's peer runs by default
 def test_peers_run_interleaved(ray_session, tmp_path):
     records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple", "ideal",
                                               "--results-dir", str(tmp_path), "--no-plot"])
@@ -322,6 +326,7 @@ def test_dsgd_benchmark_cli(ray_session, tmp_path, strategy, num_workers):
     assert json.loads(out.read_text()) == record
 
 
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget)
 def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_path):
     from benchmarks import data_input  # imports Ray Data, the dsgd[data] extra
 
