@@ -214,7 +214,8 @@ def test_tf2_backup_workers_timeline_and_logdir_work_together(ray_session, tmp_p
     from test_tensorboard import read_scalars
     from test_timeline import load_trace, names
 
-    with dsgd.DistributedSGD(m.Regression, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0,  # one partition: its 2 workers are the kept ones
+    # One partition: the 2 workers it averages are the step's kept ones (with several, each may keep others).
+    with dsgd.DistributedSGD(m.Regression, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0,
                              logdir=str(tmp_path / "logs")) as sgd:
         sgd.step()
         stats = sgd.step(fetch_stats=True, write_timeline=str(tmp_path / "step.json"))
