@@ -147,16 +147,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
         optimizer.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    @tf.function
-    def train_step() -> tf.Tensor:
-        return strategy.experimental_local_results(strategy.run(replica_step))[0]
-
-    def step() -> tuple[float, float]:
-        start = time.perf_counter()
-        loss = float(train_step())
-        return time.perf_counter() - start, loss
-
-    peers.take_turns(config["turnstile"], rank, step)
+    peers.take_turns(config["turnstile"], rank, peers.timed_step(strategy, replica_step))
 
 
 def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any]) -> peers.Run:

@@ -259,6 +259,12 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
         optimizer.apply_gradients(zip(grads, trainable))
         return loss
 
+    take_turns(config["turnstile"], train.get_context().get_world_rank(), timed_step(strategy, replica_step))
+
+
+def timed_step(strategy: tf.distribute.Strategy, replica_step: Callable[[], tf.Tensor]) -> Callable[[], tuple[float, float]]:
+    """One step of ``replica_step`` on every replica of ``strategy``, in a ``tf.function``, timed: its seconds and
+    the first replica's loss."""
     @tf.function
     def train_step() -> tf.Tensor:
         return strategy.experimental_local_results(strategy.run(replica_step))[0]
@@ -267,8 +273,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
         start = time.perf_counter()
         loss = float(train_step())
         return time.perf_counter() - start, loss
-
-    take_turns(config["turnstile"], train.get_context().get_world_rank(), step)
+    return step
 
 
 class RayTrainRun:
