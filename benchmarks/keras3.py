@@ -199,9 +199,7 @@ def report_table(records: list[dict[str, Any]], cfg: common.BenchConfig, command
         "|---|---|---|---|",
     ]
     for r in records:
-        mean, std = r["images_per_sec_mean"], r["images_per_sec_std"]
-        rate = "–" if mean is None else f"{mean:.2f} ± {std:.2f}"
-        lines.append(f"| {r['system']} | {rate} | {r['measured_steps']} | {r['setup_s']:.1f} |")
+        lines.append(f"| {r['system']} | {peers.rate(r)} | {r['measured_steps']} | {r['setup_s']:.1f} |")
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for name, value in ratios(records).items():
         lines.append(f"| {name} | {'–' if value is None else f'{value:.2f}'} | {_target(name, value)} |")

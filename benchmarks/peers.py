@@ -407,6 +407,12 @@ def run_interleaved(systems: list[str], cfg: common.BenchConfig, build: Callable
             run.close()
 
 
+def rate(record: dict[str, Any]) -> str:
+    """A record's images/s as the reports print it: mean ± std, or – if nothing was measured."""
+    mean, std = record["images_per_sec_mean"], record["images_per_sec_std"]
+    return "–" if mean is None else f"{mean:.2f} ± {std:.2f}"
+
+
 def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
     if peer is None or not record["images_per_sec_mean"] or not peer["images_per_sec_mean"]:
         return "–"
@@ -436,9 +442,7 @@ def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir
         "|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        mean, std = r["images_per_sec_mean"], r["images_per_sec_std"]
-        rate = "–" if mean is None else f"{mean:.2f} ± {std:.2f}"
-        lines.append(f"| {r['system']} | {rate} | {r['measured_steps']} | "
+        lines.append(f"| {r['system']} | {rate(r)} | {r['measured_steps']} | "
                      + " | ".join(_ratio(r, peer) for peer in peers) + " |")
     nodes = [f"{r['system']} on {len(set(r['worker_nodes']))} node(s)" for r in records if "worker_nodes" in r]
     if nodes:

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+import tensorflow as tf
 
 import dsgd
 import tf2_test_models as m
@@ -163,26 +164,18 @@ def test_a_tf1_optimizer_with_a_keras3_model_is_refused_naming_the_keras_one(ray
 
 
 def keras3_with_tf1_optimizer(worker_index: int, device_index: int):
-    import tensorflow as tf
-
     return dsgd.KerasModel(m.sequential(), loss="mse", optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.1),
                            batches=m.batches(worker_index, device_index))
 
 
 class NonScalarLoss(m.Regression):
     def get_loss(self, batch):
-        return tf_module().linalg.matvec(batch["x"], self.w)
+        return tf.linalg.matvec(batch["x"], self.w)
 
 
 class UnreachedLoss(m.Regression):
     def get_loss(self, batch):
-        return tf_module().reduce_sum(batch["x"])
-
-
-def tf_module():
-    import tensorflow as tf
-
-    return tf
+        return tf.reduce_sum(batch["x"])
 
 
 @pytest.mark.parametrize("model, message", [(NonScalarLoss, "must return a scalar loss, got shape"),
@@ -293,7 +286,7 @@ class WiderOnDevice1(m.Regression):
     def __init__(self, worker_index: int, device_index: int):
         super().__init__(worker_index, device_index)
         if device_index == 1:
-            self.w = tf_module().Variable(tf_module().zeros([m.FEATURES + 1]), name="w")
+            self.w = tf.Variable(tf.zeros([m.FEATURES + 1]), name="w")
 
 
 def test_replicas_whose_variables_disagree_are_refused_naming_the_variable(ray_session):

@@ -60,9 +60,10 @@ class Names:
 def build(worker_index: int, devices: int, gpu: bool, model_creator: Callable[[int, int], Any]) -> list[Tf2Replica]:
     """Every device's replica, checked to agree with replica 0 by position (shape and dtype)."""
     replicas = [_build_replica(worker_index, i, device(i, gpu), model_creator) for i in range(devices)]
-    expected = specs(replicas[0], Names.of(replicas[0]))
+    names = Names.of(replicas[0])
+    expected = specs(replicas[0], names)
     for r in replicas[1:]:
-        got = specs(r, Names.of(replicas[0]))
+        got = specs(r, names)
         if _shapes(got) != _shapes(expected):
             raise WorkerMismatchError(
                 f"replica {r.index} on worker {worker_index} built different variables than replica 0: "
