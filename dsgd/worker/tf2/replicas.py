@@ -3,7 +3,8 @@
 ``build`` calls ``model_creator`` once per device under ``tf.device``,
 checks what it returns (a ``TF2Model``, a Keras 3 optimizer, variables on
 the replica's device, the same variables on every replica) and builds each
-optimizer's state. Variables are matched across replicas and workers by
+optimizer's state, its updates on TensorFlow's fused kernels where they
+compute the same (``fused_updates``). Variables are matched across replicas and workers by
 position: Keras names every replica's layers anew (``dense``, then
 ``dense_1``), so the names users see (``Names``) are worker 0's first
 replica's.
@@ -100,10 +101,12 @@ def _build_replica(worker_index: int, i: int, where_device: str, model_creator: 
                                     "variables the loss depends on")
         weights = _variables(model, "_dsgd_weights", where)
         optimizer = _call(model, "get_optimizer", where)
-        from dsgd.integrations.keras3 import check_optimizer
+        from dsgd.integrations.keras3 import check_optimizer  # Keras only where a TF2 model is built
+        from dsgd.worker.tf2.fused_updates import fuse_updates
 
         check_optimizer(optimizer, f"get_optimizer() on {where}")
         optimizer.build(list(train_vars))
+        fuse_updates(optimizer)
         first_batch = _call(model, "get_batch", where)
     for v in weights + state_vars + train_vars:
         _check_device(v, where_device, where)
