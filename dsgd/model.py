@@ -31,6 +31,9 @@ class Model:
     A model may also define ``get_weights()`` / ``set_weights()`` (Ray 0.6's
     optional hooks); dsgd never calls them.
 
+    It is TF1 graph code: made while TensorFlow executes eagerly (outside
+    ``model_creator``, or where a TF2 model was built), it raises.
+
     Example::
 
         class Linear(dsgd.Model):
@@ -52,6 +55,14 @@ class Model:
                 x, y = next(self.data)
                 return {self.x: x, self.y: y}
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if tf.executing_eagerly():
+            raise TF1ModelOutsideGraph(
+                f"{cls.__name__} is a TF1 dsgd.Model, made while TensorFlow executes eagerly: dsgd builds it in a "
+                "graph inside model_creator (elsewhere, make it under tf.Graph().as_default()); for eager code "
+                "subclass dsgd.TF2Model")
+        return super().__new__(cls)
 
     def get_loss(self) -> tf.Tensor:
         """The scalar loss tensor whose gradients are averaged and applied."""
@@ -80,6 +91,10 @@ class Model:
 
 class TF2ModelInGraph(Exception):
     """A ``TF2Model`` was made in a TF1 graph: the worker builds its replicas eagerly instead (internal)."""
+
+
+class TF1ModelOutsideGraph(TypeError):
+    """A TF1 ``dsgd.Model`` was made while TensorFlow executes eagerly."""
 
 
 class TF2Model:

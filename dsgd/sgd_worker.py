@@ -24,11 +24,11 @@ import tensorflow as tf
 from dsgd.common import actor_identity, timeline
 from dsgd.config import WorkerConfig
 from dsgd.common.calls import peer_errors
-from dsgd.errors import DSGDError
+from dsgd.errors import DSGDError, ModelCreatorError
 from dsgd.exchange import registry
 from dsgd.exchange.base import Exchange
 from dsgd.exchange.ps_client import ParameterServerClient
-from dsgd.model import Model, TF2ModelInGraph
+from dsgd.model import Model, TF1ModelOutsideGraph, TF2ModelInGraph
 from dsgd.wire import partitions
 from dsgd.worker import tf_logs
 from dsgd.worker.signature import WorkerSignature
@@ -94,12 +94,28 @@ class SGDWorker:
 
     def _build(self, model_creator: Callable[[int, int], Any], state: dict | None) -> WorkerSignature:
         """Build the replicas with the runtime their model needs: a TF1 graph first (``dsgd.Model``, tf_keras),
-        and for good the TF2 runtime once a TF2 model shows up there (``dsgd.TF2Model``, Keras 3)."""
+        and for good the TF2 runtime once a TF2 model shows up there (``dsgd.TF2Model``, Keras 3), or once
+        ``model_creator`` raised in the graph (eager-only code before the model is made, such as a
+        ``tf.data`` iterator) and builds a TF2 model eagerly."""
+        if not isinstance(self.runtime, Tf1Runtime):
+            return self.runtime.build(model_creator, state)
         try:
             return self.runtime.build(model_creator, state)
         except TF2ModelInGraph:
-            if not isinstance(self.runtime, Tf1Runtime):
+            return self._build_eagerly(model_creator, state)
+        except ModelCreatorError as in_graph:
+            if in_graph.__cause__ is None:  # it returned something unusable: no eager try would change that
                 raise
+            try:
+                return self._build_eagerly(model_creator, state)
+            except TF1ModelOutsideGraph:
+                raise in_graph from in_graph.__cause__  # a TF1 model: the graph's error is the one
+            except ModelCreatorError as eagerly:
+                if _same_error(in_graph.__cause__, eagerly.__cause__):  # not about graph or eager
+                    raise in_graph from in_graph.__cause__
+                raise ModelCreatorError(f"{in_graph}\nBuilt eagerly (the TF2 way) instead, {eagerly}") from eagerly
+
+    def _build_eagerly(self, model_creator: Callable[[int, int], Any], state: dict | None) -> WorkerSignature:
         if "keras" in sys.modules:  # the graph's try named Keras layers: the replicas get the first names again
             sys.modules["keras"].backend.clear_session(free_memory=False)
         self.runtime = Tf2Runtime(self.worker_index, self.config)
@@ -273,3 +289,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return (a.dtype == b.dtype and a.shape == b.shape and a.dtype != object
             and a.tobytes() == b.tobytes())
+
+
+def _same_error(a: BaseException | None, b: BaseException | None) -> bool:
+    return type(a) is type(b) and str(a) == str(b)

@@ -95,6 +95,13 @@ def test_a_steps_loss_and_metrics_are_the_means_of_the_workers_that_computed_it(
     assert stats == {"loss": 2.0, "abs_error": 6.0, "num_replicas": 4.0, "dropped_gradients": 1.0}
 
 
+def test_workers_that_report_different_metrics_are_named_not_averaged():
+    per_worker = [{"loss": 1.0, "abs_error": 4.0}, {"loss": 3.0, "accuracy": 0.5}]
+    with pytest.raises(dsgd.WorkerMismatchError, match=r"different metrics: \['abs_error', 'loss'\] and "
+                                                       r"\['accuracy', 'loss'\]"):
+        step_stats.combine(5, per_worker, Topology("ps", 2, 0), devices_per_worker=1)
+
+
 # ---- the engine ---------------------------------------------------------------
 
 def _slow_worker_1_too(model) -> None:

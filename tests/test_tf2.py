@@ -1,5 +1,6 @@
 """The TF2 way: Keras 3 models and dsgd.TF2Model, against an eager single-process reference."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,28 @@ def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_refe
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
         assert_replicas_identical(sgd)
+
+
+def test_a_keras3_creator_with_eager_only_code_before_the_model_trains(ray_session):
+    """The TF1 graph a worker tries first cannot make a tf.data iterator; the worker builds eagerly instead."""
+    with dsgd.DistributedSGD(m.tf_data_creator, num_workers=1, strategy="simple") as sgd:
+        losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(6)]
+        assert sgd.foreach_worker(lambda w: type(w.runtime).__name__) == ["Tf2Runtime"]
+    assert losses[-1] < losses[0] / 2, losses
+
+
+@pytest.mark.parametrize("creator, message, eager_message", [
+    (m.BrokenTF1, "KeyError: .the user's TF1 bug", None),  # a TF1 model: the graph's error alone
+    (m.raises_in_graph_and_eagerly, "ValueError: graph-only bug", "Built eagerly .*ValueError: eager-only bug"),
+], ids=["tf1-model", "both-ways"])
+def test_a_creator_that_raises_in_the_graph_is_reported_with_what_it_raised_eagerly(ray_session, creator, message,
+                                                                                  eager_message):
+    with pytest.raises(dsgd.ModelCreatorError, match=f"model_creator raised on worker 0, device 0: {message}") as e:
+        dsgd.DistributedSGD(creator, num_workers=1, strategy="simple")
+    if eager_message is None:
+        assert "Built eagerly" not in str(e.value)
+    else:
+        assert re.search(eager_message, str(e.value), re.DOTALL), str(e.value)
 
 
 def test_a_tf1_model_and_a_tf2_model_in_one_engine_are_refused(ray_session):

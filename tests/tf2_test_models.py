@@ -191,3 +191,24 @@ def application_creator(name: str) -> Callable:
         return dsgd.KerasModel(net, loss="sparse_categorical_crossentropy", optimizer=keras.optimizers.SGD(0.01),
                                batches=images)
     return create
+
+
+def tf_data_creator(worker_index: int, device_index: int) -> dsgd.KerasModel:
+    """A Keras 3 model whose batches come from a ``tf.data`` iterator made before the model: eager-only code,
+    which raises in the TF1 graph a worker tries first."""
+    x = np.random.default_rng(10 * worker_index + device_index).normal(size=(64, FEATURES)).astype(np.float32)
+    y = x[:, :1] - 2 * x[:, 1:2]
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().as_numpy_iterator()
+    net = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    return dsgd.KerasModel(net, loss="mse", optimizer=keras.optimizers.SGD(0.1), batches=batches)
+
+
+def raises_in_graph_and_eagerly(worker_index: int, device_index: int):
+    raise ValueError("eager-only bug" if tf.executing_eagerly() else "graph-only bug")
+
+
+class BrokenTF1(dsgd.Model):
+    """A TF1 model whose ``__init__`` raises: the graph's error is the user's."""
+
+    def __init__(self, worker_index: int, device_index: int):
+        raise KeyError("the user's TF1 bug")

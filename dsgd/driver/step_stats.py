@@ -7,6 +7,7 @@ import logging
 import numpy as np
 
 from dsgd.cluster.topology import Topology
+from dsgd.errors import WorkerMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -19,10 +20,21 @@ def combine(step_id: int, per_worker: list[dict], topology: Topology, devices_pe
         logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
         per_worker = [{"loss": float("nan")}]
     per_worker, backup = _backup_stats(per_worker, topology, devices_per_worker)
+    _check_same_metrics(per_worker)
     stats = {k: float(np.mean([s[k] for s in per_worker])) for k in per_worker[0] if k != "skipped"}
     stats.update(backup)
     stats.setdefault("num_replicas", float(topology.num_workers * devices_per_worker))
     return stats
+
+
+def _check_same_metrics(per_worker: list[dict]) -> None:
+    """Every worker's model reports the same metrics (a mean of some workers' metric would pass for all's)."""
+    names = [sorted(k for k in s if k != "skipped") for s in per_worker]
+    for other in names[1:]:
+        if other != names[0]:
+            raise WorkerMismatchError(f"the workers' models report different metrics: {names[0]} and {other}; "
+                                      "every replica must report the same names (get_metrics, or the dict "
+                                      "get_loss returns)")
 
 
 def _backup_stats(per_worker: list[dict], topology: Topology,

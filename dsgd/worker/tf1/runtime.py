@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from dsgd.config import WorkerConfig
-from dsgd.model import Model, TF2ModelInGraph
+from dsgd.model import Model
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf1 import feeds, session_runs, worker_graph
@@ -42,7 +42,7 @@ class Tf1Runtime(ReplicaRuntime):
         try:
             with self.user_context():
                 self.worker_graph = worker_graph.build(self.worker_index, self.config, model_creator, self.sess, state)
-        except TF2ModelInGraph:
+        except Exception:  # a TF2 model (built eagerly instead) or a model_creator that raised
             self.sess.close()
             self.sess = None
             raise

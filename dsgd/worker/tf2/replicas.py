@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from dsgd.errors import ModelCreatorError, WorkerMismatchError
-from dsgd.model import Model, TF2Model
+from dsgd.model import Model, TF1ModelOutsideGraph, TF2Model
 from dsgd.wire import partitions
 from dsgd.worker.replica_names import device
 
@@ -84,6 +84,11 @@ def _build_replica(worker_index: int, i: int, where_device: str, model_creator: 
     with tf.device(where_device):
         try:
             model = model_creator(worker_index, i)
+        except TF1ModelOutsideGraph:
+            if i == 0:
+                raise  # a TF1 model: the worker builds it in a graph
+            raise ModelCreatorError(f"model_creator returned a TF2 model on device 0 and made a TF1 dsgd.Model on "
+                                    f"{where}: build one kind of model in an engine") from None
         except Exception as e:
             raise ModelCreatorError(f"model_creator raised on {where}: {type(e).__name__}: {e}\n"
                                     f"{traceback.format_exc()}") from e
