@@ -9,6 +9,11 @@ way, like a full-duplex NIC on a switch; traffic between two worker nodes
 crosses both of their links. Nothing else is touched: traffic stays on
 those veths and loopback.
 
+With ``tls=True`` (`--tls`) Ray encrypts its traffic, and dsgd's streams
+theirs: a CA and a certificate naming every node's address are made in the
+cluster's temp dir (``benchmarks.tls_files``), and every node's Ray and this
+process get Ray's TLS environment.
+
 Needs root and iproute2's `ip` and `tc` (``missing_requirements`` names
 what is absent). Everything is torn down on leaving the context, on an
 error, Ctrl-C or SIGTERM included: the Ray processes (found by the
@@ -21,7 +26,7 @@ cluster's private temp dir), the namespaces, the veths, the bridge.
 Run as a script it starts a cluster, measures each link both ways with an
 object of `--probe-mb` MB, prints the rates and tears it down:
 
-    .venv/bin/python benchmarks/linked_cluster.py --nodes 2 --link-gbit 1
+    .venv/bin/python benchmarks/linked_cluster.py --nodes 2 --link-gbit 1 [--tls]
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from benchmarks import common
+from benchmarks import common, tls_files
 
 PREFIX = "dsgd-ln"  # names of every namespace, veth and bridge made here (<= 15 characters each)
 BRIDGE = f"{PREFIX}-br"
@@ -247,8 +252,10 @@ def _raise_on_sigterm(signum, frame):
 
 @contextlib.contextmanager
 def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: int = 1,
-                   object_store_memory: int = 1 << 30, dashboard: bool = False) -> Iterator[LinkedCluster]:
-    """A running linked cluster of `nodes` worker nodes and a head, this process connected to it.
+                   object_store_memory: int = 1 << 30, dashboard: bool = False,
+                   tls: bool = False) -> Iterator[LinkedCluster]:
+    """A running linked cluster of `nodes` worker nodes and a head, this process connected to it; with `tls`,
+    Ray's TLS on (with a CA made for it) in every process of it.
 
     Raises RuntimeError naming what is missing when the machine cannot make one.
     """
@@ -259,7 +266,9 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
     cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
     remove_network(nodes)
     try:
-        with common.environment(**auth_mode()):
+        addresses = [cluster.head_ip, *(cluster.node_ip(node) for node in range(1, nodes + 1))]
+        tls_env = tls_files.make(Path(cluster.temp_dir) / "tls", addresses) if tls else {}
+        with common.environment(**auth_mode(), **tls_env):
             cluster.make_network()
             cluster.start_ray(head_cpus, cpus_per_node, object_store_memory, dashboard)
             yield cluster
@@ -308,11 +317,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="worker nodes, each in its own namespace")
     parser.add_argument("--link-gbit", type=float, nargs="+", default=[1.0], help="link rates to measure in turn")
     parser.add_argument("--probe-mb", type=float, default=64.0, help="size of the object moved each way")
+    parser.add_argument("--tls", action="store_true", help="Ray's TLS on, with a CA made for the cluster")
     args = parser.parse_args(argv)
     reason = missing_requirements()
     if reason:
         sys.exit(f"linked_cluster: {reason}; nothing was started.")
-    with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1) as cluster:
+    with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1, tls=args.tls) as cluster:
         for gbit in args.link_gbit:
             cluster.set_link_gbit(gbit)
             for ip, node_id in sorted(worker_node_ids().items()):

@@ -14,7 +14,7 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, keras3, peers, resnet, resnet101, setup_cost, soak, step_breakdown
+from benchmarks import common, exchange, keras3, peers, resnet, resnet101, setup_cost, soak, step_breakdown, stream_tls
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -341,12 +341,19 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     assert record["ray_data_over_numpy"] > 0 and f"| 8 | {record['rows']} |" in result["table"]
 
 
+def test_stream_tls_benchmark_moves_the_same_bytes_plain_and_over_tls_interleaved(tmp_path):
+    result = stream_tls.main(["--mb", "0.2", "--warmup", "0", "--steps", "2", "--out", str(tmp_path / "s.json")])
+    assert result["encryption"].startswith("TLSv1.3 ") and set(result["modes"]) == {"plain", "tls"}
+    assert all(len(times) == 2 for times in result["times_s"].values())
+    assert result["tls_over_plain"]["cpu"] > 0 and (tmp_path / "s.json").exists()
+
+
 @pytest.mark.parametrize("command", [
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
     ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"], ["benchmarks/setup_cost.py"],
     ["benchmarks/step_breakdown.py"], ["benchmarks/finite_check.py"], ["benchmarks/keras3.py"],
-    ["-m", "benchmarks.keras3"], ["-m", "benchmarks.finite_check"],
+    ["benchmarks/stream_tls.py"], ["-m", "benchmarks.keras3"], ["-m", "benchmarks.finite_check"],
     ["-m", "benchmarks.step_breakdown"], ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
     ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"], ["-m", "benchmarks.setup_cost"],
 ], ids=" ".join)

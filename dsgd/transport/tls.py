@@ -109,7 +109,7 @@ def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool) -
 
 
 class TlsSocket:
-    """A TLS connection that one thread may read while others write; the calls of a socket a stream makes."""
+    """A TLS connection that one thread may read while another writes; the calls of a socket a stream makes."""
 
     def __init__(self, tls: ssl.SSLSocket):
         """``tls``: handshaken; its timeout becomes this connection's."""
@@ -117,6 +117,7 @@ class TlsSocket:
         tls.setblocking(False)
         self._tls = tls
         self._lock = threading.Lock()  # one SSL call at a time
+        self._writing = threading.Lock()  # one write at a time: a write that waited is retried with the same bytes
 
     @property
     def encryption(self) -> str:
@@ -138,14 +139,15 @@ class TlsSocket:
 
     def recv_into(self, buffer: memoryview) -> int:
         """Read into ``buffer`` (at most one TLS record); 0 at end of file; TimeoutError after the timeout."""
-        return self._call(lambda: self._tls.recv_into(buffer))
+        return self._call(functools.partial(self._tls.recv_into, buffer))
 
     def sendall(self, data: bytes | memoryview) -> None:
         """Send ``data`` whole, encrypted straight from its memory; TimeoutError if the socket stays full longer
         than the timeout."""
         view = memoryview(data).cast("B")
-        while view:
-            view = view[self._call(lambda: self._tls.send(view)):]
+        with self._writing:
+            while view:
+                view = view[self._call(functools.partial(self._tls.send, view)):]
 
     def _call(self, call: Callable[[], T]) -> T:
         """``call`` (non-blocking) under the lock, again each time the socket is ready for what it wanted."""
