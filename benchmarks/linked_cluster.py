@@ -10,9 +10,9 @@ crosses both of their links. Nothing else is touched: traffic stays on
 those veths and loopback.
 
 With ``tls=True`` (`--tls`) Ray encrypts its traffic, and dsgd's streams
-theirs: a CA and a certificate naming every node's address are made in the
-cluster's temp dir (``benchmarks.tls_files``), and every node's Ray and this
-process get Ray's TLS environment.
+theirs: ``with_tls`` makes a CA and a certificate naming every node's
+address (``benchmarks.tls_files``) and runs the script again with Ray's TLS
+environment (Ray reads it once, when imported), which every node inherits.
 
 Needs root and iproute2's `ip` and `tc` (``missing_requirements`` names
 what is absent). Everything is torn down on leaving the context, on an
@@ -52,11 +52,13 @@ import numpy as np
 import ray
 
 from benchmarks import common, tls_files
+from dsgd.transport import tls as ray_tls
 
 PREFIX = "dsgd-ln"  # names of every namespace, veth and bridge made here (<= 15 characters each)
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "169.254.77"  # link-local /24: .1 the head, .2 and up the other nodes
 START_TIMEOUT_S = 60.0
+TLS_DIR_PREFIX = "dsgd-ln-tls-"  # the temp dir of the CA ``with_tls`` makes, deleted with the cluster
 
 
 def auth_mode() -> dict[str, str]:
@@ -250,12 +252,24 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(f"stopped by signal {signum}")
 
 
+def with_tls(nodes: int) -> None:
+    """Make sure Ray's TLS is on in this process for a linked cluster of `nodes` nodes: if it is not, run this
+    process's command again in its place, its environment turning Ray's TLS on with a CA and a certificate naming
+    every node's address, made in a new temp dir (Ray reads its TLS setting once, when it is imported)."""
+    if ray_tls.ray_uses_tls():
+        return
+    addresses = [f"{SUBNET}.{node + 1}" for node in range(nodes + 1)]  # the head's and every node's
+    env = tls_files.make(tempfile.mkdtemp(prefix=TLS_DIR_PREFIX), addresses)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+
+
 @contextlib.contextmanager
 def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: int = 1,
                    object_store_memory: int = 1 << 30, dashboard: bool = False,
                    tls: bool = False) -> Iterator[LinkedCluster]:
     """A running linked cluster of `nodes` worker nodes and a head, this process connected to it; with `tls`,
-    Ray's TLS on (with a CA made for it) in every process of it.
+    Ray's TLS on in every process of it, as it is in this one (``with_tls``).
 
     Raises RuntimeError naming what is missing when the machine cannot make one.
     """
@@ -265,10 +279,11 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
     remove_network(nodes)
+    if tls and not ray_tls.ray_uses_tls():
+        raise RuntimeError("a linked cluster with TLS needs Ray's TLS on in this process before Ray is imported "
+                           "(Ray reads it once): call `with_tls(nodes)` first")
     try:
-        addresses = [cluster.head_ip, *(cluster.node_ip(node) for node in range(1, nodes + 1))]
-        tls_env = tls_files.make(Path(cluster.temp_dir) / "tls", addresses) if tls else {}
-        with common.environment(**auth_mode(), **tls_env):
+        with common.environment(**auth_mode()):
             cluster.make_network()
             cluster.start_ray(head_cpus, cpus_per_node, object_store_memory, dashboard)
             yield cluster
@@ -277,6 +292,9 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
             cluster.stop_ray()
             cluster.remove_network()
             shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+            tls_dir = Path(os.environ.get(ray_tls.CA, "/")).parent
+            if tls and tls_dir.name.startswith(TLS_DIR_PREFIX):
+                shutil.rmtree(tls_dir, ignore_errors=True)
         finally:
             signal.signal(signal.SIGTERM, previous_sigterm)
 
@@ -322,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     reason = missing_requirements()
     if reason:
         sys.exit(f"linked_cluster: {reason}; nothing was started.")
+    if args.tls:
+        with_tls(args.nodes)
     with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1, tls=args.tls) as cluster:
         for gbit in args.link_gbit:
             cluster.set_link_gbit(gbit)

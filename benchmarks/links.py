@@ -38,7 +38,7 @@ import sys
 from typing import Any
 
 from benchmarks import common, exchange, peers
-from benchmarks.linked_cluster import linked_cluster, measure_link, missing_requirements, worker_node_ids
+from benchmarks.linked_cluster import linked_cluster, measure_link, missing_requirements, with_tls, worker_node_ids
 
 
 def gradient_bytes(shape_record: dict[str, Any]) -> int:
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reason = missing_requirements()
     if reason:
         sys.exit(f"benchmarks.links: {reason}; nothing was started.")
+    if args.tls:
+        with_tls(args.nodes)
     command = common.command_line("benchmarks.links", argv)
     print(f"command: {command}", flush=True)
     rows: list[dict[str, Any]] = []

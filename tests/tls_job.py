@@ -3,8 +3,8 @@
 Started by tests/test_tls.py in its own process (``run_job``), with one
 argument: the JSON of the environment that turns Ray's TLS on (``RAY_USE_TLS``
 and the files of a CA made by the test, ``benchmarks.tls_files``), set here
-before the cluster starts, so every Ray process of it, and every actor's,
-inherits it. 2 workers, one per node, and dsgd's default servers (one per
+before Ray is imported (Ray reads it once), so this driver and every Ray
+process of the cluster, every actor's too, use it. 2 workers, one per node, and dsgd's default servers (one per
 node) run "ps" for ``STEPS`` steps: each worker's partitions summed on the
 other node cross down a stream.
 
@@ -21,11 +21,14 @@ import json
 import os
 import sys
 
-import ray
+if __name__ == "__main__":  # before Ray is imported: it reads its TLS setting once
+    os.environ.update(json.loads(sys.argv[1]))
 
-import dsgd
-from cluster_jobs import local_cluster
-from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, server_group, set_start_weights
+import ray  # noqa: E402
+
+import dsgd  # noqa: E402
+from cluster_jobs import local_cluster  # noqa: E402
+from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, server_group, set_start_weights  # noqa: E402
 
 NODE_ARGS = {"num_cpus": 2, "object_store_memory": 200 * 1024 * 1024}
 PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions
@@ -58,7 +61,6 @@ def run() -> dict:
 
 
 def main() -> None:
-    os.environ.update(json.loads(sys.argv[1]))
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result = run()
     print(RESULT_PREFIX + json.dumps(result))
