@@ -252,16 +252,18 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(f"stopped by signal {signum}")
 
 
-def with_tls(nodes: int) -> None:
-    """Make sure Ray's TLS is on in this process for a linked cluster of `nodes` nodes: if it is not, run this
-    process's command again in its place, its environment turning Ray's TLS on with a CA and a certificate naming
-    every node's address, made in a new temp dir (Ray reads its TLS setting once, when it is imported)."""
+def with_tls(nodes: int, module: str, argv: list[str] | None) -> None:
+    """Make sure Ray's TLS is on in this process for a linked cluster of `nodes` nodes: if it is not, run the
+    benchmark again in this process's place (its own command line, or `python -m module argv` when `main(argv)` was
+    called from Python), its environment turning Ray's TLS on with a CA and a certificate naming every node's
+    address, made in a new temp dir (Ray reads its TLS setting once, when it is imported)."""
     if ray_tls.ray_uses_tls():
         return
     addresses = [f"{SUBNET}.{node + 1}" for node in range(nodes + 1)]  # the head's and every node's
     env = tls_files.make(tempfile.mkdtemp(prefix=TLS_DIR_PREFIX), addresses)
+    command = sys.orig_argv[1:] if argv is None else ["-m", module, *argv]
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+    os.execve(sys.executable, [sys.executable, *command], {**os.environ, **env})
 
 
 @contextlib.contextmanager
@@ -276,12 +278,12 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
     reason = missing_requirements()
     if reason:
         raise RuntimeError(f"a linked cluster cannot be made here: {reason}")
+    if tls and not ray_tls.ray_uses_tls():
+        raise RuntimeError("a linked cluster with TLS needs Ray's TLS on in this process before Ray is imported "
+                           "(Ray reads it once): call `with_tls` first")
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
     remove_network(nodes)
-    if tls and not ray_tls.ray_uses_tls():
-        raise RuntimeError("a linked cluster with TLS needs Ray's TLS on in this process before Ray is imported "
-                           "(Ray reads it once): call `with_tls(nodes)` first")
     try:
         with common.environment(**auth_mode()):
             cluster.make_network()
@@ -292,9 +294,8 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
             cluster.stop_ray()
             cluster.remove_network()
             shutil.rmtree(cluster.temp_dir, ignore_errors=True)
-            tls_dir = Path(os.environ.get(ray_tls.CA, "/")).parent
-            if tls and tls_dir.name.startswith(TLS_DIR_PREFIX):
-                shutil.rmtree(tls_dir, ignore_errors=True)
+            if tls and Path(os.environ[ray_tls.CA]).parent.name.startswith(TLS_DIR_PREFIX):
+                shutil.rmtree(Path(os.environ[ray_tls.CA]).parent, ignore_errors=True)
         finally:
             signal.signal(signal.SIGTERM, previous_sigterm)
 
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     if reason:
         sys.exit(f"linked_cluster: {reason}; nothing was started.")
     if args.tls:
-        with_tls(args.nodes)
+        with_tls(args.nodes, "benchmarks.linked_cluster", argv)
     with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1, tls=args.tls) as cluster:
         for gbit in args.link_gbit:
             cluster.set_link_gbit(gbit)

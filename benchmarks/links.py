@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reason:
         sys.exit(f"benchmarks.links: {reason}; nothing was started.")
     if args.tls:
-        with_tls(args.nodes)
+        with_tls(args.nodes, "benchmarks.links", argv)
     command = common.command_line("benchmarks.links", argv)
     print(f"command: {command}", flush=True)
     rows: list[dict[str, Any]] = []
