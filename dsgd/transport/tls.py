@@ -86,8 +86,7 @@ def _contexts_of(cert: str, key: str, ca: str) -> Contexts:
 
 def ray_contexts() -> Contexts | None:
     """The contexts of Ray's files (made once per process) if Ray's TLS is on in this process, else None;
-    TlsUnavailable naming what is wrong if it is on but they cannot be made (Ray itself would not run then, unless
-    this process reads other files or none)."""
+    TlsUnavailable naming what is wrong if it is on but they cannot be made."""
     if not ray_uses_tls():
         return None
     missing = [name for name in (CERT, KEY, CA) if not os.environ.get(name)]
