@@ -9,6 +9,11 @@ way, like a full-duplex NIC on a switch; traffic between two worker nodes
 crosses both of their links. Nothing else is touched: traffic stays on
 those veths and loopback.
 
+With ``tls=True`` (`--tls`) Ray encrypts its traffic, and dsgd's streams
+theirs: ``with_tls`` makes a CA and a certificate naming every node's
+address (``benchmarks.tls_files``) and runs the script again with Ray's TLS
+environment (Ray reads it once, when imported), which every node inherits.
+
 Needs root and iproute2's `ip` and `tc` (``missing_requirements`` names
 what is absent). Everything is torn down on leaving the context, on an
 error, Ctrl-C or SIGTERM included: the Ray processes (found by the
@@ -21,7 +26,7 @@ cluster's private temp dir), the namespaces, the veths, the bridge.
 Run as a script it starts a cluster, measures each link both ways with an
 object of `--probe-mb` MB, prints the rates and tears it down:
 
-    .venv/bin/python benchmarks/linked_cluster.py --nodes 2 --link-gbit 1
+    .venv/bin/python benchmarks/linked_cluster.py --nodes 2 --link-gbit 1 [--tls]
 """
 
 from __future__ import annotations
@@ -46,12 +51,14 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from benchmarks import common
+from benchmarks import common, tls_files
+from dsgd.transport import tls as ray_tls
 
 PREFIX = "dsgd-ln"  # names of every namespace, veth and bridge made here (<= 15 characters each)
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "169.254.77"  # link-local /24: .1 the head, .2 and up the other nodes
 START_TIMEOUT_S = 60.0
+TLS_DIR_PREFIX = "dsgd-ln-tls-"  # the temp dir of the CA ``with_tls`` makes, deleted with the cluster
 
 
 def auth_mode() -> dict[str, str]:
@@ -245,16 +252,35 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(f"stopped by signal {signum}")
 
 
+def with_tls(nodes: int, module: str, argv: list[str] | None) -> None:
+    """Make sure Ray's TLS is on in this process for a linked cluster of `nodes` nodes: if it is not, run the
+    benchmark again in this process's place (its own command line, or `python -m module argv` when `main(argv)` was
+    called from Python), its environment turning Ray's TLS on with a CA and a certificate naming every node's
+    address, made in a new temp dir (Ray reads its TLS setting once, when it is imported)."""
+    if ray_tls.ray_uses_tls():
+        return
+    addresses = [f"{SUBNET}.{node + 1}" for node in range(nodes + 1)]  # the head's and every node's
+    env = tls_files.make(tempfile.mkdtemp(prefix=TLS_DIR_PREFIX), addresses)
+    command = sys.orig_argv[1:] if argv is None else ["-m", module, *argv]
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *command], {**os.environ, **env})
+
+
 @contextlib.contextmanager
 def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: int = 1,
-                   object_store_memory: int = 1 << 30, dashboard: bool = False) -> Iterator[LinkedCluster]:
-    """A running linked cluster of `nodes` worker nodes and a head, this process connected to it.
+                   object_store_memory: int = 1 << 30, dashboard: bool = False,
+                   tls: bool = False) -> Iterator[LinkedCluster]:
+    """A running linked cluster of `nodes` worker nodes and a head, this process connected to it; with `tls`,
+    Ray's TLS on in every process of it, as it is in this one (``with_tls``).
 
     Raises RuntimeError naming what is missing when the machine cannot make one.
     """
     reason = missing_requirements()
     if reason:
         raise RuntimeError(f"a linked cluster cannot be made here: {reason}")
+    if tls and not ray_tls.ray_uses_tls():
+        raise RuntimeError("a linked cluster with TLS needs Ray's TLS on in this process before Ray is imported "
+                           "(Ray reads it once): call `with_tls` first")
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
     remove_network(nodes)
@@ -268,6 +294,8 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
             cluster.stop_ray()
             cluster.remove_network()
             shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+            if tls and Path(os.environ[ray_tls.CA]).parent.name.startswith(TLS_DIR_PREFIX):
+                shutil.rmtree(Path(os.environ[ray_tls.CA]).parent, ignore_errors=True)
         finally:
             signal.signal(signal.SIGTERM, previous_sigterm)
 
@@ -308,11 +336,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="worker nodes, each in its own namespace")
     parser.add_argument("--link-gbit", type=float, nargs="+", default=[1.0], help="link rates to measure in turn")
     parser.add_argument("--probe-mb", type=float, default=64.0, help="size of the object moved each way")
+    parser.add_argument("--tls", action="store_true", help="Ray's TLS on, with a CA made for the cluster")
     args = parser.parse_args(argv)
     reason = missing_requirements()
     if reason:
         sys.exit(f"linked_cluster: {reason}; nothing was started.")
-    with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1) as cluster:
+    if args.tls:
+        with_tls(args.nodes, "benchmarks.linked_cluster", argv)
+    with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1, tls=args.tls) as cluster:
         for gbit in args.link_gbit:
             cluster.set_link_gbit(gbit)
             for ip, node_id in sorted(worker_node_ids().items()):

@@ -15,12 +15,17 @@ turn. At each rate, in this order:
   peers     with `--peers`, `benchmarks.peers` (ResNet-101 end to end,
             Ray Train against dsgd, one worker per node).
 
+With `--tls` the cluster runs with Ray's TLS on (a CA made for it): Ray
+encrypts its traffic and dsgd's streams theirs; results are written with
+a "-tls" suffix.
+
 Needs root and iproute2 (`ip`, `tc`); without them it says so and exits.
 Everything it makes is torn down on exit, Ctrl-C and errors included.
 Writes benchmarks/results/links.json. From the repository root:
 
     .venv/bin/python benchmarks/links.py --link-gbit 1 10
     .venv/bin/python -m benchmarks.links --link-gbit 1 --peers --nodes 2
+    .venv/bin/python -m benchmarks.links --link-gbit 1 --shapes resnet101 --compression --tls
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import sys
 from typing import Any
 
 from benchmarks import common, exchange, peers
-from benchmarks.linked_cluster import linked_cluster, measure_link, missing_requirements, worker_node_ids
+from benchmarks.linked_cluster import linked_cluster, measure_link, missing_requirements, with_tls, worker_node_ids
 
 
 def gradient_bytes(shape_record: dict[str, Any]) -> int:
@@ -78,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", action="store_true", help="also ResNet-101 end to end against Ray Train")
     p.add_argument("--peers-iters", type=int, default=5)
     p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes per node")
+    p.add_argument("--tls", action="store_true", help="Ray's TLS on (and so the streams'), with a CA made for it")
     return p.parse_args(argv)
 
 
@@ -86,13 +92,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reason = missing_requirements()
     if reason:
         sys.exit(f"benchmarks.links: {reason}; nothing was started.")
+    if args.tls:
+        with_tls(args.nodes, "benchmarks.links", argv)
     command = common.command_line("benchmarks.links", argv)
     print(f"command: {command}", flush=True)
     rows: list[dict[str, Any]] = []
     peer_records: dict[str, Any] = {}
+    suffix = "-tls" if args.tls else ""
     # Logical CPUs per node: a worker of each engine (they take turns) and their servers.
     with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=8, head_cpus=0,
-                        object_store_memory=args.object_store_memory, dashboard=args.peers):
+                        object_store_memory=args.object_store_memory, dashboard=args.peers, tls=args.tls):
         for gbit in args.link_gbit:
             cluster_rates = []
             for ip, node_id in sorted(worker_node_ids().items()):
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     "--warmup", str(args.warmup), "--steps", str(args.steps),
                                     "--scale", str(args.scale),
                                     *(["--compression", *args.compression] if args.compression else []),
-                                    "--out", str(common.RESULTS_DIR / f"links-exchange-{gbit:g}.json")])
+                                    "--out", str(common.RESULTS_DIR / f"links-exchange-{gbit:g}{suffix}.json")])
             for record in result["shapes"]:
                 m_bytes = gradient_bytes(record)
                 rows.append({"link_gbit": gbit, "probe_gbit": min(cluster_rates), "shape": record["shape"],
@@ -116,13 +125,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "--num-workers", str(args.nodes), "--num-iters", str(args.peers_iters), "--warmup", "2",
                     "--systems", "raytrain", "simple", "ps", *(["ps-bf16"] if "bf16" in args.compression else []),
                     "--spread", "--no-plot",
-                    "--results-dir", str(common.RESULTS_DIR / f"links-peers-{gbit:g}")])
+                    "--results-dir", str(common.RESULTS_DIR / f"links-peers-{gbit:g}{suffix}")])
     table = link_table(rows)
     print(f"\n{command}\n\n{table}")
-    result = {"command": command, "nodes": args.nodes, "rows": rows, "table": table,
+    result = {"command": command, "nodes": args.nodes, "tls": args.tls, "rows": rows, "table": table,
               "peers": {gbit: [{k: r[k] for k in ("system", "images_per_sec_mean")} for r in records]
                         for gbit, records in peer_records.items()}, **common.machine()}
-    common.write_json(result, common.RESULTS_DIR / "links.json")
+    common.write_json(result, common.RESULTS_DIR / f"links{suffix}.json")
     return result
 
 

@@ -159,7 +159,9 @@ class ParameterServer:
         "slots": 1}`` (for ``streams.Stream``), except with backup workers (a
         worker catching up reads closed steps' means from ``begin``'s reply).
         Those, and ``node_id=None`` (a worker that could not map the buffers
-        or reach the stream), push through the object store: ``None``.
+        or reach the stream), push through the object store: ``None``; so do
+        all workers on other nodes if Ray's TLS is on but its files cannot
+        be used here (else the stream is TLS, ``dsgd.transport.tls``).
         """
         with self.changed:
             return self.transports.attach(worker_index, node_id, self._pushes_of(worker_index), self._mean,

@@ -16,7 +16,7 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, keras3, peers, resnet, resnet101, setup_cost, soak, step_breakdown
+from benchmarks import common, exchange, keras3, peers, resnet, resnet101, setup_cost, soak, step_breakdown, stream_tls
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -341,6 +341,13 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     assert all(len(rates) == 2 and min(rates) > 0 for rates in record["samples_per_s"].values())
     assert record["steps_per_epoch"] == record["rows"] // 16  # 2 replicas x 8
     assert record["ray_data_over_numpy"] > 0 and f"| 8 | {record['rows']} |" in result["table"]
+
+
+def test_stream_tls_benchmark_moves_the_same_bytes_plain_and_over_tls_interleaved(tmp_path):
+    result = stream_tls.main(["--mb", "0.2", "--warmup", "0", "--steps", "2", "--out", str(tmp_path / "s.json")])
+    assert result["encryption"].startswith("TLSv1.3 ") and set(result["modes"]) == {"plain", "tls"}
+    assert all(len(times) == 2 for times in result["times_s"].values())
+    assert result["tls_over_plain"]["cpu"] > 0 and (tmp_path / "s.json").exists()
 
 
 SCRIPTS = sorted(p.name for p in Path(REPO_ROOT, "benchmarks").glob("*.py")

@@ -25,7 +25,7 @@ from typing import Any, ContextManager, Sequence, Union
 import numpy as np
 import ray
 
-from dsgd.transport import shared_memory, signals, streams
+from dsgd.transport import shared_memory, signals, streams, tls
 from dsgd.common import timeline
 from dsgd.common.calls import peer_errors
 from dsgd.errors import ActorFailure, DSGDError
@@ -96,11 +96,13 @@ class ParameterServerClient:
 
     def _offered_end(self, index: int, info: dict) -> StreamWorkerEnd | SharedMemoryWorkerEnd:
         """The end server ``index`` offered; OSError if this process cannot reach it (same node but another PID or
-        network namespace, or no route to the stream)."""
+        network namespace, no route to the stream, or Ray's TLS is on and its files cannot make the stream's)."""
         partitions = [p for p, server in zip(self.layout, self.routes) if server == index]
         if "stream" in info:
+            contexts = tls.ray_contexts()
             return StreamWorkerEnd(info["stream"], info["slots"], partitions,
-                                   min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s)
+                                   min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s,
+                                   contexts and contexts.client)
         return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                      shared_memory.attach(info["mean"], writable=False), info["offsets"],
                                      info["slots"], partitions, signals.Channel(info["signal"], self.step_timeout_s))

@@ -29,7 +29,7 @@ from dsgd.common import timeline
 from dsgd.common.calls import peer_errors
 from dsgd.errors import DSGDError, StepAborted
 from dsgd.server.layout import Place, partial_sum, partial_sum_offsets
-from dsgd.transport import object_store, streams
+from dsgd.transport import object_store, streams, tls
 from dsgd.transport.answers import Forgotten
 from dsgd.transport.ends import ObjectStoreServerEnd, StreamServerEnd, connect_or_fall_back
 from dsgd.wire.partitions import Partition
@@ -126,13 +126,18 @@ class RelayLinks:
         for home, call in calls.items():
             stream = connect_or_fall_back(
                 self._answer_of(call, home),
-                lambda address: streams.Stream(address, mean, min(self.step_timeout_s, streams.CONNECT_TIMEOUT_S),
-                                               self.step_timeout_s, self.generation),
+                lambda address: self._stream(address, mean),
                 lambda: self._answer_of(servers[home].attach_relay.remote(self.server_index, key(home), None,
                                                                           homes[home]), home))
             if stream is not None:
                 with self.lock:
                     self.streams[home] = stream
+
+    def _stream(self, address: tuple[str, int, bytes], mean: Callable[[int, int], np.ndarray]) -> streams.Stream:
+        """A stream to the server at ``address`` (over TLS if Ray's is on); OSError if it cannot be opened."""
+        contexts = tls.ray_contexts()
+        return streams.Stream(address, mean, min(self.step_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s,
+                              self.generation, contexts and contexts.client)
 
     def _answer_of(self, call: ray.ObjectRef, home: int):
         """``call``'s (to server ``home``) answer, waited for at most the step timeout."""

@@ -6,7 +6,9 @@ workers (a worker catching up reads closed steps' means from ``begin``'s
 reply); those, and a worker that could not map the buffers or reach the
 stream, push through the object store (``dsgd.transport.ends`` describes the
 three). A relaying server on another node pushes its partial sums down a
-stream of its own, else through the object store.
+stream of its own, else through the object store. When Ray encrypts its
+traffic, every stream is TLS with Ray's certificates; if they cannot be
+used here, no stream is offered (said once in the log).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Callable, Collection, Sequence
 import numpy as np
 
 from dsgd.server.layout import BufferLayout, Place, partial_sum
-from dsgd.transport.ends import ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places
+from dsgd.transport import tls
+from dsgd.transport.ends import (ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places,
+                                 note_fallback)
 
 ServerEnd = SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd
 Push = Callable[[int, int], tuple[list, tuple[int, ...]]]  # (step, partition index) -> the push's answer
@@ -37,8 +41,16 @@ class Transports:
         self.ends: dict[int, ServerEnd] = {w: ObjectStoreServerEnd(server_index, w) for w in range(num_workers)}
 
     def _streams_from(self, node_id: str | None) -> bool:
-        """Whether a pusher on ``node_id`` gets a stream: it is on another node and no step is read late."""
-        return node_id is not None and node_id != self.node_id and self.layout.slots == 1
+        """Whether a pusher on ``node_id`` gets a stream: it is on another node, no step is read late, and Ray's
+        TLS is off or its files make the stream's (else said once in the log)."""
+        if node_id is None or node_id == self.node_id or self.layout.slots != 1:
+            return False
+        try:
+            tls.ray_contexts()
+        except tls.TlsUnavailable as e:
+            note_fallback(f"parameter server {self.server_index} offers no stream ({e})")
+            return False
+        return True
 
     def attach(self, worker_index: int, node_id: str | None, push: Push, mean: Mean,
                relayed: Collection[int]) -> dict | None:
@@ -77,8 +89,9 @@ class Transports:
                     mean: Mean, relayed: Collection[int]) -> StreamServerEnd:
         """A stream end for ``key``'s pushes, with an input buffer of ``nbytes``: partition j's segments go to
         ``places[j]`` (``byte_places``)."""
+        contexts = tls.ray_contexts()
         return StreamServerEnd(self.server_index, key, self.host, nbytes, places, push, mean, self.step_timeout_s,
-                               relayed=relayed)
+                               relayed=relayed, tls_context=contexts and contexts.server)
 
     def any_remote(self) -> bool:
         """Whether some worker reads its means through the object store."""

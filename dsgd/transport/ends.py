@@ -16,14 +16,16 @@ A worker and a server pick one transport per pair when the worker attaches
   step the worker sends each partition's segments down the stream, straight
   from its arrays, the server receives them into the input buffer, sums as
   for a worker on its node and sends the mean back, into a buffer of the
-  worker's. No Ray call and no object per partition. A relaying server's
+  worker's. No Ray call and no object per partition. When Ray encrypts its
+  traffic, so does the stream (``dsgd.transport.tls``). A relaying server's
   partial sums (node-local aggregation, ``dsgd.server.relays``) travel the same
   way to the partition's server on another node (its
   ``ParameterServer.attach_relay`` makes a ``StreamServerEnd``, the relaying
   server holds a ``streams.Stream``), in float32 under compression, their
   means coming back in the wire dtype.
 - **object store**, a worker that can reach neither (the stream's connection
-  failed, e.g. a firewall between the nodes) and, with backup workers, any
+  failed, e.g. a firewall between the nodes, or Ray's TLS is on and its
+  files cannot make the stream's) and, with backup workers, any
   worker on another node (a worker catching up reads the means of closed
   steps from the server's reply to ``begin``); likewise a relaying server
   whose stream could not connect: a push is an actor call
@@ -46,6 +48,8 @@ No TensorFlow here: the parameter servers import this module.
 
 from __future__ import annotations
 
+import logging
+import ssl
 from typing import Any, Callable, Collection, Sequence, TypeVar
 
 import numpy as np
@@ -57,17 +61,30 @@ from dsgd.wire.partitions import Segment, Partition, pack, segment_arrays
 Offer = TypeVar("Offer")
 End = TypeVar("End")
 
+logger = logging.getLogger(__name__)
+_fell_back = False  # ``note_fallback`` said so already in this process
+
+
+def note_fallback(why: object) -> None:
+    """Log, once per process, that some pair's pushes go through the object store instead of the transport it was
+    meant to have, and ``why``; later fallbacks of the process only at debug level."""
+    global _fell_back
+    logger.log(logging.DEBUG if _fell_back else logging.WARNING,
+               "dsgd: %s; those pushes go through Ray's object store instead (which Ray's TLS, if on, encrypts)", why)
+    _fell_back = True
+
 
 def connect_or_fall_back(offer: Offer | None, connect: Callable[[Offer], End],
                          fall_back: Callable[[], Any]) -> End | None:
     """The end ``connect`` opens to what a server offered (``offer``: shared buffers, or a stream); None if it
-    offered nothing, or if its offer cannot be reached (``connect`` raises OSError), in which case ``fall_back``
-    tells the server to take the pushes through the object store instead."""
+    offered nothing, or if its offer cannot be reached (``connect`` raises OSError: said once in the log), in
+    which case ``fall_back`` tells the server to take the pushes through the object store instead."""
     if offer is None:
         return None
     try:
         return connect(offer)
-    except OSError:
+    except OSError as e:
+        note_fallback(f"what a parameter server offered cannot be used from here: {e}")
         fall_back()
         return None
 
@@ -143,11 +160,12 @@ class StreamWorkerEnd:
     of its own, one per partition and slot of the server's mean buffer."""
 
     def __init__(self, address: tuple[str, int, bytes], slots: int, partitions: Sequence[Partition],
-                 connect_timeout_s: float, send_timeout_s: float):
-        """Connect to the server's stream (``StreamServerEnd.address``); OSError if it cannot be reached."""
+                 connect_timeout_s: float, send_timeout_s: float, tls_context: ssl.SSLContext | None = None):
+        """Connect to the server's stream (``StreamServerEnd.address``), over TLS with ``tls_context``; OSError if
+        it cannot be reached."""
         self.means = [{p.index: np.empty(p.size, p.wire_dtype) for p in partitions} for _ in range(slots)]
         self.stream = streams.Stream(address, lambda step, j: self.means[step % slots][j],
-                                     connect_timeout_s, send_timeout_s)
+                                     connect_timeout_s, send_timeout_s, tls_context=tls_context)
         self.segments = _Segments()
 
     def write(self, partition: Partition, parts: Sequence[Segment], arrays: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
@@ -292,12 +310,13 @@ class StreamServerEnd:
     def __init__(self, server_index: int, worker_index: int, host: str, nbytes: int,
                  places: dict[int, list[tuple[int, int]]],
                  push: Callable[[int, int, int], tuple[list, tuple[int, ...]]],
-                 mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = ()):
+                 mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = (),
+                 tls_context: ssl.SSLContext | None = None):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
         byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for
         ``SharedMemoryServerEnd``, with the epoch the push was sent in (a relaying server's generation) as third
         argument; ``mean(step_id, j)`` the mean it answered with (sent after it); ``host``: this
-        node's address, where the stream listens."""
+        node's address, where the stream listens, over TLS with ``tls_context``."""
         self.buffer = bytearray(nbytes)
         self.places = places
         relayed = frozenset(relayed)
@@ -305,7 +324,7 @@ class StreamServerEnd:
         self.listener = streams.StreamListener(
             f"ps{server_index}-w{worker_index}", host, self._target,
             lambda step_id, j, epoch: (push(step_id, j, epoch)[1], mean(step_id, j)),
-            connect_timeout_s, apart=lambda step_id, j: j in relayed)
+            connect_timeout_s, apart=lambda step_id, j: j in relayed, tls_context=tls_context)
 
     def _target(self, j: int, nbytes: int) -> list[memoryview]:
         """Where the segments of a push of partition j (``nbytes`` in all) go; ValueError for one this server

@@ -24,8 +24,14 @@ back from its mean buffer into the worker's.
   it by) on a port the kernel picks, for ``accept_timeout_s``, and accepts
   the connection that first sends the 16-byte token it gave the worker in
   its ``attach`` reply (a relaying server: ``attach_relay``; an
-  authenticated Ray call). Anything else is closed. A pushing end that
-  cannot connect within ``CONNECT_TIMEOUT_S`` goes through the object store.
+  authenticated Ray call), and says so (one byte) before the first push;
+  anything else is closed. A pushing end that cannot connect within
+  ``CONNECT_TIMEOUT_S``, or is refused, goes through the object store.
+- **Encryption.** When Ray encrypts its traffic (``RAY_USE_TLS``), a
+  stream does too, with Ray's certificates, both ends verified against
+  Ray's CA (``dsgd.transport.tls``): the TLS handshake comes before the
+  token, and the segments are encrypted straight from their arrays and
+  decrypted straight into their buffers. The rest is the same.
 - **Order.** One thread per stream on the server reads pushes as they come
   (so a worker's next partition is never held up behind a sum that waits for
   other workers) and queues them; another answers them in order, except
@@ -46,6 +52,7 @@ import pickle
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -53,12 +60,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dsgd.transport import tls
 from dsgd.transport.answers import Answers
 from dsgd.transport.listener import Listener, Request, shut_down
 
 PUSH = struct.Struct("<qqqQ")  # epoch, step, partition index, bytes that follow
 ANSWER = struct.Struct("<qqqQQ")  # epoch, step, partition index, answer bytes, mean bytes
 TOKEN_BYTES = 16
+TAKEN = b"\x01"  # the server's reply to the right token: the stream is the pushing end's
 # A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
 # takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
 CONNECT_TIMEOUT_S = 10.0
@@ -68,7 +77,10 @@ def _bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array)).cast("B")
 
 
-def _receive_into(sock: socket.socket, target: memoryview) -> None:
+Connection = socket.socket | tls.TlsSocket  # a stream's connection, plain or TLS
+
+
+def _receive_into(sock: Connection, target: memoryview) -> None:
     """Fill ``target`` from ``sock``; ConnectionError at end-of-file."""
     while target:
         n = sock.recv_into(target)
@@ -77,7 +89,7 @@ def _receive_into(sock: socket.socket, target: memoryview) -> None:
         target = target[n:]
 
 
-def _receive(sock: socket.socket, size: int) -> bytes:
+def _receive(sock: Connection, size: int) -> bytes:
     buffer = bytearray(size)
     _receive_into(sock, memoryview(buffer))
     return bytes(buffer)
@@ -89,41 +101,58 @@ class StreamListener(Listener):
 
     def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
                  answer: Callable[[int, int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
-                 apart: Callable[[int, int], bool] = lambda step, j: False):
+                 apart: Callable[[int, int], bool] = lambda step, j: False, tls_context: ssl.SSLContext | None = None):
         """``target(j, nbytes)``: where a push of partition j goes, its bytes filling each view in turn
         (ValueError if ``nbytes`` is not their size); ``answer(step, j, epoch)``: the server's push (``epoch``:
         the one it was sent in), returning what goes back and the mean to send (or raising, which goes back
-        too). The worker must connect within ``accept_timeout_s``."""
+        too). The worker must connect within ``accept_timeout_s``; over TLS if ``tls_context`` is given (a
+        server's, ``tls.Contexts.server``)."""
         super().__init__(f"dsgd stream {name}", answer, apart, read_ahead=True)
         self._target = target
+        self._tls = tls_context
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._server = socket.create_server((host, 0))
         self._server.settimeout(accept_timeout_s)
         self.address: tuple[str, int, bytes] = (host, self._server.getsockname()[1], self.token)
         self._start()
 
-    def _accept(self) -> socket.socket | None:
-        """The first connection that presents the token (others are closed), or None (closed, or timed out)."""
+    def _accept(self) -> Connection | None:
+        """The first connection that presents the token (after the TLS handshake, with TLS; others are closed),
+        or None (closed, or timed out)."""
         deadline = time.monotonic() + self._server.gettimeout()
         try:
             while time.monotonic() < deadline:
                 connection, _ = self._server.accept()
-                connection.settimeout(max(0.1, deadline - time.monotonic()))
                 try:
-                    if hmac.compare_digest(_receive(connection, TOKEN_BYTES), self.token):
-                        connection.settimeout(None)  # between steps it waits as long as it takes
-                        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        return connection
-                except OSError:
-                    pass
-                connection.close()
+                    connection = self._taken(connection, max(0.1, deadline - time.monotonic()))
+                except OSError:  # no TLS, a certificate the CA did not sign, the wrong token, or gone
+                    connection.close()
+                    continue
+                connection.settimeout(None)  # between steps it waits as long as it takes
+                return connection
         except OSError:  # closed, or nobody came within the timeout
             pass
         finally:
             self._server.close()
         return None
 
-    def _receive(self, connection: socket.socket) -> Request:
+    def _taken(self, connection: socket.socket, timeout_s: float) -> Connection:
+        """``connection`` (with TLS, handshaken) once it presented the token within ``timeout_s``, told so;
+        OSError if it did not."""
+        connection.settimeout(timeout_s)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            connection = tls.handshake(connection, self._tls, server_side=True)
+        try:
+            if not hmac.compare_digest(_receive(connection, TOKEN_BYTES), self.token):
+                raise ConnectionRefusedError("the wrong token")
+            connection.sendall(TAKEN)
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def _receive(self, connection: Connection) -> Request:
         """The next push, its bytes read into its target (a bad one's read past, to fail it)."""
         epoch, step, j, nbytes = PUSH.unpack(_receive(connection, PUSH.size))
         try:
@@ -138,7 +167,7 @@ class StreamListener(Listener):
     def _answer_of(self, epoch: int, step: int, j: int) -> Any:
         return self._answer(step, j, epoch)
 
-    def _send(self, connection: socket.socket, epoch: int, step: int, j: int, answer: Any) -> None:
+    def _send(self, connection: Connection, epoch: int, step: int, j: int, answer: Any) -> None:
         """The answer's header, the pickled answer (the workers averaged, or the exception), and the mean's bytes."""
         value, mean = (answer, None) if isinstance(answer, BaseException) else answer
         meta = pickle.dumps(value)
@@ -157,20 +186,33 @@ class Stream:
     answer, its mean read into ``means(step, j)`` (j: the partition's index)."""
 
     def __init__(self, address: tuple[str, int, bytes], means: Callable[[int, int], np.ndarray],
-                 connect_timeout_s: float, send_timeout_s: float, epoch: int = 0):
-        """Connect to the ``StreamListener`` at ``address``; OSError if this process cannot reach it within
-        ``connect_timeout_s``. ``send_timeout_s`` bounds each send (the server stopped reading) and the rest
-        of an answer that started to arrive. Pushes are of ``epoch`` until ``forget``."""
+                 connect_timeout_s: float, send_timeout_s: float, epoch: int = 0,
+                 tls_context: ssl.SSLContext | None = None):
+        """Connect to the ``StreamListener`` at ``address`` (over TLS if ``tls_context`` is given: a pushing
+        end's, ``tls.Contexts.client``); OSError if this process cannot reach it, or it refuses the connection,
+        within ``connect_timeout_s``. ``send_timeout_s`` bounds each send (the server stopped reading) and the
+        rest of an answer that started to arrive. Pushes are of ``epoch`` until ``forget``."""
         host, port, token = address
         self._means = means
-        self._socket = socket.create_connection((host, port), timeout=connect_timeout_s)
+        connection: Connection = socket.create_connection((host, port), timeout=connect_timeout_s)
         try:
-            self._socket.settimeout(send_timeout_s)
-            self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socket.sendall(token)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls_context is not None:
+                connection = tls.handshake(connection, tls_context, server_side=False)
+            connection.sendall(token)
+            if _receive(connection, len(TAKEN)) != TAKEN:
+                raise ConnectionRefusedError(f"the stream at {host}:{port} answered its token with garbage")
+            connection.settimeout(send_timeout_s)
+        except ConnectionResetError:  # closed on it: the wrong token, or (TLS 1.3) its certificate refused
+            connection.close()
+            raise ConnectionRefusedError(f"the stream at {host}:{port} refused this end (its token, or its TLS "
+                                         "certificate)") from None
         except BaseException:
-            self._socket.close()
+            connection.close()
             raise
+        self._socket = connection
+        # The protocol and cipher ("TLSv1.3 TLS_AES_256_GCM_SHA384"), None if the stream is plain TCP.
+        self.encryption = connection.encryption if isinstance(connection, tls.TlsSocket) else None
         self._sending = threading.Lock()  # a push goes out whole
         self._answers = Answers(self._read_answer, "the stream")
         self._answers.epoch = epoch
@@ -212,10 +254,13 @@ class Stream:
         """The next answer, its mean read into its buffer, if one starts within ``timeout_s`` (and ``forget`` does
         not wake the poll); one that started must arrive whole within the socket's timeout, else the stream
         counts as broken (its next bytes would be misread): OSError."""
-        poller = select.poll()
-        poller.register(self._socket, select.POLLIN)
-        poller.register(self._wakeup[0], select.POLLIN)
-        ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
+        if isinstance(self._socket, tls.TlsSocket) and self._socket.pending():
+            ready = {self._socket.fileno()}  # decrypted already: the socket itself may have nothing left to read
+        else:
+            poller = select.poll()
+            poller.register(self._socket, select.POLLIN)
+            poller.register(self._wakeup[0], select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
         if self._wakeup[0].fileno() in ready:  # forgotten pushes: their waits fail, the others read on
             _drain(self._wakeup[0])
             return None
