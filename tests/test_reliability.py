@@ -73,6 +73,32 @@ def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session,
         assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 4))
 
 
+def test_worker_killed_while_save_reads_its_state_is_replaced_and_the_state_read_again(ray_session, warnings_seen,
+                                                                                      tmp_path, monkeypatch):
+    """Worker 0 dies after ``save`` asked every worker for its step count and before it reads worker 0's state."""
+    path = str(tmp_path / "run.ckpt")
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
+        start = set_start_weights(sgd)
+        sgd.step()
+        calls, worker_0 = sgd._ledger.cluster.calls, sgd.workers[0]
+        answers, pids = calls.answers, actor_pids(worker_0)
+
+        def answers_then_kill(*args, **kwargs):
+            monkeypatch.undo()
+            result = answers(*args, **kwargs)
+            kill(worker_0, pids=pids)
+            return result
+
+        monkeypatch.setattr(calls, "answers", answers_then_kill)
+        sgd.save(path)
+        assert "worker 0 is dead" in warnings_seen.text and sgd.failures == 1
+        sgd.step()
+        sgd.restore(path)
+        assert sgd.num_steps == 1
+        assert_replicas_identical(sgd, 2)
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
+
+
 def test_worker_killed_between_steps_is_recovered_by_the_calls_that_need_it(ray_session, warnings_seen):
     """get_weights recovers and reads; foreach_model recovers but does not run the user's function twice."""
     with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:

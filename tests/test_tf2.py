@@ -150,9 +150,9 @@ def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_refe
 def test_a_keras3_creator_with_eager_only_code_before_the_model_trains(ray_session):
     """The TF1 graph a worker tries first cannot make a tf.data iterator; the worker builds eagerly instead."""
     with dsgd.DistributedSGD(m.tf_data_creator, num_workers=1, strategy="simple") as sgd:
-        losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(6)]
+        losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(20)]
         assert sgd.foreach_worker(lambda w: type(w.runtime).__name__) == ["Tf2Runtime"]
-    assert losses[-1] < losses[0] / 2, losses
+    assert np.mean(losses[-5:]) < losses[0] / 4, losses  # a noise-free linear target: batch losses fall to ~0
 
 
 @pytest.mark.parametrize("creator, message, eager_message", [

@@ -255,10 +255,15 @@ class StepLedger:
             self.cluster.reset_servers(self.num_steps)
 
     def latest_state(self) -> dict:
-        """The state of the most advanced live worker, after the steps in flight."""
+        """The state of the most advanced live worker, after the steps in flight; a worker that dies while it
+        is read is replaced as after a failed step, and the state read again."""
         with self.call():
             self.drain()
-            return self.cluster.latest_state()
+            while True:
+                try:
+                    return self.cluster.latest_state()
+                except ActorFailure as e:
+                    self.recover(e, [])
 
     # ---- recovery -------------------------------------------------------------
 
