@@ -237,7 +237,8 @@ def live_pid(actor_id: str) -> int | None:
 class FaultInjector:
     """Delivers a plan's faults to one engine, each from a thread of its own, and records the kills."""
 
-    JOIN_S = 30.0
+    CANDIDATE_WAIT_S = 60.0
+    JOIN_S = CANDIDATE_WAIT_S + 30.0  # a delivery's sleeps and its waits for a victim
 
     def __init__(self, sgd: dsgd.DistributedSGD, seed: int):
         self.sgd = sgd
@@ -283,7 +284,22 @@ class FaultInjector:
             self._error = e
 
     def _kill(self, index: int, count: int, rng: random.Random) -> None:
-        """SIGKILL ``count`` live actors of the engine chosen by ``rng``, at least one worker left alive."""
+        """SIGKILL up to ``count`` live actors of the engine chosen by ``rng``, at least one worker left alive;
+        while there is none to kill (the last live worker, while the others are being replaced), wait for one."""
+        deadline = time.monotonic() + self.CANDIDATE_WAIT_S
+        while not (victims := self._choose(count, rng)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fault {index}: no actor but the last live worker to kill for "
+                                   f"{self.CANDIDATE_WAIT_S:.0f} s")
+            time.sleep(0.1)
+        landed_in = self.running
+        for _, _, pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        self.kills.append(Kill(index, landed_in, [v[0] for v in victims], [v[2] for v in victims],
+                               {v[1] for v in victims}, time.monotonic()))
+
+    def _choose(self, count: int, rng: random.Random) -> list[tuple[str, str, int]]:
+        """Up to ``count`` of the engine's live actors, (label, actor id, pid), none the last live worker."""
         live = [(label, actor_id, pid) for label, actor_id in engine_actors(self.sgd)
                 if (pid := live_pid(actor_id)) is not None]
         workers = [a for a in live if a[0].startswith("worker")]
@@ -293,13 +309,7 @@ class FaultInjector:
             candidates = [a for a in live if a not in victims and (spare_workers or a not in workers)]
             if candidates:
                 victims.append(rng.choice(candidates))
-        if not victims:
-            return
-        landed_in = self.running
-        for _, _, pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        self.kills.append(Kill(index, landed_in, [v[0] for v in victims], [v[2] for v in victims],
-                               {v[1] for v in victims}, time.monotonic()))
+        return victims
 
 
 # ---- a run --------------------------------------------------------------------
@@ -365,6 +375,8 @@ def run(plan: Plan, num_workers: int, inject: bool = True, **engine_kwargs: Any)
         first_stats: set[str] | None = None
         started = time.monotonic()
         for i, action in enumerate(plan.actions):
+            if i == len(plan.actions) - TAIL:
+                injector.wait()  # every kill is over before the tail's steps, which find each victim dead
             if i in faults:
                 injector.arm(*faults[i])
             injector.running = action.label(sgd.num_steps)

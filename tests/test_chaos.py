@@ -88,7 +88,10 @@ def test_random_kills_on_one_node_lose_nothing(ray_session, name):
 
 
 def two_nodes(steps: int, count: int) -> dict:
-    return run_job(JOB, JOB_TIMEOUT_S[steps], str(SEED), str(steps), str(count))
+    try:
+        return run_job(JOB, JOB_TIMEOUT_S[steps], str(SEED), str(steps), str(count))
+    except AssertionError as e:
+        raise AssertionError(f"chaos run across two nodes failed, {replay('two_nodes')}: {e}") from e
 
 
 def test_random_kills_across_two_nodes_with_relays_and_bf16_lose_nothing():
