@@ -22,8 +22,8 @@ from dsgd_test_models import run_job
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chaos_job.py")
 SEED = int(os.environ.get("DSGD_CHAOS_SEED", random.SystemRandom().randrange(1 << 31)))
-SHORT = dict(steps=60, faults=3)
-SOAK = dict(steps=300, faults=8)
+SHORT = dict(steps=60, count=3)
+SOAK = dict(steps=300, count=8)
 JOB_TIMEOUT_S = {60: 300, 300: 900}
 
 
@@ -84,7 +84,7 @@ def test_any_workers_mean_of_the_slopes_is_the_slopes_and_a_step_more_or_less_sh
 
 @pytest.mark.parametrize("name", ["simple", "ps-backup"])
 def test_random_kills_on_one_node_lose_nothing(ray_session, name):
-    check(one_node(name, **SHORT), SHORT["steps"], SHORT["faults"], name)
+    check(one_node(name, **SHORT), SHORT["steps"], SHORT["count"], name)
 
 
 def two_nodes(steps: int, count: int) -> dict:
@@ -97,15 +97,15 @@ def two_nodes(steps: int, count: int) -> dict:
 def test_random_kills_across_two_nodes_with_relays_and_bf16_lose_nothing():
     record = two_nodes(**SHORT)
     assert len(set(record["worker_nodes"])) == 2 and record["relayed_partitions"] > 0
-    check(record, SHORT["steps"], SHORT["faults"], "two_nodes")
+    check(record, SHORT["steps"], SHORT["count"], "two_nodes")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(faults.CONFIGS))
 def test_soak_of_random_kills_on_one_node(ray_session, name):
-    check(one_node(name, **SOAK), SOAK["steps"], SOAK["faults"], name)
+    check(one_node(name, **SOAK), SOAK["steps"], SOAK["count"], name)
 
 
 @pytest.mark.slow
 def test_soak_of_random_kills_across_two_nodes():
-    check(two_nodes(**SOAK), SOAK["steps"], SOAK["faults"], "two_nodes")
+    check(two_nodes(**SOAK), SOAK["steps"], SOAK["count"], "two_nodes")
