@@ -35,10 +35,12 @@ def check(record: dict, steps: int, faults_planned: int, test: str) -> None:
     """The run found nothing wrong, every step counted and applied, every kill recovered from."""
     kills = [(k["landed_in"], k["victims"], k["recovered_s"]) for k in record["kills"]]
     print(f"{test}: {replay(test)}\n  kills (landed in, victims, recovered after s): {kills}\n"
-          f"  failures recovered {record['failures']}, resize errors {record['resize_errors']}")
+          f"  kills skipped {record['kills_skipped']}, failures recovered {record['failures']}, "
+          f"resize errors {record['resize_errors']}")
     assert record["problems"] == [], f"{test}, {replay(test)}: {record['problems']}"
     assert record["steps"] == record["steps_shown"] == steps, replay(test)
-    assert len({k["fault"] for k in record["kills"]}) == faults_planned, replay(test)
+    # A kill finds no victim only while every worker but one is being replaced (it spares the last live worker).
+    assert len({k["fault"] for k in record["kills"]}) + record["kills_skipped"] >= faults_planned, replay(test)
     assert record["failures"] >= 1, replay(test)
 
 
