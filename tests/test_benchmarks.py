@@ -345,7 +345,7 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     ["benchmarks/exchange.py"], ["benchmarks/resnet101.py"], ["benchmarks/peers.py"], ["benchmarks/soak.py"],
     ["benchmarks/data_input.py"], ["benchmarks/links.py"], ["benchmarks/linked_cluster.py"],
     ["benchmarks/stragglers.py"], ["benchmarks/elastic.py"], ["benchmarks/setup_cost.py"],
-    ["benchmarks/step_breakdown.py"], ["benchmarks/finite_check.py"], ["benchmarks/keras3.py"], ["benchmarks/chaos.py"],
+    ["benchmarks/step_breakdown.py"], ["benchmarks/finite_check.py"], ["benchmarks/keras3.py"],
     ["-m", "benchmarks.keras3"], ["-m", "benchmarks.finite_check"],
     ["-m", "benchmarks.step_breakdown"], ["-m", "benchmarks.exchange"], ["-m", "benchmarks.links"], ["-m", "benchmarks.resnet101"], ["-m", "benchmarks.soak"],
     ["-m", "benchmarks.stragglers"], ["-m", "benchmarks.elastic"], ["-m", "benchmarks.setup_cost"],
