@@ -215,9 +215,11 @@ class Kill:
 
 
 def engine_actors(sgd: dsgd.DistributedSGD) -> list[tuple[str, str]]:
-    """(label, actor id) of every worker and parameter server the engine uses now."""
-    workers = [(f"worker {i}", w._actor_id.hex()) for i, w in enumerate(list(sgd.workers))]
-    servers = [(f"parameter server {j}", s._actor_id.hex()) for j, s in enumerate(common.parameter_servers(sgd))]
+    """(label, actor id) of every worker and parameter server the engine uses now (not a slot being filled: a
+    server being started while another thread reads them is None)."""
+    workers = [(f"worker {i}", w._actor_id.hex()) for i, w in enumerate(list(sgd.workers)) if w is not None]
+    servers = [(f"parameter server {j}", s._actor_id.hex()) for j, s in enumerate(common.parameter_servers(sgd))
+               if s is not None]
     return workers + servers
 
 
