@@ -47,7 +47,7 @@ class RowIdSplit:
 
 class RowIdRegression(dsgd.Model):
     """Linear regression on the row ids of ``ray.data.range(rows)`` (``RowIdSplit``); worker 2 passes ``held`` (a
-    ``Gate``), if given, before each batch."""
+    ``Gate``), if given, after reading each batch."""
 
     def __init__(self, worker_index: int, device_index: int, rows: int, die_flag: str | None = None,
                  held: Gate | None = None):
@@ -71,9 +71,9 @@ class RowIdRegression(dsgd.Model):
         return tf.compat.v1.train.GradientDescentOptimizer(LR)
 
     def get_feed_dict(self) -> dict:
-        if self.held is not None:
-            self.held.pass_through()
         x, y = self.split.next_inputs()
+        if self.held is not None:  # after reading: the splits' epoch starts only once every replica asked
+            self.held.pass_through()
         return {self.x: x, self.y: y}
 
     def _die_once(self) -> None:
@@ -109,7 +109,7 @@ class RowIdTF2Regression(dsgd.TF2Model):
 
 def row_id_creator(rows: int, die_flag: str | None = None, held: Gate | None = None):
     """RowIdRegression replicas; with ``die_flag`` (a path), worker 1 dies once, at its second epoch's start; with
-    ``held``, worker 2 waits at that gate before each batch while it is closed."""
+    ``held``, worker 2 waits at that gate after reading each batch while it is closed."""
     return lambda worker_index, device_index: RowIdRegression(worker_index, device_index, rows, die_flag, held)
 
 

@@ -18,10 +18,7 @@ record, weights as nested lists; under "backup", the same for a run with a
 straggler held at a gate and one backup worker (``run_with_backup``); under "node_local",
 2 workers per node, whose partitions cross through each node's relay
 (``run_node_local``), and under "node_local_bf16" the same under bf16
-compression, each step's weights before and after (``run_node_local_bf16``);
-under "node_local_keras3", an elastic engine of a Keras 3 model reading a Ray
-Dataset, with relays, through a skipped step, a trace, a shrink and a grow
-(``run_node_local_keras3``).
+compression, each step's weights before and after (``run_node_local_bf16``).
 """
 
 from __future__ import annotations
@@ -29,20 +26,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import pathlib
 import tempfile
 
 import numpy as np
 import ray
 
-import data_test_models as dm
 import dsgd
 from dsgd.transport.listener import shut_down
 from cluster_jobs import actor_node, local_cluster, objects_created
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedStragglerNet, TanhNet, kill,
                               replica_weights, set_start_weights, ps_actors, server_group)
-from test_tensorboard import read_scalars
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
@@ -218,40 +212,6 @@ def run_node_local_bf16() -> dict:
                 "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])]}
 
 
-RESIZE_INTERVAL_S = 3600.0  # the elastic run moves the engine's clock, not the wall clock
-
-
-def run_node_local_keras3(scratch: str) -> dict:
-    """An elastic engine, ``num_workers=(2, 4)`` of 2 devices, of a Keras 3 classifier reading a Ray Dataset whose
-    first batch is NaN on every replica (``data_test_models``), under nan_policy="skip" with a TensorBoard logdir
-    in ``scratch``: it starts at 4 workers, 2 a node (relays); the NaN step, a traced step, a shrink to 2 and a grow
-    back to 4. Reports the relays and every replica's weights at each stage, the stats, the trace's spans."""
-    import data_test_models as dm
-
-    with dsgd.DistributedSGD(functools.partial(dm.keras3_creator, first_batch_nan=True), num_workers=(2, 4),
-                             devices_per_worker=2, strategy="ps", nan_policy="skip", logdir=scratch,
-                             datasets={"train": dm.xy_dataset()}, resize_interval_s=RESIZE_INTERVAL_S,
-                             timeout_s=120, startup_timeout_s=300) as sgd:
-        def replicas() -> list:
-            return [_listed(r) for worker in sgd.foreach_worker(lambda w: w.runtime.replica_weights()) for r in worker]
-
-        result = {"start_workers": sgd.num_workers, "start": replicas(),
-                  "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
-                  "relays": _relays(server_group(sgd)), "stats": [sgd.step(fetch_stats=True)]}
-        result["after_nan"] = replicas()  # the NaN step, skipped on every replica
-        result["stats"].append(sgd.step(fetch_stats=True, write_timeline=scratch + "/step.json"))
-        with open(scratch + "/step.json") as f:
-            result["spans"] = sorted({e["name"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"})
-        sgd.resize(2)
-        result["stats"].append(sgd.step(fetch_stats=True))
-        result["shrunk"] = {"workers": sgd.num_workers, "relays": _relays(server_group(sgd)), "replicas": replicas()}
-        sgd._ledger.resizer._last_look -= RESIZE_INTERVAL_S
-        result["stats"].append(sgd.step(fetch_stats=True))
-        result["grown"] = {"workers": sgd.num_workers, "relays": _relays(server_group(sgd)), "replicas": replicas()}
-    result["logged_replicas"] = [(step, value) for step, value, _ in read_scalars(pathlib.Path(scratch))["num_replicas"]]
-    return result
-
-
 def _relay_transports(group) -> list:
     """Per server: the server it relays partitions to -> how its partial sums go there ("stream", "object store")."""
     return [{str(home): how for home, how in transports.items()}
@@ -269,7 +229,6 @@ def main() -> None:
         result["backup"] = run_with_backup(scratch + "/gate")
         result["node_local"] = run_node_local(scratch + "/start.npz")
         result["node_local_bf16"] = run_node_local_bf16()
-        result["node_local_keras3"] = run_node_local_keras3(scratch + "/keras3")
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -105,10 +105,10 @@ def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_fo
 
 def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_not_wait_for_it(ray_session,
                                                                                                   tmp_path):
-    """Worker 2 is held at a gate in its first batch while the others take two steps without it; let go, it catches
-    up on the second without computing it, but reads (and drops) that step's batch: a split starts an epoch only
-    once every replica has asked for it, so a worker a batch short would hold the others there (the step's
-    quorum never met: a timeout)."""
+    """Worker 2 is held at a gate once it has read its first batch, while the others take two steps without it
+    (their whole first epoch); let go, it catches up on the second without computing it, but reads (and drops)
+    that step's batch: a split starts an epoch only once every replica has asked for it, so a worker a batch
+    short would hold the others there (the step's quorum never met: a timeout)."""
     rows = 60  # 3 replicas x 20 rows: 2 steps an epoch
     gate = Gate(str(tmp_path / "gate"))
     gate.close()

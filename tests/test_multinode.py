@@ -199,30 +199,3 @@ def test_two_workers_per_node_under_bf16_relay_float32_partial_sums_down_streams
         for name in expected:
             error = np.abs(replicas[0][name].astype(np.float64) - expected[name])
             assert np.all(error <= bound[name]), (step, name, error.max())
-
-
-def test_an_elastic_keras3_engine_reading_ray_data_relays_skips_a_nan_step_and_shrinks_and_grows_across_nodes(job):
-    """2 nodes x 2 workers of 2 devices, a Keras 3 model reading a Ray Dataset, relays summing each node's workers:
-    the first step's mean is NaN on every replica (its first batches are) and nan_policy="skip" skips it
-    everywhere; a traced step shows the relays' partial sums; a shrink to 2 workers and a grow back to 4 (the
-    relays planned again), bit-identical replicas at every stage; the TensorBoard scalars follow."""
-    run = job["node_local_keras3"]
-    assert run["start_workers"] == 4
-    assert sorted(run["worker_nodes"].count(n) for n in set(run["worker_nodes"])) == [2, 2]
-    assert any(run["relays"]), "no partition was relayed"
-
-    def identical(replicas: list, count: int) -> None:
-        assert len(replicas) == count
-        for replica in replicas[1:]:
-            assert replica == replicas[0]
-
-    identical(run["start"], 8)
-    assert run["after_nan"] == run["start"]  # skipped: no weight moved, on any replica
-    assert any(name.startswith("push the node's partial sum of partition") for name in run["spans"])
-    identical(run["shrunk"]["replicas"], 4)
-    assert run["shrunk"]["workers"] == 2
-    identical(run["grown"]["replicas"], 8)
-    assert run["grown"]["workers"] == 4 and any(run["grown"]["relays"])
-    assert [s["num_replicas"] for s in run["stats"]] == [8, 8, 4, 8]
-    assert [value for _, value in run["logged_replicas"]] == [8, 8, 4, 8]
-    assert np.isfinite(run["stats"][1]["loss"])  # (a new worker's replicas read a NaN first batch too)
