@@ -87,8 +87,8 @@ def weights_from_json(weights: dict) -> dict[str, np.ndarray]:
 
 
 def replica_weights(sgd) -> list[dict[str, np.ndarray]]:
-    """Every replica's weights, worker then device order, read from the workers' graphs."""
-    per_worker = sgd.foreach_worker(lambda w: w.sess.run([dict(r.weights) for r in w.runtime.worker_graph.replicas]))
+    """Every replica's weights, worker then device order, read from the workers' replicas (TF1 or TF2)."""
+    per_worker = sgd.foreach_worker(lambda w: w.runtime.replica_weights())
     return [r for replicas in per_worker for r in replicas]
 
 

@@ -12,7 +12,7 @@ import ray
 
 import dsgd
 import data_test_models as dm
-from dsgd_test_models import assert_replicas_identical, kill
+from dsgd_test_models import Gate, assert_replicas_identical, kill
 
 ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
 
@@ -54,11 +54,7 @@ def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(ray_se
 
 
 def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session):
-    rng = np.random.RandomState(0)
-    x = rng.randn(240, 4).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
-    ds = ray_data.from_items([{"x": xi, "y": yi} for xi, yi in zip(x, y)])
-    with engine(dm.keras_creator, {"train": ds}, num_workers=2, devices_per_worker=1, strategy="simple") as sgd:
+    with engine(dm.keras_creator, {"train": dm.xy_dataset(240)}, num_workers=2, devices_per_worker=1, strategy="simple") as sgd:
         first = sgd.step(fetch_stats=True)
         for _ in range(40):  # 3 epochs of 12 batches per replica, and a bit
             stats = sgd.step(fetch_stats=True)
@@ -105,6 +101,30 @@ def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_fo
         seen = sgd.foreach_model(lambda model: model.seen)
         assert_disjoint_equal_cover([s[0] for s in seen], rows)
         assert_replicas_identical(sgd, 2)
+
+
+def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_not_wait_for_it(ray_session,
+                                                                                                  tmp_path):
+    """Worker 2 is held at a gate once it has read its first batch, while the others take two steps without it
+    (their whole first epoch); let go, it catches up on the second without computing it, but reads (and drops)
+    that step's batch: a split starts an epoch only once every replica has asked for it, so a worker a batch
+    short would hold the others there (the step's quorum never met: a timeout)."""
+    rows = 60  # 3 replicas x 20 rows: 2 steps an epoch
+    gate = Gate(str(tmp_path / "gate"))
+    gate.close()
+    with engine(dm.row_id_creator(rows, held=gate), {"train": ray_data.range(rows)}, num_workers=3,
+                backup_workers=1, timeout_s=30) as sgd:
+        for _ in range(2):
+            assert sgd.step(fetch_stats=True)["dropped_gradients"] == 1
+            gate.wait_arrived()  # worker 2 is still at the gate: the step closed without it
+        gate.open()
+        for _ in range(4):  # the second and third epochs
+            sgd.step()
+        seen = sgd.foreach_model(lambda model: model.seen)
+        assert [len(s) for s in seen] == [3] * 3
+        for epoch in range(3):
+            assert_disjoint_equal_cover([s[epoch] for s in seen], rows)
+        assert_replicas_identical(sgd, 3)
 
 
 def test_unknown_name_says_which_datasets_there_are(ray_session):

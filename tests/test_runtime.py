@@ -45,6 +45,7 @@ class NumpyRuntime(ReplicaRuntime):
         self.local = local
         self.applies: list[list[np.ndarray]] = []
         self.fused_steps: list[NumpyFusedStep] = []
+        self.dropped = 0  # steps whose batches were read without computing (drop_batches)
 
     def build(self, model_creator, state=None):
         return self.signature
@@ -76,6 +77,10 @@ class NumpyRuntime(ReplicaRuntime):
         assert exchange is None, "only the op library's exchange builds into the step, and it needs TensorFlow"
         self.fused_steps.append(NumpyFusedStep(self))
         return self.fused_steps[-1]
+
+    def drop_batches(self):
+        self.start_step()
+        self.dropped += 1
 
     def warmup(self):
         pass
@@ -136,6 +141,21 @@ class NumpyServers:
         self.forgotten += 1
 
 
+class ClosedStepServers(NumpyServers):
+    """Servers that closed every partition of each step without this worker (backup workers): ``begin`` answers
+    with the means of workers 1 and 2, which are ``peer``."""
+
+    def begin(self, step_id):
+        return {p.index: "closed" for p in self.layout}
+
+    def read(self, partition, step_id, answer):
+        assert answer == "closed"
+        return partitions.pack(self.peer, partition, np.zeros(partition.size, partition.dtype))
+
+    def kept(self):
+        return [1, 2]
+
+
 def test_the_exchanges_and_the_runtime_interface_import_no_tensorflow():
     """What an exchange needs is the runtime's interface: importing every exchange, and the interface, loads no
     TensorFlow (only the op library's in-step exchange builds TensorFlow ops, when the runtime traces it)."""
@@ -174,6 +194,18 @@ def test_the_python_ps_exchange_sends_every_partition_and_applies_the_servers_me
     assert result["sent_bytes"] == servers.sent_bytes and result["loss"] == 1.5
     assert {"compute_s", "pack_and_send_s", "receive_s", "apply_s"} <= set(result)
     assert exchange.step(1, fetch_stats=False) == {} and runtime.applied_steps == 2
+
+
+@pytest.mark.parametrize("ray_data", [False, True], ids=["own input", "Ray Data input"])
+def test_a_backup_worker_catching_up_applies_the_closed_means_and_reads_its_batches_only_with_ray_data(ray_data):
+    """A worker that finds its step closed does not compute it; with Ray Data input (``feed_concurrently``) it still
+    reads its replicas' batches, so that its splits reach the next epoch with the others'."""
+    peer = arrays(1)
+    runtime = NumpyRuntime(config("ps", backup_workers=1, feed_concurrently=ray_data), arrays(0))
+    exchange = registry.worker_half("ps", runtime, ClosedStepServers(partitions.plan_partitions(SPECS, 16), peer))
+    assert exchange.step(0, fetch_stats=False)["backup"] == {"computed": False, "kept": [1, 2]}
+    assert [np.array_equal(a, m) for a, m in zip(runtime.applies[0], peer)] == [True, True]
+    assert runtime.dropped == (1 if ray_data else 0)
 
 
 def test_a_failed_exchange_forgets_its_pushes():

@@ -265,7 +265,7 @@ def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path)
     import dsgd.tune as dsgd_tune
 
     trainable = dsgd_tune.trainable(m.regression_creator, num_workers=2, steps_per_report=2, checkpoint_every=1,
-                                    strategy="ps", startup_timeout_s=120, timeout_s=60)
+                                    strategy="simple", startup_timeout_s=120, timeout_s=60)  # "ps": test_tune's
     [result] = run(trainable, {"lr": tune.grid_search([0.05])}, tmp_path, iterations=2)
     history = result.metrics_dataframe.sort_values("training_iteration")
     assert list(history["num_steps"]) == [2, 4] and (history["mae"] > 0).all()

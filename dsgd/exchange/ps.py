@@ -17,7 +17,10 @@ With backup workers (``WorkerConfig.backup_workers``), a step starts by
 asking the servers which of its partitions are closed already
 (``ParameterServerClient.begin``): if all are, the worker does not compute
 the step, it applies their means (``PsWorker.step``). Its result then
-says whether it computed and which workers every partition averaged.
+says whether it computed and which workers every partition averaged. With
+Ray Data input it still reads its replicas' batches, and drops them: a
+split starts an epoch only once every replica has read its own, so a worker
+that skipped batches would hold the others at the next epoch's start.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class PsWorker(Exchange):
         if computed:
             result = self._compute(step_id, fetch_stats)
         else:
+            if self.runtime.config.feed_concurrently:  # Ray Data input: this worker's splits keep up with the others'
+                self.runtime.drop_batches()
             with self.runtime.phase("catch up"):
                 partition_means = [self.client.read(partition, step_id, closed[partition.index])
                                    for partition in self.client.layout]

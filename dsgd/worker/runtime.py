@@ -132,6 +132,12 @@ class ReplicaRuntime(abc.ABC):
         {"skipped": why}; a non-finite mean raises under nan_policy "raise"."""
 
     @abc.abstractmethod
+    def drop_batches(self) -> None:
+        """Start a step (``start_step``) and ask every replica for its batch, without computing: a backup worker
+        catching up on a step with Ray Data input, whose splits start an epoch only once every replica has read
+        as many batches as the others."""
+
+    @abc.abstractmethod
     def fused_step(self, exchange: InStepExchange | None = None) -> FusedStep:
         """A new step that computes and applies in one go: the worker's own mean alone, or with ``exchange``
         built in, the global means it receives."""

@@ -85,6 +85,9 @@ class Tf1Runtime(ReplicaRuntime):
         out = self.checked_run({"apply": built.apply_fed}, dict(zip(built.mean_inputs, means)), "apply")
         return _outcome(out)
 
+    def drop_batches(self) -> None:
+        self.feed_dict()
+
     def fused_step(self, exchange: InStepExchange | None = None) -> Tf1FusedStep:
         return Tf1FusedStep(self, exchange)
 

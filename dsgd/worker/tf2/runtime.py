@@ -230,6 +230,9 @@ class Tf2Runtime(ReplicaRuntime):
     def fused_step(self, exchange: InStepExchange | None = None) -> Tf2FusedStep:
         return Tf2FusedStep(self, exchange)
 
+    def drop_batches(self) -> None:
+        self.batches()
+
     def warmup(self) -> None:
         self._traced_compute()(*self.batches())
 
