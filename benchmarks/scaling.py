@@ -28,9 +28,9 @@ workers (as here), what a ring all-reduce moves too.
 
 The systems run interleaved (`common.run_rounds`: each takes a step in
 turn, the order rotated every round), all alive at once; with `--in-turn`
-(when they do not fit in memory together) one at a time, in rotating
-order, `--repeats` times, each built, stepped `--warmup` + `--steps`
-times and closed. Per system and config: the median step, the median step
+(configs whose systems do not fit in memory together) one at a time, in
+rotating order, `--repeats` times, each built, stepped `--warmup` +
+`--turn-steps` times and closed. Per system and config: the median step, the median step
 less the floor's, M/B and 2(n-1)/n x M/B, the probe's rate, every
 process's CPU seconds per step (from /proc, charged to the system whose
 step ran), and, once everything is built, every process's RSS and each
@@ -38,7 +38,7 @@ node's shared memory (memfd files, dsgd's buffers) against the plan's.
 Writes benchmarks/results/scaling/scaling.json and scaling.png. Needs root
 and iproute2 (`ip`, `tc`). From the repository root:
 
-    .venv/bin/python benchmarks/scaling.py --link-gbit 0.25 --scale 0.25
+    .venv/bin/python benchmarks/scaling.py --link-gbit 0.1 --scale 0.2 --in-turn 8x1 4x2
     .venv/bin/python -m benchmarks.scaling --configs 2x1 --scale 0.05 --warmup 1 --steps 2   # a smoke run
 """
 
@@ -218,8 +218,10 @@ class Processes:
         self.names = {}
         for pid in pids:
             title = "driver" if pid == os.getpid() else processes.title(pid)
-            role = roles.get(pid) or ("raytrain worker" if "RayTrainWorker" in title else
-                                      title.split()[0].rsplit("/", 1)[-1] if title else "?")
+            words = [word.rsplit("/", 1)[-1] for word in title.split()[:2]] or ["?"]
+            if words[0].startswith("python") and len(words) > 1:  # a Ray agent: its script's name
+                words = words[1:]
+            role = roles.get(pid) or ("raytrain worker" if "RayTrainWorker" in title else words[0])
             self.names[pid] = (self.node_of(pid), role)
 
     def charged(self, system: str, step: Callable[[], float]) -> Callable[[], float]:
@@ -259,7 +261,7 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
     """One cluster of ``cfg``: probe its links, run the systems, measure; its record."""
     print(f"\n== {cfg}: {cfg.nodes} nodes, {cfg.per_node} worker(s) each, links {args.link_gbit:g} Gbit/s", flush=True)
     record: dict[str, Any] = {"config": str(cfg), "nodes": cfg.nodes, "workers": cfg.workers,
-                              "mode": "in turn" if args.in_turn else "interleaved", "details": {}, "memory": []}
+                              "mode": "in turn" if cfg in args.in_turn else "interleaved", "details": {}, "memory": []}
     with linked_cluster(cfg.nodes, args.link_gbit, cpus_per_node=cfg.per_node * len(args.systems), head_cpus=0,
                         object_store_memory=args.object_store_memory, dashboard="raytrain" in args.systems) as cluster, \
             common.environment(**{peers.ALLOCATOR_ENV: peers.ALLOCATORS["bfc"]}):
@@ -269,7 +271,7 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
         record["probe_gbit"] = {"min": min(rates), "max": max(rates)}
         print(f"  probe: {min(rates):.3f} - {max(rates):.3f} Gbit/s each way", flush=True)
         watch = Processes(cluster)
-        if args.in_turn:
+        if cfg in args.in_turn:
             times = run_in_turn(cfg, args, variables, watch, record)
         else:
             times = run_together(cfg, args, variables, watch, record)
@@ -309,7 +311,8 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
 
 def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]], watch: Processes,
                 record: dict[str, Any]) -> dict[str, list[float]]:
-    """One system alive at a time, in rotating order, ``args.repeats`` times: built, stepped, closed."""
+    """One system alive at a time, in rotating order, ``args.repeats`` times: built, stepped ``args.warmup`` +
+    ``args.turn_steps`` times, closed."""
     times: dict[str, list[float]] = {name: [] for name in args.systems}
     record["order"] = []
     for repeat in range(args.repeats):
@@ -320,7 +323,7 @@ def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str
                 record["details"].setdefault(name, system.details())
                 record["memory"].append({"alive": [name], **watch.memory()})
                 step = watch.charged(name, system.step)
-                for k in range(args.warmup + args.steps):
+                for k in range(args.warmup + args.turn_steps):
                     time.sleep(args.settle_s)
                     seconds = system.step() if k < args.warmup else step()
                     print(f"[{name} {repeat + 1}/{args.repeats} {'warm-up' if k < args.warmup else 'measure'}] "
@@ -434,6 +437,16 @@ def scaling_figure(records: list[dict[str, Any]]):
     return fig
 
 
+def summary(command: str, args: argparse.Namespace, variables: list, m_bytes: int,
+            records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's record: its configs' records, the table of them all, the targets met or missed."""
+    found = verdicts(records)
+    return {"command": command, "link_gbit": args.link_gbit, "scale": args.scale, "m_bytes": m_bytes,
+            "tensors": len(variables), "repeats_in_turn": args.repeats, "configs": records,
+            "table": "\n".join(TABLE_HEAD + [row for r in records for row in config_rows(r)]),
+            "targets": TARGETS, "measured": found, "verdicts": verdict_lines(found), **common.machine()}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", type=config, nargs="+", default=[config(c) for c in ("2x1", "4x1", "8x1", "4x2")],
@@ -442,10 +455,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-gbit", type=float, default=0.25, help="every link's rate each way")
     p.add_argument("--scale", type=float, default=0.25, help="the resnet101 shape's size fraction")
     p.add_argument("--warmup", type=int, default=2, help="warm-up rounds (steps per turn with --in-turn)")
-    p.add_argument("--steps", type=int, default=5, help="measured rounds (steps per turn with --in-turn)")
-    p.add_argument("--in-turn", action="store_true",
-                   help="one system alive at a time, in rotating order (when they do not fit together)")
+    p.add_argument("--steps", type=int, default=5, help="measured rounds")
+    p.add_argument("--in-turn", type=config, nargs="*", default=[],
+                   help="configs whose systems run one alive at a time, in rotating order (they do not fit in "
+                        "memory together)")
     p.add_argument("--repeats", type=int, default=2, help="with --in-turn: turns of every system")
+    p.add_argument("--turn-steps", type=int, default=3, help="with --in-turn: measured steps per turn")
     p.add_argument("--settle-s", type=float, default=0.1, help="pause before every step")
     p.add_argument("--probe-mb", type=float, default=16.0)
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
@@ -468,23 +483,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     m_bytes = sum(int(np.prod(dims)) for _, dims in variables) * 4
     print(f"resnet101 x {args.scale:g}: {len(variables)} tensors, M = {m_bytes / 1e6:.1f} MB; "
           f"M/B at {args.link_gbit:g} Gbit/s = {m_bytes * 8 / (args.link_gbit * 1e9) * 1000:.0f} ms", flush=True)
-    records = []
+    records: list[dict[str, Any]] = []
     for cfg in args.configs:
         record = run_config(cfg, args, variables, m_bytes)
         record.update(per_node=cfg.per_node, scale=args.scale, m_bytes=m_bytes, link_gbit=args.link_gbit)
         records.append(record)
+        result = summary(command, args, variables, m_bytes, records)  # written after every config
+        common.write_json(result, args.out)
         if record.get("interrupted"):
             break
-    table = "\n".join(TABLE_HEAD + [row for r in records for row in config_rows(r)])
-    found = verdicts(records)
-    lines = verdict_lines(found)
-    mode = ("one system alive at a time, in rotating order" if args.in_turn else
-            "all systems alive at once, interleaved rounds")
-    print(f"\n{command}\n({mode})\n\n{table}\n\n" + "\n".join(lines))
-    result = {"command": command, "mode": mode, "link_gbit": args.link_gbit, "scale": args.scale,
-              "m_bytes": m_bytes, "tensors": len(variables), "configs": records, "table": table,
-              "targets": TARGETS, "measured": found, "verdicts": lines, **common.machine()}
-    common.write_json(result, args.out)
+    modes = "; ".join(f"{r['config']}: {r['mode']}" for r in records)
+    print(f"\n{command}\n({modes}; 'in turn': one system alive at a time, in rotating order, "
+          f"{args.repeats} turns)\n\n{result['table']}\n\n" + "\n".join(result["verdicts"]))
     print(f"record written to {args.out}")
     if not args.no_plot:
         png = args.out.with_suffix(".png")
