@@ -196,8 +196,8 @@ def check_server_memory(group: ServerGroup, workers: Sequence, calls: Calls) -> 
     """Each node has the memory ``group``'s buffers will take there (``ServerGroup.node_buffer_bytes``), read from
     a worker on each server's node; a ValueError naming the node, the bytes needed and free, and what to
     change, before any server starts."""
-    readers = {}
-    for worker, node in zip(workers, group.worker_nodes):
+    readers = {}  # a group planned without its workers' nodes (``ServerGroup``) has no reader: not checked
+    for worker, node in zip(workers, group.worker_nodes or ()):
         readers.setdefault(node, worker)
     needed = {node: nbytes for node, nbytes in group.node_buffer_bytes().items() if node in readers}
     free = dict(zip(needed, calls.call_startup([readers[node].apply_fn.remote(_free_memory_on) for node in needed],
