@@ -16,7 +16,8 @@ import ray
 import tensorflow as tf
 from matplotlib.container import BarContainer
 
-from benchmarks import common, exchange, keras3, peers, resnet, resnet101, setup_cost, soak, step_breakdown, stream_tls
+from benchmarks import (common, exchange, keras3, peers, resnet, resnet101, scaling, setup_cost, soak, step_breakdown,
+                        stream_tls)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "resnet50", "--image-size", "32", "--batch-size", "2",
@@ -427,3 +428,36 @@ def test_report_and_plot(tmp_path):
     png = peers.plot_throughput(records, cfg, tmp_path).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert png[12:16] == b"IHDR" and struct.unpack(">II", png[16:24]) == (720, 420)  # 6 x 3.5 in at 120 dpi
+
+
+def _scaling_record(nodes: int, per_node: int, exchange_s: dict[str, float]) -> dict:
+    """A scaling record as ``scaling.run_config`` makes one: M/B 1 s, the floor 0.1 s."""
+    median_ms = {"floor": 100.0, **{name: 100.0 + s * 1000 for name, s in exchange_s.items()}}
+    return {"config": f"{nodes}x{per_node}", "nodes": nodes, "workers": nodes * per_node, "per_node": per_node,
+            "m_over_b_ms": 1000.0, "ring_ms": 2 * (nodes - 1) / nodes * 1000.0, "median_ms": median_ms,
+            "exchange_ms": {name: s * 1000 for name, s in exchange_s.items()}, "probe_gbit": {"min": 0.24},
+            "cpu_s_per_step": dict.fromkeys(median_ms, {"node 1: ps worker 0": 0.5}),
+            "scale": 0.25, "m_bytes": 44_500_000, "link_gbit": 0.25}
+
+
+def test_scaling_verdicts_table_and_plot(tmp_path):
+    records = [_scaling_record(2, 1, {"ps": 1.1, "ps-bf16": 0.6, "simple": 1.2, "raytrain": 1.5}),
+               _scaling_record(4, 1, {"ps": 1.6, "ps-bf16": 0.8, "simple": 1.3, "raytrain": 2.5}),
+               _scaling_record(8, 1, {"ps": 1.9, "ps-bf16": 1.0, "simple": 1.6, "raytrain": 3.0}),
+               _scaling_record(4, 2, {"ps": 1.7, "ps-bf16": 0.9, "simple": 2.5, "raytrain": 4.0})]
+    found = scaling.verdicts(records)
+    assert found["ps/(M/B)"] == {"2x1": 1.1, "4x1": 1.6, "8x1": 1.9, "4x2": 1.7}
+    assert found["ps 8 nodes / 2 nodes"] == pytest.approx(1.9 / 1.1)
+    assert found["raytrain/ps at 8 nodes"] == pytest.approx(3100 / 2000)  # whole steps
+    lines = scaling.verdict_lines(found)
+    assert lines[0] == "ps/(M/B): 2x1 1.10, 4x1 1.60, 8x1 1.90, 4x2 1.70 (misses <= 1.3)"
+    assert lines[3] == "raytrain/ps at 8 nodes: 1.55 (meets >= 1.3)"
+    assert "| 8x1 | ps | 2000 | 1900 | 1000 | 1750 | 1.90 | 0.240 | 0.50 | node 1: ps worker 0 0.50 |" in \
+        scaling.config_rows(records[2])
+    (ax,) = scaling.scaling_figure(records).axes
+    lines_drawn = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines_drawn["ps"].get_xdata()) == [2, 4, 8]
+    assert list(lines_drawn["ps"].get_ydata()) == [1.1, 1.6, 1.9]
+    assert list(lines_drawn["ps, 2 workers a node"].get_ydata()) == [1.7]
+    assert list(lines_drawn["2(n-1)/n x M/B"].get_ydata()) == [1.0, 1.5, 1.75]
+    assert list(lines_drawn["M/B"].get_ydata()) == [1.0, 1.0, 1.0]

@@ -1,9 +1,10 @@
 """The linked cluster of benchmarks/links.py: nodes in network namespaces behind rate-limited veths.
 
-The script runs in its own process (it starts its own Ray cluster). The test
-interrupts it with Ctrl-C (SIGINT) once it has measured the first link, and
-checks that the limit held and that nothing it made is left: namespaces,
-links, processes.
+The script runs in its own process (it starts its own Ray cluster of 4 nodes,
+the scaling benchmark's middle size). The test interrupts it with Ctrl-C
+(SIGINT) once it has measured every link at the first rate, and checks that
+the limit held and that nothing it made is left: namespaces, links,
+processes.
 """
 
 import os
@@ -20,6 +21,7 @@ from benchmarks.linked_cluster import PREFIX, missing_requirements, tbf_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_GBIT = 0.2
+NODES = 4
 START_TIMEOUT_S = 240
 
 
@@ -34,7 +36,7 @@ def _leftovers() -> list[str]:
 
 def _qdisc(node: int) -> tuple[str, str]:
     """`tc qdisc show` of node ``node``'s link: its head end here, its node end in the node's namespace."""
-    names = linked_cluster.LinkedCluster(nodes=2, link_gbit=LIMIT_GBIT, temp_dir="")  # the script's naming
+    names = linked_cluster.LinkedCluster(nodes=NODES, link_gbit=LIMIT_GBIT, temp_dir="")  # the script's naming
     head_end, node_end = names.veths(node)
     show = ["tc", "qdisc", "show", "dev"]
     return (subprocess.run([*show, head_end], capture_output=True, text=True).stdout,
@@ -51,7 +53,7 @@ def test_token_bucket_burst_fits_an_offloaded_segment_and_one_millisecond():
 def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
     assert not _leftovers(), "a previous linked cluster was left behind"
     job = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.linked_cluster", "--nodes", "2",
+        [sys.executable, "-m", "benchmarks.linked_cluster", "--nodes", str(NODES),
          "--link-gbit", str(LIMIT_GBIT), str(LIMIT_GBIT), "--probe-mb", "8"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
@@ -64,8 +66,8 @@ def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
                              r"head -> node ([\d.]+) Gbit/s", line)
             if match:
                 rates += [float(match[2]), float(match[3])]
-                if len(rates) == 4:  # both nodes of the first rate measured: interrupt the second
-                    qdiscs = [_qdisc(node) for node in (1, 2)]
+                if len(rates) == 2 * NODES:  # every node of the first rate measured: interrupt the second
+                    qdiscs = [_qdisc(node) for node in range(1, NODES + 1)]
                     job.send_signal(signal.SIGINT)
             if time.monotonic() > deadline:
                 break
@@ -75,9 +77,9 @@ def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
             job.kill()
             job.wait()
     text = "".join(output)
-    assert len(rates) >= 4, text[-3000:]
+    assert len(rates) >= 2 * NODES, text[-3000:]
     # Load on this machine can only lower a measured rate, so the bound below holds even if tc did nothing:
-    # the token buckets themselves are asserted, on both ends of both links, at the rate asked for.
+    # the token buckets themselves are asserted, on both ends of every link, at the rate asked for.
     for head_end, node_end in qdiscs:
         assert re.search(rf"qdisc tbf .* rate {LIMIT_GBIT * 1000:.0f}Mbit", head_end), head_end
         assert re.search(rf"qdisc tbf .* rate {LIMIT_GBIT * 1000:.0f}Mbit", node_end), node_end

@@ -1,7 +1,9 @@
 """How many parameter servers, where, and which partitions each sums (no Ray needed)."""
 
 import numpy as np
+import pytest
 
+from dsgd.cluster import room
 from dsgd.cluster.server_group import ServerGroup, assign_partitions, home_for, plan_relays, plan_servers
 from dsgd.wire.partitions import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_partitions
 
@@ -85,3 +87,89 @@ def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhe
     sent = group.node_sent_bytes(["a", "a", "b", "b", "c"])
     assert sent["c"] == sum(s.wire_nbytes for s in bf16)  # node c's one worker pushes 16 bits directly
     assert sent["a"] == sum(bf16[j].nbytes for j, by in group.relays.items() if 0 in by)
+
+
+@pytest.fixture(scope="module")
+def resnet101():
+    """ResNet-101's gradients as the engine passes them (last layer first), float32."""
+    from benchmarks.exchange import resnet_shapes
+
+    return [VarSpec(name, tuple(shape), np.dtype(np.float32)) for name, shape in reversed(resnet_shapes("resnet101"))]
+
+
+@pytest.mark.parametrize("nodes, workers_per_node", [(2, 1), (4, 1), (8, 1), (4, 2)])
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_every_node_holds_servers_and_no_link_carries_more_than_its_share(resnet101, nodes, workers_per_node,
+                                                                          compression):
+    # The scaling benchmark's cluster: 8 logical CPUs per node, one-CPU workers.
+    names = [f"node{k}" for k in range(nodes)]
+    worker_nodes = [node for node in names for _ in range(workers_per_node)]
+    servers = plan_servers(worker_nodes, dict.fromkeys(names, 8), 1, None)
+    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers)), compression)
+    group = ServerGroup(layout, servers[:len(layout)], len(worker_nodes), 30.0, worker_nodes=worker_nodes)
+    assert sorted(set(group.nodes)) == names
+    assert group.nodes.count(names[0]) == workers_per_node  # a server per worker on every node
+    # Each way, a link carries (n-1)/n of the pushes and of the means with the servers' loads even: out what its
+    # node pushes and the means of what is pushed to it, in the converse (a relay's partial sum is float32).
+    means = sum(p.wire_nbytes for p in layout)
+    pushes = sum(p.nbytes for p in layout) if group.relays else means
+    share = (pushes + means) * (nodes - 1) / nodes
+    links = group.node_link_bytes(worker_nodes)
+    assert sorted(links) == names
+    busiest = max(b for way in links.values() for b in way)
+    assert busiest <= 1.03 * share, {node: [round(b / share, 3) for b in way] for node, way in links.items()}
+
+
+def test_the_memory_servers_buffers_take_per_node_counts_a_mean_and_an_input_buffer_per_worker():
+    partition = 4096  # bytes, a multiple of the alignment
+    layout = plan_partitions([VarSpec("v", (partition,), np.dtype(np.float32))], partition)  # 4 partitions
+    group = ServerGroup(layout, ["a", "b"], 2, 30.0, worker_nodes=["a", "b"])
+    assert group.node_buffer_bytes() == {"a": 2 * partition * (1 + 2), "b": 2 * partition * (1 + 2)}
+    # Backup workers: two mean slots.
+    group = ServerGroup(layout, ["a", "b"], 2, 30.0, backup_workers=1)
+    assert group.node_buffer_bytes()["a"] == 2 * partition * (2 + 2)
+    # Node a's two workers' copies of server 1's partitions are summed on a first: server 0 holds them too
+    # (its buffers hold 4 partitions), and server 1 a stream's buffer of node a's partial sums of its 2.
+    group = ServerGroup(layout, ["a", "b"], 3, 30.0, worker_nodes=["a", "a", "b"])
+    assert group.node_buffer_bytes() == {"a": 4 * partition * (1 + 3), "b": 2 * partition * (1 + 3) + 2 * partition}
+
+
+class _Worker:
+    """A worker whose ``apply_fn.remote(fn)`` runs ``fn`` here (no Ray)."""
+
+    def __init__(self):
+        self.apply_fn = self
+
+    def remote(self, fn):
+        return fn(self)
+
+
+class _Calls:
+    def call_startup(self, values, what):
+        return values
+
+
+def test_servers_that_would_not_fit_in_a_nodes_free_memory_are_refused_before_they_start(monkeypatch):
+    layout = plan_partitions([VarSpec("v", (4_000_000,), np.dtype(np.float32))], 4_000_000)  # 4 of 4 MB
+    group = ServerGroup(layout, ["a", "b"], 2, 30.0, worker_nodes=["a", "b"])
+    needed = group.node_buffer_bytes()["a"]
+    monkeypatch.setattr(room, "free_memory_bytes", lambda: needed)
+    room.check_server_memory(group, [_Worker(), _Worker()], _Calls())  # fits exactly
+    monkeypatch.setattr(room, "free_memory_bytes", lambda: needed - 1)
+    with pytest.raises(ValueError) as refused:
+        room.check_server_memory(group, [_Worker(), _Worker()], _Calls())
+    message = str(refused.value)
+    assert f"({needed} bytes) on node a" in message and f"({needed - 1} bytes) are free there" in message
+    assert "add nodes" in message and "compression='bf16'" in message
+
+
+def test_free_memory_is_memavailable_capped_by_the_cgroups_limit(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 8000 kB\nMemFree: 1000 kB\nMemAvailable: 3000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert room.free_memory_bytes(str(tmp_path / "meminfo"), str(cgroup)) == 3000 * 1024  # no cgroup files
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("5000\n")
+    assert room.free_memory_bytes(str(tmp_path / "meminfo"), str(cgroup)) == 3000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{1_000_000 + 5000}\n")
+    assert room.free_memory_bytes(str(tmp_path / "meminfo"), str(cgroup)) == 1_000_000

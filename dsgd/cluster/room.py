@@ -4,7 +4,9 @@
 starts, a live node for each new one beside those that run (a DSGDError
 names what is missing), how many more fit, how many an elastic engine
 starts with. ``check_object_store`` answers for the exchange, once the
-workers have built their models (its size is the model's).
+workers have built their models (its size is the model's), and
+``check_server_memory`` for the parameter servers' buffers on each node,
+before they start.
 ``HeldResources`` waits until killed workers' resources are free again.
 """
 
@@ -16,6 +18,8 @@ from typing import Sequence
 
 import ray
 
+from dsgd.cluster.server_group import ServerGroup
+from dsgd.common.calls import Calls
 from dsgd.cluster.placement import actor_state, in_driver, live_node_resources, place_new_workers
 from dsgd.config import Options
 from dsgd.errors import DSGDError
@@ -159,6 +163,56 @@ def check_object_store(exchange: Sequence[VarSpec], compression: str | None, num
             f"the exchange needs {need / 2**20:.0f} MiB of Ray object-store memory per step "
             f"({num_workers} workers' gradients of {size / 2**20:.0f} MiB plus their mean), "
             f"but the cluster has {have / 2**20:.0f} MiB; start Ray with a larger object_store_memory")
+
+
+def free_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes this node can still give to new memory: the kernel's MemAvailable, capped by what this process's
+    memory cgroup (v2, else v1) has left under its limit.
+
+    The servers' shared buffers are anonymous memory files (``dsgd.transport.shared_memory``): they count
+    against RAM and the cgroup, not against /dev/shm's size.
+    """
+    with open(meminfo) as f:
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
+                                                              "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{cgroup}/{limit}") as l, open(f"{cgroup}/{usage}") as u:
+                cap, used = l.read().strip(), int(u.read())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit():
+            free = min(free, max(0, int(cap) - used))
+        break
+    return free
+
+
+def _free_memory_on(worker) -> int:
+    """``free_memory_bytes`` on the node of ``worker`` (called there through ``SGDWorker.apply_fn``)."""
+    return free_memory_bytes()
+
+
+def check_server_memory(group: ServerGroup, workers: Sequence, calls: Calls) -> None:
+    """Each node has the memory ``group``'s buffers will take there (``ServerGroup.node_buffer_bytes``), read from
+    a worker on each server's node; a ValueError naming the node, the bytes needed and free, and what to
+    change, before any server starts."""
+    readers = {}  # a group planned without its workers' nodes (``ServerGroup``) has no reader: not checked
+    for worker, node in zip(workers, group.worker_nodes or ()):
+        readers.setdefault(node, worker)
+    needed = {node: nbytes for node, nbytes in group.node_buffer_bytes().items() if node in readers}
+    free = dict(zip(needed, calls.call_startup([readers[node].apply_fn.remote(_free_memory_on) for node in needed],
+                                               "the workers to read their nodes' free memory")))
+    for node, nbytes in needed.items():
+        if nbytes > free[node]:
+            servers = group.nodes.count(node)
+            raise ValueError(
+                f"the parameter servers' buffers need {nbytes / 2**20:.0f} MiB ({nbytes} bytes) on node "
+                f"{node[:8]} ({servers} server{'s' * (servers != 1)}, each with a mean buffer and an input buffer "
+                f"for each of the {group.num_workers} workers, as large as its partitions), but only "
+                f"{free[node] / 2**20:.0f} MiB "
+                f"({free[node]} bytes) are free there (MemAvailable, capped by the memory cgroup's limit); "
+                f"free memory on that node, add nodes (each server then sums fewer partitions), or use "
+                f"compression='bf16' (half the bytes)")
 
 
 def amounts(resources: dict[str, float]) -> str:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import ray
 
 from dsgd import ps_actor
+from dsgd.server.layout import BufferLayout, partial_sum_offsets
 from dsgd.server.relays import Relay
 from dsgd.wire import partitions
 from dsgd.config import Options
@@ -60,16 +61,24 @@ def plan_servers(worker_nodes: Sequence[str], node_cpus: dict[str, float], cpus_
 def assign_partitions(layout: Sequence[Partition], num_servers: int) -> list[int]:
     """``placement[j]``: the server of partition j, balancing bytes.
 
-    In layout order (the order back-propagation produces gradients) each
-    partition goes to the server with the fewest bytes so far, so partitions
-    ready at about the same time are summed by different servers.
+    In layout order (the order back-propagation produces gradients) the
+    partitions are taken ``num_servers`` at a time, so partitions ready at
+    about the same time are summed by different servers; within such a
+    round the largest goes to the server with the fewest bytes so far. Every
+    server, and so every server node's link, ends with about the same bytes
+    (ResNet-101 on 8 servers: the busiest 1.035x the mean, against 1.097x
+    placing one partition at a time).
     """
     load = [0] * num_servers
-    placement = []
-    for partition in layout:
-        j = min(range(num_servers), key=lambda k: (load[k], k))
-        placement.append(j)
-        load[j] += partition.wire_nbytes
+    placement = [0] * len(layout)
+    for start in range(0, len(layout), num_servers):
+        ready = sorted(range(start, min(start + num_servers, len(layout))), key=lambda j: -layout[j].wire_nbytes)
+        idle = list(range(num_servers))
+        for j in ready:
+            server = min(idle, key=lambda k: (load[k], k))
+            idle.remove(server)
+            placement[j] = server
+            load[server] += layout[j].wire_nbytes
     return placement
 
 
@@ -132,6 +141,7 @@ class ServerGroup:
         self.num_workers = num_workers
         self.step_timeout_s = step_timeout_s
         self.backup_workers = backup_workers
+        self.worker_nodes = list(worker_nodes) if worker_nodes is not None else None
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
         self.relays = self._plan_relays(worker_nodes)
@@ -163,18 +173,57 @@ class ServerGroup:
         return [next((r for r, workers in self.relays.get(j, {}).items() if worker in workers), self.placement[j])
                 for j in range(len(self.layout))]
 
-    def node_sent_bytes(self, worker_nodes: Sequence[str]) -> dict[str, int]:
-        """Node -> the gradient bytes its workers (or its relays) push to servers on other nodes per step; a
-        relay's partial sum is float32 (``Partition.nbytes``) under compression too."""
-        sent: dict[str, int] = {}
+    def crossings(self, worker_nodes: Sequence[str]) -> list[tuple[str, str, int, int]]:
+        """``(from node, to node, bytes pushed, bytes of the mean back)`` of every push per step that crosses
+        between nodes: a worker's (or its relay's) partition to a server on another node. Means travel in the
+        wire dtype; a relay's partial sum in float32 (``Partition.nbytes``) under compression too."""
+        crossing = []
         for w, node in enumerate(worker_nodes):
             for partition, r in zip(self.layout, self.routes(w)):
                 if self.nodes[r] != node:
-                    sent[node] = sent.get(node, 0) + partition.wire_nbytes
+                    crossing.append((node, self.nodes[r], partition.wire_nbytes, partition.wire_nbytes))
         for j, by in self.relays.items():
             for r in by:
-                sent[self.nodes[r]] = sent.get(self.nodes[r], 0) + self.layout[j].nbytes
+                partition = self.layout[j]
+                crossing.append((self.nodes[r], self.nodes[self.placement[j]], partition.nbytes, partition.wire_nbytes))
+        return crossing
+
+    def node_sent_bytes(self, worker_nodes: Sequence[str]) -> dict[str, int]:
+        """Node -> the gradient bytes its workers (or its relays) push to servers on other nodes per step."""
+        sent: dict[str, int] = {}
+        for source, _, pushed, _ in self.crossings(worker_nodes):
+            sent[source] = sent.get(source, 0) + pushed
         return sent
+
+    def node_link_bytes(self, worker_nodes: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Node -> the bytes its link carries per step (out, in): out, what it pushes and the means of what was
+        pushed to it; in, what is pushed to it and the means of what it pushed."""
+        link = {node: [0, 0] for node in worker_nodes}
+        for source, target, pushed, mean in self.crossings(worker_nodes):
+            link.setdefault(target, [0, 0])
+            link[source][0] += pushed
+            link[source][1] += mean
+            link[target][1] += pushed
+            link[target][0] += mean
+        return {node: (out, into) for node, (out, into) in link.items()}
+
+    def node_buffer_bytes(self) -> dict[str, int]:
+        """Node -> the bytes its servers' buffers take once every worker has attached (``BufferLayout``): per
+        server, a mean buffer per slot and an input buffer per worker (shared memory for a worker on its node,
+        private for one down a stream), each as large as its partitions and relayed ones; a stream's buffer of
+        partial sums per relaying node."""
+        slots = 2 if self.backup_workers else 1
+        need: dict[str, int] = {}
+        for server, node in enumerate(self.nodes):
+            summed = self.partitions_of(server) + [relay.partition for relay in self.relays_of(server)]
+            need[node] = need.get(node, 0) + BufferLayout.bytes_for(summed) * (slots + self.num_workers)
+        relayed: dict[tuple[int, int], list[Partition]] = {}  # (home server, relaying server) -> partitions
+        for j, by in self.relays.items():
+            for r in by:
+                relayed.setdefault((self.placement[j], r), []).append(self.layout[j])
+        for (home, _), sums in relayed.items():
+            need[self.nodes[home]] += partial_sum_offsets(sums)[1]
+        return need
 
     def start(self, indices: Sequence[int] | None = None) -> list:
         """Start servers (all, or ``indices``) on their nodes; the actors started (they start in the background).

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dsgd.cluster.room import check_server_memory
 from dsgd.cluster.server_group import ServerGroup
 from dsgd.common.calls import Calls
 from dsgd.common.stopwatch import Phases
@@ -96,6 +97,8 @@ class ServerSlots:
     def start_current(self, planned: ServerGroup, workers: Sequence, phases: Phases) -> None:
         """``planned`` (or the kept group of its plan, ``reuse_kept``) becomes current, and the workers connect.
 
+        A group started anew is checked against its nodes' free memory first (``room.check_server_memory``).
+
         The workers are asked to connect as soon as the servers are asked to
         start: each builds its exchange's graph while the server processes
         start, then attaches to them (a bounded wait in the worker). So
@@ -105,6 +108,7 @@ class ServerSlots:
             self.current = self.reuse_kept(planned)
             started = None
             if self.current is None:
+                check_server_memory(planned, workers, self.calls)
                 self.current = planned
                 started = planned.start()
         with phases("connect"):

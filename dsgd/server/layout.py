@@ -43,11 +43,8 @@ class BufferLayout:
     """The mean buffer (shared with the workers on this node where ``shared``) and each partition's place in it."""
 
     def __init__(self, server_index: int, partitions: Sequence[Partition], slots: int, shared: bool):
-        offsets, end = [], 0
-        for partition in partitions:
-            offsets.append(end)
-            end = aligned(end + partition.wire_nbytes)
-        self.nbytes = end  # of one slot, and of every worker's input buffer
+        offsets, end = _offsets(partitions)
+        self.nbytes = end  # of one slot, and of every worker's input buffer (``bytes_for``)
         self.slots = slots
         self.shared = shared
         if shared:
@@ -57,6 +54,11 @@ class BufferLayout:
             memory = bytearray(self.nbytes * slots)
         self.places = {partition.index: self._place(partition, memory, offset)
                        for partition, offset in zip(partitions, offsets)}
+
+    @staticmethod
+    def bytes_for(partitions: Sequence[Partition]) -> int:
+        """The bytes of one slot of the mean buffer, and of every worker's input buffer, for ``partitions``."""
+        return _offsets(partitions)[1]
 
     def _place(self, partition: Partition, memory, offset: int) -> Place:
         means = tuple(np.frombuffer(memory, partition.wire_dtype, partition.size, offset + k * self.nbytes)
@@ -72,10 +74,16 @@ class BufferLayout:
         return [k * self.nbytes for k in range(self.slots)]
 
 
+def _offsets(partitions: Sequence[Partition]) -> tuple[list[int], int]:
+    """Each partition's byte offset in a buffer holding them in turn (in the wire dtype), and its bytes."""
+    offsets, end = [], 0
+    for partition in partitions:
+        offsets.append(end)
+        end = aligned(end + partition.wire_nbytes)
+    return offsets, end
+
+
 def partial_sum_offsets(partitions: Sequence[Partition]) -> tuple[dict[int, int], int]:
     """Where each of ``partitions``' partial sums goes in a relay stream's input buffer, and the buffer's bytes."""
-    offsets, end = {}, 0
-    for partition in partitions:
-        offsets[partition.index] = end
-        end = aligned(end + partial_sum(partition).wire_nbytes)
-    return offsets, end
+    offsets, end = _offsets([partial_sum(p) for p in partitions])
+    return dict(zip((p.index for p in partitions), offsets)), end
