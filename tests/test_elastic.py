@@ -153,6 +153,31 @@ def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(ray_s
     assert_replicas_identical(sgd, 3)
 
 
+def test_worker_0_killed_before_a_grow_reads_its_state_is_replaced_and_the_grow_tried_again(ray_session,
+                                                                                            monkeypatch):
+    """Growing 2 -> 3, worker 0 dies as the resize starts: the new worker cannot read its state, so the grow fails
+    and leaves the engine at 2; worker 0 is then replaced from worker 1's state and the grow tried again."""
+    with engine() as sgd:
+        run_steps(sgd, 1)
+        weights, steps = sgd.get_weights(), sgd.num_steps
+        worker_0, drain = sgd.workers[0], sgd._ledger.drain
+
+        def drain_then_kill(*args, **kwargs):
+            monkeypatch.undo()
+            result = drain(*args, **kwargs)
+            kill(worker_0)
+            return result
+
+        monkeypatch.setattr(sgd._ledger, "drain", drain_then_kill)
+        sgd.resize(3)
+        assert is_dead(worker_0) and sgd.workers[0] is not worker_0
+        assert sgd.num_workers == 3 and sgd.failures == 1
+        assert sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps] * 3
+        assert_weights_close(sgd.get_weights(), weights)
+        assert run_steps(sgd, 1)["num_replicas"] == 3
+        assert_replicas_identical(sgd, 3)
+
+
 def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(ray_session):
     """The defined state after a fault while growing: the new workers stopped, the error raised, the old size.
     (Building new workers does not depend on the strategy; "simple" grows in the first test.)"""

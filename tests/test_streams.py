@@ -271,7 +271,9 @@ def test_plain_tcp_and_tls_do_not_mix(ca):
         plain.sendall(token)
         plain.settimeout(10)
         try:
-            assert plain.recv(1) == b""  # closed on it, without the byte that takes the stream
+            # Closed on it, without the byte that takes the stream: at once, or after a TLS alert record (0x15)
+            # for what TLS read as a malformed hello.
+            assert plain.recv(1) in (b"", b"\x15")
         except ConnectionResetError:
             pass
     with pytest.raises(OSError):

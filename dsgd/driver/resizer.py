@@ -52,10 +52,12 @@ class Resizer:
         """After the steps in flight, start or stop workers so that ``n`` run; steps go on from ``num_steps``.
 
         New workers build from worker 0's state, read as they start. If they
-        cannot start or build (``Cluster.resize``), or worker 0 dies before
-        its state is read, the engine is unchanged and the error raised. Once
-        they are built, the resize is done: a worker that dies while the
-        exchange is re-planned is replaced as after a failed step.
+        cannot start or build (``Cluster.resize``), the engine is unchanged and
+        the error raised; if an actor dies meanwhile (worker 0 before its state
+        is read, a new worker while it builds), the dead are replaced as after
+        a failed step and the grow tried again. Once they are built, the
+        resize is done: a worker that dies while the exchange is re-planned is
+        replaced as after a failed step.
         """
         ledger, cluster = self.ledger, self.cluster
         with ledger.call():
@@ -65,23 +67,34 @@ class Resizer:
             if n == len(cluster.workers):
                 return
             self._old = len(cluster.workers)
-            state = None
-            if n > self._old:  # worker 0's state, read while the new workers start: they build from it
-                source = cluster.workers[0]
-                state = source.get_state.remote()
-                ledger.recovery.early_state = source, state
-            self.joining = set()  # until finish is done, the next call finishes the resize
-            try:
-                cluster.resize(n, state, phases, ledger.fetch_stats)
-            except BaseException as e:
-                if cluster.topology.num_workers != n:  # a grow that failed: the engine is as it was
-                    self.joining = ledger.recovery.early_state = None
-                    raise
-                if not isinstance(e, ActorFailure):
-                    raise
-                # a survivor died after the shrink: finishing the resize replaces it
+            while not self._resized(n, phases):  # an actor died during a grow: replaced, the grow tried again
+                pass
             self.finish()
             self._last_look = time.monotonic()  # an elastic engine grows again only resize_interval_s later
+
+    def _resized(self, n: int, phases: Phases) -> bool:
+        """One try at ``cluster.resize(n)``; False if an actor died during a grow, which left the engine as it
+        was: the dead are then replaced (a recovery, counted against ``max_failures``) for the next try."""
+        ledger, cluster = self.ledger, self.cluster
+        state = None
+        if n > self._old:  # worker 0's state, read while the new workers start: they build from it
+            source = cluster.workers[0]
+            state = source.get_state.remote()
+            ledger.recovery.early_state = source, state
+        self.joining = set()  # until finish is done, the next call finishes the resize
+        try:
+            cluster.resize(n, state, phases, ledger.fetch_stats)
+        except BaseException as e:
+            if cluster.topology.num_workers != n:  # a grow that failed: the engine is as it was
+                self.joining = ledger.recovery.early_state = None
+                if not isinstance(e, ActorFailure):
+                    raise
+                ledger.recover(e, [])
+                return False
+            if not isinstance(e, ActorFailure):
+                raise
+            # a survivor died after the shrink: finishing the resize replaces it
+        return True
 
     def grow_if_room(self) -> None:
         """An elastic engine below its maximum: at most every ``resize_interval_s``, grow into the room there is.
