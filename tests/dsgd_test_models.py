@@ -176,6 +176,19 @@ class FixedDataMomentumNet(TanhNet):
         return {self.x: x, self.y: y}
 
 
+def assert_job_replicas_identical_and_numpy_like(job: dict, replicas: list[tuple[int, int]]) -> None:
+    """A job's reported replicas (``job["replicas"]``) are bit-identical and equal ``numpy_step`` run from its
+    ``start`` weights for its ``steps``."""
+    got = [weights_from_json(r) for r in job["replicas"]]
+    for name in got[0]:
+        for other in got[1:]:
+            assert np.array_equal(other[name], got[0][name]), name
+    expected = {k: np.array(v, np.float64) for k, v in job["start"].items()}
+    for step in range(job["steps"]):
+        expected = numpy_step(expected, replicas, step)
+    assert_weights_close(got[0], expected)
+
+
 def numpy_momentum_run(weights: dict, replicas: list[tuple[int, int]], steps: int) -> dict:
     """``steps`` momentum-SGD steps on FixedDataMomentumNet's fixed batches."""
     return numpy_momentum_stages(weights, [(steps, replicas)])

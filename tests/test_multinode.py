@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from compression_runs import check_lockstep, tolerance
-from dsgd_test_models import (REPLICAS_2x1, assert_weights_close, numpy_momentum_run, numpy_step, run_job,
-                              weights_from_json)
+from dsgd_test_models import (REPLICAS_2x1, assert_job_replicas_identical_and_numpy_like, assert_weights_close,
+                              numpy_momentum_run, numpy_step, run_job, weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
@@ -73,14 +73,8 @@ def test_a_stream_that_ends_with_both_actors_alive_is_opened_anew_by_the_recover
 
 
 def test_replicas_are_identical_and_equal_the_numpy_reference(job):
-    replicas = [weights_from_json(r) for r in job["replicas"]]
-    assert len(replicas) == 2
-    for name in replicas[0]:
-        assert np.array_equal(replicas[1][name], replicas[0][name]), name
-    expected = {k: np.array(v, np.float64) for k, v in job["start"].items()}
-    for step in range(job["steps"]):
-        expected = numpy_step(expected, REPLICAS_2x1, step)
-    assert_weights_close(replicas[0], expected)
+    assert len(job["replicas"]) == 2
+    assert_job_replicas_identical_and_numpy_like(job, REPLICAS_2x1)
 
 
 def test_compressed_partitions_cross_nodes_within_16_bit_rounding_of_float32(job):

@@ -22,7 +22,7 @@ from dsgd.server.transports import Transports
 from dsgd.transport import ends, tls
 from dsgd.transport.ends import ObjectStoreServerEnd, ObjectStoreWorkerEnd, StreamWorkerEnd
 from dsgd.wire.partitions import VarSpec, plan_partitions, segments
-from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_step, run_job, weights_from_json
+from dsgd_test_models import REPLICAS_2x1, assert_job_replicas_identical_and_numpy_like, run_job
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "tls_job.py")
@@ -149,10 +149,4 @@ def test_on_a_two_node_cluster_with_rays_tls_the_streams_across_nodes_are_tls(tm
     for encryptions in job["encryption"]:
         assert encryptions and all(e is not None and e.startswith("TLSv1.3 ") for e in encryptions), encryptions
     assert sum(n for t in job["traffic"] for n in t.values()) == 3 * job["steps"]  # every partition crossed once a step
-    replicas = [weights_from_json(r) for r in job["replicas"]]
-    for name in replicas[0]:
-        assert np.array_equal(replicas[1][name], replicas[0][name]), name
-    expected = {k: np.array(v, np.float64) for k, v in job["start"].items()}
-    for step in range(job["steps"]):
-        expected = numpy_step(expected, REPLICAS_2x1, step)
-    assert_weights_close(replicas[0], expected)
+    assert_job_replicas_identical_and_numpy_like(job, REPLICAS_2x1)
