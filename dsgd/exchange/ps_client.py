@@ -99,10 +99,9 @@ class ParameterServerClient:
         network namespace, no route to the stream, or Ray's TLS is on and its files cannot make the stream's)."""
         partitions = [p for p, server in zip(self.layout, self.routes) if server == index]
         if "stream" in info:
-            contexts = tls.ray_contexts()
             return StreamWorkerEnd(info["stream"], info["slots"], partitions,
                                    min(self.startup_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s,
-                                   contexts and contexts.client)
+                                   tls.ray_client_context())
         return SharedMemoryWorkerEnd(shared_memory.attach(info["input"], writable=True),
                                      shared_memory.attach(info["mean"], writable=False), info["offsets"],
                                      info["slots"], partitions, signals.Channel(info["signal"], self.step_timeout_s))

@@ -135,9 +135,8 @@ class RelayLinks:
 
     def _stream(self, address: tuple[str, int, bytes], mean: Callable[[int, int], np.ndarray]) -> streams.Stream:
         """A stream to the server at ``address`` (over TLS if Ray's is on); OSError if it cannot be opened."""
-        contexts = tls.ray_contexts()
         return streams.Stream(address, mean, min(self.step_timeout_s, streams.CONNECT_TIMEOUT_S), self.step_timeout_s,
-                              self.generation, contexts and contexts.client)
+                              self.generation, tls.ray_client_context())
 
     def _answer_of(self, call: ray.ObjectRef, home: int):
         """``call``'s (to server ``home``) answer, waited for at most the step timeout."""

@@ -46,7 +46,7 @@ class Transports:
         if node_id is None or node_id == self.node_id or self.layout.slots != 1:
             return False
         try:
-            tls.ray_contexts()
+            tls.ray_server_context()
         except tls.TlsUnavailable as e:
             note_fallback(f"parameter server {self.server_index} offers no stream ({e})")
             return False
@@ -89,9 +89,8 @@ class Transports:
                     mean: Mean, relayed: Collection[int]) -> StreamServerEnd:
         """A stream end for ``key``'s pushes, with an input buffer of ``nbytes``: partition j's segments go to
         ``places[j]`` (``byte_places``)."""
-        contexts = tls.ray_contexts()
         return StreamServerEnd(self.server_index, key, self.host, nbytes, places, push, mean, self.step_timeout_s,
-                               relayed=relayed, tls_context=contexts and contexts.server)
+                               relayed=relayed, tls_context=tls.ray_server_context())
 
     def any_remote(self) -> bool:
         """Whether some worker reads its means through the object store."""

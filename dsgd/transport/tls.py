@@ -95,6 +95,18 @@ def ray_contexts() -> Contexts | None:
     return _contexts_of(os.environ[CERT], os.environ[KEY], os.environ[CA])
 
 
+def ray_server_context() -> ssl.SSLContext | None:
+    """A listening server's end of ``ray_contexts``: None with Ray's TLS off; TlsUnavailable as it says."""
+    made = ray_contexts()
+    return made and made.server
+
+
+def ray_client_context() -> ssl.SSLContext | None:
+    """A pushing end's of ``ray_contexts``: None with Ray's TLS off; TlsUnavailable as it says."""
+    made = ray_contexts()
+    return made and made.client
+
+
 def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool) -> TlsSocket:
     """``sock`` (connected) as a TLS connection, once the handshake is done within its timeout (which the
     connection keeps); OSError (ssl.SSLError) if the peer speaks no TLS or its certificate is refused."""
