@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import contextlib
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,17 @@ import tensorflow as tf
 import dsgd
 
 IN, HIDDEN, BATCH, LR = 5, 4, 6, 0.1
+
+
+@functools.cache
+def modules_a_user_imports() -> frozenset[str]:
+    """The modules a new process holds after ``import dsgd`` and a touch of its public names (DistributedSGD, Model,
+    KerasModel's module, get_dataset_shard): what importing dsgd costs a user. One process for every test asking."""
+    code = ("import json, sys, dsgd; dsgd.DistributedSGD, dsgd.Model, dsgd.get_dataset_shard, "
+            "dsgd.KerasModel.__module__; print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return frozenset(json.loads(out.stdout))
 
 
 def batch(worker_index: int, device_index: int, step: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ import argparse
 import ast
 import json
 import os
+import shlex
 import struct
 import subprocess
 import sys
@@ -115,30 +116,6 @@ def test_exchange_gradients_are_computed_by_tensorflow():
         assert np.all(g == g.flat[0]) and 0.5 <= g.flat[0] < 1.5
 
 
-def test_exchange_benchmark_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(ray_session, tmp_path):
-    out = tmp_path / "exchange.json"
-    result = exchange.main(["--shapes", "huge", "--scale", "0.001", "--warmup", "1", "--steps", "2",
-                            "--steady-warmup", "1", "--settle-s", "0", "--compression", "bf16", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert result["engine_kwargs"] == {}  # the engine's defaults
-    assert result["command"].startswith("python -m benchmarks.exchange --shapes huge")
-    (shape,) = result["shapes"]
-    assert shape["shape"] == "huge" and shape["tensors"] == 2 and not shape["interrupted"]
-    assert shape["num_parameter_servers"] >= 1 and shape["num_partitions"] >= 1
-    systems = ["floor", "ideal", "simple", "ps", "ps-bf16", "bound"]
-    assert shape["systems"] == systems
-    first_rounds = shape["order"][:18]  # 3 rounds of the 6 systems, each round starting one later
-    assert first_rounds == [*systems, *systems[1:], *systems[:1], *systems[2:], *systems[:2]]
-    for phase in ("first", "steady"):
-        summary = shape[phase]
-        assert summary["measured_steps"] == 2
-        assert set(summary["median_ms"]) == set(systems)
-        assert all(summary["ratios"][name] is not None for name in exchange.TARGETS if name not in ("ps/union", "ps-tf2/ps"))
-        assert summary["ratios"]["ps/union"] is None  # only the mnist shape has a union system
-    assert "| huge |" in result["table"] and "| ps-bf16 ms |" in result["table"]
-    assert "| ideal ms |" in result["table"] and "(ps − ideal)/bound" in result["table"]
-
-
 @pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget); the huge shape's runs by default
 def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_union_batch(ray_session, tmp_path):
     result = exchange.main(["--shapes", "mnist", "--batch-size", "8", "--warmup", "1", "--steps", "2",
@@ -152,7 +129,7 @@ def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_u
     assert "| mnist |" in result["table"] and "| union ms |" in result["table"] and "ps/union" in result["table"]
 
 
-@pytest.mark.parametrize("shape", ["huge", "mnist"])
+@pytest.mark.parametrize("shape", ["huge", pytest.param("mnist", marks=pytest.mark.slow)])  # huge by default (time)
 def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session, shape):
     args = argparse.Namespace(scale=0.001, num_workers=2, warmup=1, steps=2, traced=1, batch_size=8)
     record = step_breakdown.measure(shape, args, nodes=1)
@@ -268,7 +245,8 @@ def test_peers_run_interleaved(ray_session, tmp_path):
     assert "`python -m benchmarks.peers --model resnet50" in report
 
 
-def test_keras3_benchmark_steps_single_and_ps_interleaved(ray_session, tmp_path):  # one worker: under a minute
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget: 43 s)
+def test_keras3_benchmark_steps_single_and_ps_interleaved(ray_session, tmp_path):
     out = tmp_path / "keras3.json"
     result = keras3.main(["--image-size", "32", "--batch-size", "2", "--num-workers", "1", "--warmup", "1",
                           "--steps", "1", "--systems", "single", "ps", "--nan-policy", "ignore", "--out", str(out)])
@@ -318,7 +296,7 @@ def take_three_turns(turnstile) -> None:
     assert steps_taken == {0: 3, 1: 3}
 
 
-@pytest.mark.parametrize("strategy,num_workers", [("simple", 1), ("ps", 2)])
+@pytest.mark.parametrize("strategy,num_workers", [pytest.param("simple", 1, marks=pytest.mark.slow), ("ps", 2)])
 def test_dsgd_benchmark_cli(ray_session, tmp_path, strategy, num_workers):
     out = tmp_path / "run.json"
     record = resnet101.main(TINY + NAN_IGNORE + ["--num-workers", str(num_workers), "--strategy", strategy,
@@ -390,22 +368,40 @@ def test_benchmarks_start_as_scripts_and_modules(command, tmp_path):
     assert out.stdout.startswith("usage:")
 
 
-def test_a_benchmark_run_as_a_script_from_elsewhere_measures_and_writes_its_record(ray_session, tmp_path):
-    """The script path end to end (the other tests call each benchmark's main in this process): exchange.py
-    from another directory, joining this session's Ray, one measured round of a small shape."""
+def test_exchange_benchmark_run_as_a_script_from_elsewhere_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(
+        ray_session, tmp_path):
+    """exchange.py end to end as a user runs it (the other tests call each benchmark's main in this process): from
+    another directory, joining this session's Ray, the huge shape scaled down, every system interleaved."""
     out = tmp_path / "exchange.json"
-    args = [os.path.join(REPO_ROOT, "benchmarks", "exchange.py"), "--shapes", "tiny", "--tiny-count", "20",
-            "--warmup", "0", "--steps", "1", "--settle-s", "0", "--out", str(out),
-            "--address", ray.get_runtime_context().gcs_address]
+    args = [os.path.join(REPO_ROOT, "benchmarks", "exchange.py"), "--shapes", "huge", "--scale", "0.001",
+            "--warmup", "1", "--steps", "2", "--steady-warmup", "1", "--settle-s", "0", "--compression", "bf16",
+            "--out", str(out), "--address", ray.get_runtime_context().gcs_address]
     run = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    (shape,) = json.loads(out.read_text())["shapes"]
-    assert shape["shape"] == "tiny" and shape["tensors"] == 20
-    assert all(ms > 0 for ms in shape["first"]["median_ms"].values()) and "| tiny |" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["engine_kwargs"] == {}  # the engine's defaults
+    assert result["command"] == shlex.join([sys.executable, *args])  # the command that made it, as run
+    (shape,) = result["shapes"]
+    assert shape["shape"] == "huge" and shape["tensors"] == 2 and not shape["interrupted"]
+    assert shape["num_parameter_servers"] >= 1 and shape["num_partitions"] >= 1
+    systems = ["floor", "ideal", "simple", "ps", "ps-bf16", "bound"]
+    assert shape["systems"] == systems
+    first_rounds = shape["order"][:18]  # 3 rounds of the 6 systems, each round starting one later
+    assert first_rounds == [*systems, *systems[1:], *systems[:1], *systems[2:], *systems[:2]]
+    for phase in ("first", "steady"):
+        summary = shape[phase]
+        assert summary["measured_steps"] == 2
+        assert set(summary["median_ms"]) == set(systems) and all(ms > 0 for ms in summary["median_ms"].values())
+        assert all(summary["ratios"][name] is not None for name in exchange.TARGETS if name not in ("ps/union", "ps-tf2/ps"))
+        assert summary["ratios"]["ps/union"] is None  # only the mnist shape has a union system
+    for table in (result["table"], run.stdout):
+        assert "| huge |" in table and "| ps-bf16 ms |" in table
+        assert "| ideal ms |" in table and "(ps − ideal)/bound" in table
 
 
-def test_ray_train_peer(ray_session, tmp_path):  # about a minute: Ray Train's start-up
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget): a minute of Ray Train's start-up
+def test_ray_train_peer(ray_session, tmp_path):
     (record,) = peers.main(TINY + ["--num-workers", "2", "--systems", "raytrain",
                                    "--results-dir", str(tmp_path), "--no-plot"])
     check_record(record, "raytrain-mwms", num_workers=2)

@@ -6,8 +6,10 @@ n steps are known whichever workers averaged them, through a plan of steps,
 saves, a shrink and a grow, while a thread SIGKILLs workers and parameter
 servers (one, two at once, or one more during the recovery) at moments
 drawn from a seed. The seed is printed and named in every failure; set
-``DSGD_CHAOS_SEED`` to run that plan again. Default runs are short (the
-suite's budget); the ``slow`` soak runs every configuration longer.
+``DSGD_CHAOS_SEED`` to run that plan again. The default run is one short
+run across two nodes (relays, bf16, a resize, saves: the suite's time
+budget); the ``slow`` runs add the one-node configurations, short and as a
+longer soak. Every defect a run found has a deterministic test of its own.
 """
 
 import os
@@ -84,6 +86,7 @@ def test_any_workers_mean_of_the_slopes_is_the_slopes_and_a_step_more_or_less_sh
         assert faults.steps_shown(rounded, trajectory) == steps
 
 
+@pytest.mark.slow  # the suite's time budget: the default run keeps the two-node run, which has the most features
 @pytest.mark.parametrize("name", ["simple", "ps-backup"])
 def test_random_kills_on_one_node_lose_nothing(ray_session, name):
     check(one_node(name, **SHORT), SHORT["steps"], SHORT["count"], name)

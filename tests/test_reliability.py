@@ -2,7 +2,6 @@
 
 import functools
 import logging
-import os
 import time
 
 import numpy as np

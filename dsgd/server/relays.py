@@ -28,7 +28,7 @@ import ray
 from dsgd.common import timeline
 from dsgd.common.calls import peer_errors
 from dsgd.errors import DSGDError, StepAborted
-from dsgd.server.layout import Place, partial_sum, partial_sum_offsets
+from dsgd.server.layout import Place, partial_sum_offsets
 from dsgd.transport import object_store, streams, tls
 from dsgd.transport.answers import Forgotten
 from dsgd.transport.ends import ObjectStoreServerEnd, StreamServerEnd, connect_or_fall_back
