@@ -165,7 +165,12 @@ def test_keras_example_trains_on_its_ray_dataset_at_reduced_steps(ray_session):
                           "--address", ray.get_runtime_context().gcs_address],
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
+    # The last step's batch accuracy (training mode) shows the replicas learned: 0.98 in three runs by hand.
+    *_, trained = re.findall(r"60/60 .*accuracy ([0-9.]+)", out.stdout + out.stderr)
+    assert float(trained) > 0.75
+    # The test set runs in inference mode, on batch norm's moving statistics, which after 60 steps (momentum
+    # 0.99) have gone 45 % of the way from their start: 0.84-0.92 in three runs, 0.42 once. Ten classes: chance 0.1.
     accuracy = float(re.search(r"test accuracy ([0-9.]+) after 60 steps", out.stdout).group(1))
-    assert accuracy > 0.5  # ten classes: chance is 0.1
+    assert accuracy > 0.25
     # Its batch-norm layers build through a deprecated TensorFlow call; the workers keep that quiet.
     assert "is deprecated" not in out.stdout + out.stderr, out.stderr[-3000:]
