@@ -53,6 +53,25 @@ def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(ray_se
         assert_replicas_identical(sgd, 4)
 
 
+def test_a_model_that_reads_its_first_batch_at_build_gets_every_replicas_own_rows_on_two_devices(ray_session):
+    """A TF2Model, whose first ``get_batch()`` dsgd asks while it builds the replicas one after another: each
+    replica's first read waits for the epoch's start, which Ray Data holds until every replica has asked. Each
+    replica reads its own split, and every step trains on the batches read, the first at build."""
+    rows = 80  # 4 replicas x 20 rows: 2 steps an epoch
+    with engine(dm.row_id_tf2_creator(rows), {"train": ray_data.range(rows)}, num_workers=2, devices_per_worker=2,
+                startup_timeout_s=60) as sgd:  # without the epochs asked ahead: a DSGDTimeoutError here
+        for _ in range(3):
+            sgd.step()
+        seen = sgd.foreach_model(lambda model: model.split.seen)
+        assert [[len(ids) for ids in s] for s in seen] == [[2 * dm.BATCH, dm.BATCH]] * 4
+        assert_disjoint_equal_cover([s[0] for s in seen], rows)
+        w = np.zeros(2)
+        for step in range(3):  # step k: each replica's k-th batch
+            w = dm.numpy_step(w, [(s[0] + s[1])[step * dm.BATCH:(step + 1) * dm.BATCH] for s in seen], rows)
+        np.testing.assert_allclose(sgd.get_weights()["w"], w, rtol=1e-5)
+        assert_replicas_identical(sgd, 4)
+
+
 def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session):
     with engine(dm.keras_creator, {"train": dm.xy_dataset(240)}, num_workers=2, devices_per_worker=1, strategy="simple") as sgd:
         first = sgd.step(fetch_stats=True)

@@ -15,7 +15,12 @@ while ``model_creator`` builds it; ``get_dataset_shard`` reads that.
 
 A split starts an epoch only once every split has asked for it, so a worker
 given datasets asks its replicas for their batches concurrently
-(``WorkerConfig.feed_concurrently``).
+(``WorkerConfig.feed_concurrently``). A worker builds its replicas one after
+another, and a model may read its first batch while it is built (a
+``KerasModel`` in its constructor, a ``TF2Model`` in the ``get_batch()`` dsgd
+asks at build): so before the first replica is built, every replica's split
+has asked for its first epoch (``FirstEpochAskedAhead``), and each replica's
+first read finds it started once every worker has begun building.
 
 This module does not import ``ray.data`` (an optional extra) itself.
 """
@@ -191,19 +196,64 @@ class DatasetSplits:
         self._owner, self._splits = None, None
 
 
+class FirstEpochAskedAhead:
+    """A split's coordinator (Ray's actor handle) whose first ``start_epoch`` was asked when this was made.
+
+    Ray 2.60's split (``StreamSplitDataIterator``) asks its coordinator
+    ``start_epoch.remote(split_index)`` at each epoch's start and waits for the
+    answer, which comes once every split has asked. Put in place of the
+    split's coordinator, this answers the split's first ask with the one asked
+    ahead, and every later one (and every other call) through the coordinator.
+    """
+
+    def __init__(self, split: Any):
+        self._coordinator = split._coord_actor
+        self._first_epoch = self._coordinator.start_epoch.remote(split._output_split_idx)
+
+    @property
+    def start_epoch(self) -> "FirstEpochAskedAhead":
+        return self  # its ``remote`` is ``start_epoch.remote``
+
+    def remote(self, split_index: int) -> ray.ObjectRef:
+        """``start_epoch.remote(split_index)``: the first epoch's, asked ahead, then the coordinator's."""
+        first, self._first_epoch = self._first_epoch, None
+        return first if first is not None else self._coordinator.start_epoch.remote(split_index)
+
+    def __getattr__(self, name: str) -> Any:  # the coordinator's other methods; none of its private names
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._coordinator, name)
+
+
+def ask_first_epochs_ahead(splits: dict[str, list]) -> None:
+    """Every split of ``splits`` (name -> splits) asks for its first epoch now (``FirstEpochAskedAhead``)."""
+    for split in (s for named in splits.values() for s in named):
+        if not hasattr(split, "_coord_actor"):
+            raise TypeError(f"dsgd reads Ray Data through Ray 2.60's streaming splits; this Ray's are "
+                            f"{type(split).__name__}, without the coordinator dsgd asks for their first epoch")
+        split._coord_actor = FirstEpochAskedAhead(split)
+
+
 class ShardedModelCreator:
     """``model_creator`` with one worker's dataset splits: each replica is current while it is built.
 
     ``splits``: name -> this worker's replicas' splits, device order; None
-    when no datasets were given (``get_dataset_shard`` then says so).
+    when no datasets were given (``get_dataset_shard`` then says so). The
+    first call (the worker's first replica) has every split ask for its
+    first epoch ahead (``ask_first_epochs_ahead``), once: a retry of the
+    build (the TF2 way, after the graph's) reads the same first epochs.
     """
 
     def __init__(self, model_creator: Callable[[int, int], "Model"], splits: dict[str, list] | None):
         self.model_creator = model_creator
         self.splits = splits
+        self._asked_ahead = False
 
     def __call__(self, worker_index: int, device_index: int) -> "Model":
         global _current
+        if self.splits is not None and not self._asked_ahead:
+            ask_first_epochs_ahead(self.splits)
+            self._asked_ahead = True
         shards = None if self.splits is None else {name: s[device_index] for name, s in self.splits.items()}
         previous, _current = _current, _Replica(worker_index, device_index, shards)
         try:
