@@ -136,16 +136,31 @@ def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothin
 
 def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(ray_session, shared_engine):
     """Growing 2 -> 3: once the new worker is built, survivor 1 is killed as the workers take up the exchange of 3
-    (the servers planned anew); the resize goes on, replaces it from the other survivor's state and steps on.
+    (the servers planned anew), then the new worker while the survivor's replacement builds (found dead as the
+    workers connect to the servers started for it); the resize goes on, replaces both from the other survivor's
+    state and steps on.
     (After the other tests of ``shared_engine``, which expect its first workers.)"""
     sgd, _ = shared_engine
     run_steps(sgd, 1)
     weights, steps, failures = sgd.get_weights(), sgd.num_steps, sgd.failures
-    survivor = sgd.workers[1]
+    survivor, grown, cluster = sgd.workers[1], [], sgd._cluster
+    replace_dead = cluster.replace_dead
+
+    def kill_the_new_worker():
+        grown.append(sgd.workers[2])
+        kill(grown[0])
+
+    def replace_dead_killing_the_new_worker():  # once: the new worker dies while the survivor's replacement builds
+        cluster.replace_dead = replace_dead
+        before_first_wait(sgd, "build their models", kill_the_new_worker)
+        return replace_dead()
+
+    cluster.replace_dead = replace_dead_killing_the_new_worker
     before_first_wait(sgd, "change their exchange", lambda: kill(survivor))
     sgd.resize(3)
     assert is_dead(survivor) and sgd.workers[1] is not survivor
-    assert sgd.num_workers == 3 and sgd.failures == failures + 1
+    assert is_dead(grown[0]) and sgd.workers[2] is not grown[0]
+    assert sgd.num_workers == 3 and sgd.failures == failures + 2
     assert sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps] * 3
     assert_weights_close(sgd.get_weights(), weights)  # the replacement and the new worker hold the survivors' state
     assert_replicas_identical(sgd, 3)

@@ -120,8 +120,11 @@ class Resizer:
         """Every worker on the new count's exchange; those that replaced a worker dead meanwhile (``joining``)
         given the survivors' state."""
         ledger, recovery = self.ledger, self.ledger.recovery
+        failed = False  # an actor died in the last try: the dead are replaced first (again, if one dies meanwhile)
         while True:
             try:
+                if failed:
+                    self.joining |= self.cluster.replace_dead()
                 self.cluster.connect_exchange(self._phases)
                 with self._phases("resynchronize"):
                     ledger.num_steps = recovery.resynchronize(self.joining)
@@ -130,4 +133,4 @@ class Resizer:
                 return
             except ActorFailure as e:
                 recovery.count(e)
-                self.joining |= self.cluster.replace_dead()
+                failed = True
