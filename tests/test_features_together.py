@@ -36,12 +36,10 @@ DEVICES = 2
 ROWS = 600  # ray.data.range(ROWS): 10 steps an epoch for 6 replicas
 INTERVAL_S = 3600.0  # resize_interval_s: the test moves the engine's clock, not the wall clock
 
-# Two defects these tests found, not fixed yet (docs/features.md, "Not yet working together"):
+# A defect these tests found, not fixed yet (docs/features.md, "Not yet working together"):
 READS_AT_BUILD = ("a model that reads its first batch while it is built (a KerasModel, any TF2-way model) waits "
                   "at the Ray Data epoch's start for its worker's next replica, built after it: with 2 devices the "
                   "engine never finishes building (a DSGDTimeoutError after startup_timeout_s)")
-NAN_STEP_MOVES_KERAS3 = ("a Keras 3 model's weights change in a step skipped under nan_policy='skip' (with bf16, a "
-                         "backup worker and 2 devices; not diagnosed yet)")
 
 # run -> (model_creator, strategy, whether its models read a Ray Dataset)
 RUNS = {
@@ -62,7 +60,7 @@ def a_kernel(weights: dict) -> str:
     "tf1",
     pytest.param("tf1-simple", marks=pytest.mark.slow),  # each run takes 20 to 60 s: one in the default suite
     pytest.param("tf_keras", marks=pytest.mark.slow),
-    pytest.param("keras3", marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=NAN_STEP_MOVES_KERAS3)]),
+    pytest.param("keras3", marks=pytest.mark.slow),
     pytest.param("tf2", marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=READS_AT_BUILD)]),
 ])
 def test_every_feature_in_one_elastic_engine_keeps_the_replicas_identical(ray_session, tmp_path, caplog, run):
