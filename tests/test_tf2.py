@@ -328,7 +328,7 @@ def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_
         assert_every_variable_unchanged_by(sgd, sgd.warmup)
         good = sgd.get_weights()
         kernel = next(k for k in good if k.endswith("kernel"))
-        sgd.set_weights({kernel: np.full_like(good[kernel], np.nan)})
+        sgd.set_weights({**good, kernel: np.full_like(good[kernel], np.nan)})
         assert_every_variable_unchanged_by(sgd, lambda: sgd.step(fetch_stats=True))
         assert "skipped a step (nan_policy='skip')" in caplog.text
         sgd.set_weights(good)
