@@ -36,10 +36,6 @@ DEVICES = 2
 ROWS = 600  # ray.data.range(ROWS): 10 steps an epoch for 6 replicas
 INTERVAL_S = 3600.0  # resize_interval_s: the test moves the engine's clock, not the wall clock
 
-# A defect these tests found, not fixed yet (docs/features.md, "Not yet working together"):
-NAN_STEP_MOVES_KERAS3 = ("a Keras 3 model's weights change in a step skipped under nan_policy='skip' (with bf16, a "
-                         "backup worker and 2 devices; not diagnosed yet)")
-
 # run -> (model_creator, strategy, whether its models read a Ray Dataset)
 RUNS = {
     "tf1": (dm.row_id_creator(ROWS), "ps", True),
@@ -59,7 +55,7 @@ def a_kernel(weights: dict) -> str:
     "tf1",
     pytest.param("tf1-simple", marks=pytest.mark.slow),  # each run takes 20 to 60 s: one in the default suite
     pytest.param("tf_keras", marks=pytest.mark.slow),
-    pytest.param("keras3", marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=NAN_STEP_MOVES_KERAS3)]),
+    pytest.param("keras3", marks=pytest.mark.slow),
     pytest.param("tf2", marks=pytest.mark.slow),
 ])
 def test_every_feature_in_one_elastic_engine_keeps_the_replicas_identical(ray_session, tmp_path, caplog, run):

@@ -1,7 +1,9 @@
 """The TF2 way: Keras 3 models and dsgd.TF2Model, against an eager single-process reference."""
 
+import logging
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import tensorflow as tf
 
 import dsgd
 import tf2_test_models as m
+from dsgd.cluster import room
 from dsgd_test_models import actor_pids, kill, ps_actors
 
 STEPS = 3
@@ -128,6 +131,41 @@ def test_tf2_engine_resizes_and_trains_on_like_the_reference(ray_session):
         expected = regression_reference(expected, replicas(1, 1), 1, fixed=True)
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_tf2_elastic_engine_starts_at_max_goes_on_without_a_lost_worker_and_grows_back(ray_session, monkeypatch,
+                                                                                       caplog):
+    """num_workers=(1, 2): it starts at 2 (the session's Ray has room); worker 0 is lost while the node has room
+    for one worker only (its CPUs seen as 1, as after a node is lost), so the survivor goes on alone as worker 0,
+    still reading its own batches; with the room back, once resize_interval_s has passed it grows back to 2. Each
+    step averages the replicas alive at it, as the reference does, and the replicas stay identical."""
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    interval = 3600.0  # the test moves the engine's clock, not the wall clock
+    with dsgd.DistributedSGD(m.FixedRegression, num_workers=(1, 2), strategy="ps", resize_interval_s=interval,
+                             timeout_s=60, startup_timeout_s=60) as sgd:
+        assert sgd.num_workers == 2
+        start = sgd.get_weights()
+        expected = regression_reference(start, replicas(2, 1), 1, fixed=True)
+        assert sgd.step(fetch_stats=True)["num_replicas"] == 2
+        survivor = actor_pids(sgd.workers[1])
+        with monkeypatch.context() as patch:
+            real = room.live_node_resources
+            patch.setattr(room, "live_node_resources", lambda: {node: {**have, "CPU": 1.0}
+                                                                 for node, have in real().items()})
+            kill(sgd.workers[0])
+            assert sgd.step(fetch_stats=True)["num_replicas"] == 1
+        assert "going on with 1 workers" in caplog.text
+        assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == survivor
+        assert sgd.foreach_model(lambda model: model.worker_index) == [1]  # worker 1's batches, as worker 0
+        sgd.step()
+        expected = regression_reference(expected, [(1, 0)], 2, fixed=True)
+        sgd._ledger.resizer._last_look -= interval  # resize_interval_s has passed since the engine last looked
+        assert sgd.step(fetch_stats=True)["num_replicas"] == 2 and sgd.num_workers == 2
+        expected = regression_reference(expected, [(1, 0), (1, 0)], 1, fixed=True)  # the new worker 1 reads 1's
+        assert sgd.foreach_model(lambda model: model.worker_index) == [1, 1]
+        assert_replicas_identical(sgd)
+        for name, value in sgd.get_weights().items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_reference(ray_session):
@@ -256,6 +294,46 @@ def test_tf2_non_finite_mean_is_skipped_on_every_worker_under_nan_policy_skip(ra
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
         assert sgd.foreach_worker(lambda w: w.applied_steps_count()) == [3, 3]
+
+
+def every_variable(worker) -> list[dict[str, np.ndarray]]:
+    """Each of ``worker``'s replicas' variables: its weights (batch-norm statistics too) and its optimizer's."""
+    runtime = worker.runtime
+    return [{**{f"weights/{k}": v for k, v in weights.items()},
+             **{f"optimizer/{k}": v.numpy() for k, v in zip(runtime.names.optimizer, r.optimizer_vars)}}
+            for r, weights in zip(runtime.replicas, runtime.replica_weights())]
+
+
+def assert_every_variable_unchanged_by(sgd, action: Callable[[], Any]) -> None:
+    """``action()`` leaves every variable of every replica bit-identical (NaN equal to NaN)."""
+    before = sgd.foreach_worker(every_variable)
+    action()
+    after = sgd.foreach_worker(every_variable)
+    for worker_before, worker_after in zip(before, after, strict=True):
+        for replica_before, replica_after in zip(worker_before, worker_after, strict=True):
+            assert list(replica_after) == list(replica_before)
+            for name, value in replica_before.items():
+                np.testing.assert_array_equal(replica_after[name], value, err_msg=name)
+
+
+def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_as_it_was(ray_session, caplog):
+    """A Keras 3 model with batch normalization, whose forward pass writes its moving statistics, on 2 workers x 2
+    devices with Adam: a warmup, and a step whose mean is NaN (a kernel set to NaN) skipped under
+    nan_policy="skip", change no weight, statistic or optimizer variable (Adam's iteration and moments) of any
+    replica; the steps after them train on, the replicas identical."""
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    with dsgd.DistributedSGD(m.keras_creator("sequential", "adam"), num_workers=2, devices_per_worker=2,
+                             strategy="ps", nan_policy="skip") as sgd:
+        sgd.step()
+        assert_every_variable_unchanged_by(sgd, sgd.warmup)
+        good = sgd.get_weights()
+        kernel = next(k for k in good if k.endswith("kernel"))
+        sgd.set_weights({**good, kernel: np.full_like(good[kernel], np.nan)})
+        assert_every_variable_unchanged_by(sgd, lambda: sgd.step(fetch_stats=True))
+        assert "skipped a step (nan_policy='skip')" in caplog.text
+        sgd.set_weights(good)
+        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
+        assert_replicas_identical(sgd)
 
 
 def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path):

@@ -130,24 +130,24 @@ def _call(model: TF2Model, method: str, where: str, *args: Any) -> Any:
 def _variables(model: TF2Model, method: str, where: str) -> list:
     found = list(_call(model, method, where) or [])
     for v in found:
-        if not isinstance(_tf_variable(v), tf.Variable):
+        if not isinstance(tf_variable(v), tf.Variable):
             raise ModelCreatorError(
                 f"{type(model).__name__}.{method}() on {where} returned {type(v).__name__}, not a variable "
                 "(tf.Variable or a Keras variable on the TensorFlow backend)")
     return found
 
 
-def _tf_variable(v: Any) -> Any:
+def tf_variable(v: Any) -> Any:
     """The ``tf.Variable`` of ``v``: itself, or a Keras 3 variable's value."""
     return v if isinstance(v, tf.Variable) else getattr(v, "value", None)
 
 
 def _check_device(v: Any, where_device: str, where: str) -> None:
     wanted = tf.DeviceSpec.from_string(where_device)
-    have = tf.DeviceSpec.from_string(_tf_variable(v).device)
+    have = tf.DeviceSpec.from_string(tf_variable(v).device)
     if (have.device_type or "").upper() != wanted.device_type.upper() or have.device_index != wanted.device_index:
         raise ModelCreatorError(
-            f"variable {_name(v)!r} on {where} lives on {_tf_variable(v).device}, not the replica's device "
+            f"variable {_name(v)!r} on {where} lives on {tf_variable(v).device}, not the replica's device "
             f"{where_device}: create every variable inside model_creator, once per call (a model or "
             "variable made before, e.g. in the driver, or shared between replicas?)")
 

@@ -11,7 +11,11 @@ the op library, sends leaving as back-propagation makes the gradients) and
 the apply. Each is traced on its first use (the user's loss is checked
 then). The apply runs only once every check passed, on every replica:
 each replica's Keras optimizer applies the mean gradients, and the state
-variables (batch-norm statistics) take the mean values.
+variables (batch-norm statistics) take the mean values. The forward pass
+writes the state variables (a Keras layer assigns its statistics in its
+call): once read, they are put back as they were, before anything is
+exchanged or checked, so a step not applied (skipped or raised under
+``nan_policy``, a warmup) leaves every variable as it was.
 
 dsgd's own code is traced as it is (autograph off); the user's ``get_loss``
 is converted by autograph, as ``tf.function`` would.
@@ -35,7 +39,7 @@ from dsgd.worker.finite_checks import finite_tensors
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf2 import process, replicas as replica_builds
-from dsgd.worker.tf2.replicas import Names, Tf2Replica
+from dsgd.worker.tf2.replicas import Names, Tf2Replica, tf_variable
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +124,15 @@ class Tf2Runtime(ReplicaRuntime):
         for r, batch, user_loss in zip(self.replicas, batches, self._losses):
             where = f"worker {self.worker_index}, device {r.index}"
             with tf.device(r.device):
+                start = [tf.identity(v) for v in r.state_vars]  # read before the forward's writes
                 with tf.GradientTape() as tape:
                     loss, replica_metrics = _loss_and_metrics(user_loss(batch), where)
+                written = [tf.identity(v) for v in r.state_vars]  # read after them
                 grads = tape.gradient(loss, list(r.train_vars))
-                exchanged.append(_gradients(grads, r.train_vars, where, self.names)
-                                 + [tf.identity(v) for v in r.state_vars])  # read after the forward's writes
+                # Everything exchanged waits for the put-back: a check that fails (on any mean) comes after it.
+                with tf.control_dependencies(_put_back(r.state_vars, start)):
+                    exchanged.append([tf.identity(t) for t in _gradients(grads, r.train_vars, where, self.names)
+                                      + written])
             losses.append(tf.cast(loss, tf.float32))
             metrics.append(replica_metrics)
         names = sorted(metrics[0])
@@ -333,6 +341,13 @@ def _loss_and_metrics(result: Any, where: str) -> tuple[tf.Tensor, dict[str, tf.
         raise ModelCreatorError(f"get_loss(batch) on {where} must return a float loss, got {loss.dtype.name}")
     metrics = {k: tf.reduce_mean(tf.convert_to_tensor(v)) for k, v in metrics.items()}
     return loss, metrics
+
+
+def _put_back(variables: Sequence[Any], values: Sequence[tf.Tensor]) -> list[tf.Operation]:
+    """Assign each variable its value from the step's start (the ops): the forward's writes (batch-norm
+    statistics) are undone, so a step whose check fails, skipped or raised, or a warmup, leaves them as they
+    were; an applied step assigns their mean."""
+    return [tf_variable(v).assign(value, read_value=False) for v, value in zip(variables, values)]
 
 
 def _gradients(grads: Sequence[Any], variables: Sequence[Any], where: str, names: Names) -> list[tf.Tensor]:
