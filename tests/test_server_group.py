@@ -138,6 +138,11 @@ def test_at_every_point_of_a_round_each_node_pushes_to_a_different_node(resnet10
                                                for k in range(0, len(layout), len(group.nodes))]
         # A node's workers share an order: its relay has every copy of a partition at once.
         assert rounds == group.rounds[worker_nodes.index(worker_nodes[w])]
+        # Its own node's partitions last in every round: those its servers relay come before their own (their
+        # channels answer in order, relayed ones apart), else two nodes' answers could wait for each other.
+        for r in rounds:
+            own = [group.nodes[group.placement[j]] == worker_nodes[w] for j in r]
+            assert own == sorted(own), (w, r)
     for k in range(len(layout)):  # the k-th push of every node (its workers', or its relay's)
         targets = [group.nodes[group.placement[[j for r in group.rounds[w] for j in r][k]]]
                    for w in range(nodes)]  # workers 0..n-1: one on each node
@@ -146,15 +151,16 @@ def test_at_every_point_of_a_round_each_node_pushes_to_a_different_node(resnet10
             assert len({[j for r in group.rounds[w] for j in r][k] for w in range(nodes)}) == nodes
 
 
-def test_send_rounds_start_on_the_workers_node_and_go_round_the_ring():
+def test_send_rounds_go_round_the_ring_from_the_next_node_to_the_workers_own():
     placement = [0, 1, 2, 2, 1, 0, 0]  # rounds of 3: [0, 1, 2], [3, 4, 5], [6]
     servers = ["a", "b", "c"]
-    assert send_rounds(placement, servers, "a") == [[0, 1, 2], [5, 4, 3], [6]]
-    assert send_rounds(placement, servers, "b") == [[1, 2, 0], [4, 3, 5], [6]]
-    assert send_rounds(placement, servers, "c") == [[2, 0, 1], [3, 5, 4], [6]]
-    assert send_rounds(placement, servers, None) == send_rounds(placement, servers, "a")  # node not known
-    # Two servers on node a: its partitions go together.
-    assert send_rounds([0, 1, 2, 2, 1, 0], ["a", "b", "a"], "b") == [[1, 0, 2], [4, 3, 5]]
+    assert send_rounds(placement, servers, "a") == [[1, 2, 0], [4, 3, 5], [6]]
+    assert send_rounds(placement, servers, "b") == [[2, 0, 1], [3, 5, 4], [6]]
+    assert send_rounds(placement, servers, "c") == [[0, 1, 2], [5, 4, 3], [6]]
+    assert send_rounds(placement, servers, None) == send_rounds(placement, servers, "c")  # node not known
+    # Two servers on node a: its partitions go together, last on a's workers.
+    assert send_rounds([0, 1, 2, 2, 1, 0], ["a", "b", "a"], "b") == [[0, 2, 1], [3, 5, 4]]
+    assert send_rounds([0, 1, 2, 2, 1, 0], ["a", "b", "a"], "a") == [[1, 0, 2], [4, 3, 5]]
 
 
 def test_the_memory_servers_buffers_take_per_node_counts_a_mean_and_an_input_buffer_per_worker():

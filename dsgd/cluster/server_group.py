@@ -90,22 +90,26 @@ def send_rounds(placement: Sequence[int], server_nodes: Sequence[str], node: str
     partitions of the layout, each on its own server. Every worker pushes
     the rounds in layout order (back-propagation's), so partitions ready
     together leave together. Within a round it pushes first those summed on
-    its own node, then those of the next node on the ring of server nodes
-    (in ``server_nodes``' order), and so on round the ring. Were the order
-    the same on every worker, all of them would push one partition to one
-    server at once: that node's link would carry every other node's push
-    while the other links waited (incast). Rotated, at each point of a round
-    every node pushes to a different node. A node's workers share the order,
-    so the node's relay (``plan_relays``) has every copy of a partition at
-    once. A node without servers (``None``: not known) starts from the ring's
-    first node.
+    the next node on the ring of server nodes (in ``server_nodes``' order),
+    then the node after, and so on round the ring, its own node's last.
+    Were the order the same on every worker, all of them would push one
+    partition to one server at once: that node's link would carry every
+    other node's push while the other links waited (incast). Rotated, at
+    each point of a round every node pushes to a different node. A node's
+    workers share the order, so the node's relay (``plan_relays``) has every
+    copy of a partition at once. Own node's last: a worker's channel to a
+    server on its node is answered in order (``dsgd.transport.signals``),
+    except the partitions that server relays; with relayed partitions first
+    in every round, no answer of a round waits for a push queued behind it
+    on another node's channel. A node without servers (``None``: not known)
+    goes round from the ring's first node.
     """
     ring = list(dict.fromkeys(server_nodes))
-    own = ring.index(node) if node in ring else 0
+    own = ring.index(node) if node in ring else -1
     size = len(server_nodes)
 
-    def offset(j: int) -> int:
-        return (ring.index(server_nodes[placement[j]]) - own) % len(ring)
+    def offset(j: int) -> int:  # 1 for the next node, ..., len(ring) for its own
+        return (ring.index(server_nodes[placement[j]]) - own - 1) % len(ring) + 1
 
     return [sorted(range(start, min(start + size, len(placement))), key=lambda j: (offset(j), j))
             for start in range(0, len(placement), size)]
