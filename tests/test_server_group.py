@@ -54,6 +54,19 @@ def test_default_partition_size_gives_each_server_a_few_partitions_of_at_least_1
     assert default_partition_bytes(floats(250), 1) == MIN_PARTITION_BYTES
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.1, 0.05])
+def test_default_partitions_fill_whole_rounds_of_one_per_server(scale):
+    # At a tenth of ResNet-101, 8 servers got 17 partitions of at least 1 MiB: a last round of one, pushed by
+    # every worker into one node's link at once. Now 16.
+    from benchmarks.exchange import variable_shapes
+
+    specs = [VarSpec(name, tuple(shape), np.dtype(np.float32)) for name, shape in variable_shapes("resnet101", scale)]
+    for servers in range(1, 9):
+        count = len(plan_partitions(specs, default_partition_bytes(specs, servers)))
+        assert count % servers == 0 or count < servers, (servers, count)
+    assert len(plan_partitions(specs, default_partition_bytes(specs, 8))) == {1.0: 32, 0.1: 16, 0.05: 8}[scale]
+
+
 def test_default_splits_a_variable_only_across_servers():
     huge = floats(22_250_000, 22_250_000)  # two 89 MB variables
     assert len(plan_partitions(huge, default_partition_bytes(huge, 1))) == 2  # each whole
