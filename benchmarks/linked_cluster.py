@@ -162,6 +162,15 @@ class LinkedCluster:
                  "tc", "qdisc", "replace", "dev", node_end, "root", *tbf_args(gbit))
         self.link_gbit = gbit
 
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """Per node (1 first): the bytes its link has carried so far (out of the node, into it), from the
+        counters of the head's end of its veth (what it receives, what it sends)."""
+        def counter(device: str, name: str) -> int:
+            return int(Path(f"/sys/class/net/{device}/statistics/{name}").read_text())
+
+        return [(counter(head_end, "rx_bytes"), counter(head_end, "tx_bytes"))
+                for head_end, _ in map(self.veths, range(1, self.nodes + 1))]
+
     def start_ray(self, head_cpus: int, cpus_per_node: int, object_store_memory: int, dashboard: bool) -> None:
         """`ray start --block` for the head here and for every node in its namespace; connect this process."""
         ray_cli = str(Path(sys.executable).with_name("ray"))

@@ -35,6 +35,9 @@ less the floor's, M/B and 2(n-1)/n x M/B, the probe's rate, every
 process's CPU seconds per step (from /proc, charged to the system whose
 step ran), and, once everything is built, every process's RSS and each
 node's shared memory (memfd files, dsgd's buffers) against the plan's.
+With `--link-busy`, every link's byte counters are sampled every 20 ms:
+per system and link, the fraction of its measured steps' time the link
+carried at least 80 % of its rate each way, and its mean load.
 Writes benchmarks/results/scaling/scaling.json and scaling.png. Needs root
 and iproute2 (`ip`, `tc`). From the repository root:
 
@@ -48,12 +51,14 @@ if not __package__:  # run as `python benchmarks/scaling.py`
     import _repo_path  # noqa: F401
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -256,6 +261,69 @@ class Processes:
                 "mem_available_bytes": processes.meminfo_bytes("MemAvailable")}
 
 
+class LinkMonitor:
+    """Every link's byte counters sampled every ``SAMPLE_S`` in a thread while the systems run; each system's
+    measured steps timed, for how busy each link was during them (``busy``)."""
+
+    SAMPLE_S = 0.02
+    BUSY = 0.8  # a link is busy in a sample interval that carried at least this fraction of its rate
+
+    def __init__(self, cluster: LinkedCluster):
+        self.cluster = cluster
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
+        self.steps: dict[str, list[tuple[float, float]]] = defaultdict(list)  # system -> (start, end) of its steps
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="link monitor", daemon=True)
+
+    def __enter__(self) -> LinkMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * self.SAMPLE_S)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.SAMPLE_S):
+            self.samples.append((time.perf_counter(), self.cluster.link_bytes()))
+
+    def timed(self, system: str, step: Callable[[], float]) -> Callable[[], float]:
+        """``step``, its start and end kept as one of ``system``'s measured steps."""
+        def run() -> float:
+            start = time.perf_counter()
+            seconds = step()
+            self.steps[system].append((start, time.perf_counter()))
+            return seconds
+        return run
+
+    def busy(self, system: str) -> dict[str, dict[str, float]]:
+        """"node k" -> the fraction of ``system``'s measured steps' time its link was busy ("out", "in": carried
+        at least ``BUSY`` of its rate) and what it carried on average ("out mean", "in mean", of its rate)."""
+        rate = self.cluster.link_gbit * 1e9 / 8 * self.SAMPLE_S  # bytes in a sample interval at the link's rate
+        busy = np.zeros((self.cluster.nodes, 2))
+        carried = np.zeros((self.cluster.nodes, 2))
+        spans = 0
+        for (t0, before), (t1, after) in zip(self.samples, self.samples[1:]):
+            if any(start <= t0 and t1 <= end for start, end in self.steps[system]):
+                moved = (np.array(after) - np.array(before)) * self.SAMPLE_S / (t1 - t0)
+                busy += moved >= self.BUSY * rate
+                carried += moved / rate
+                spans += 1
+        spans = max(1, spans)
+        return {f"node {k + 1}": {"out": float(busy[k, 0] / spans), "in": float(busy[k, 1] / spans),
+                                  "out mean": float(carried[k, 0] / spans), "in mean": float(carried[k, 1] / spans)}
+                for k in range(self.cluster.nodes)}
+
+
+def print_link_busy(record: dict[str, Any]) -> None:
+    print(f"\n  links busy (>= {LinkMonitor.BUSY:.0%} of the rate), fraction of the measured steps' time, "
+          "per node out/in; mean carried:", flush=True)
+    for name, links in record["link_busy"].items():
+        print(f"  {name:9s} " + "  ".join(f"{node}: {v['out']:.2f}/{v['in']:.2f}" for node, v in links.items())
+              + f"   mean carried out {np.mean([v['out mean'] for v in links.values()]):.2f}, "
+              + f"in {np.mean([v['in mean'] for v in links.values()]):.2f}", flush=True)
+
+
 def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]],
                m_bytes: int) -> dict[str, Any]:
     """One cluster of ``cfg``: probe its links, run the systems, measure; its record."""
@@ -271,10 +339,14 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
         record["probe_gbit"] = {"min": min(rates), "max": max(rates)}
         print(f"  probe: {min(rates):.3f} - {max(rates):.3f} Gbit/s each way", flush=True)
         watch = Processes(cluster)
-        if cfg in args.in_turn:
-            times = run_in_turn(cfg, args, variables, watch, record)
-        else:
-            times = run_together(cfg, args, variables, watch, record)
+        with LinkMonitor(cluster) if args.link_busy else contextlib.nullcontext() as links:
+            measured = (lambda name, step: links.timed(name, watch.charged(name, step))) if links else watch.charged
+            if cfg in args.in_turn:
+                times = run_in_turn(cfg, args, variables, watch, measured, record)
+            else:
+                times = run_together(cfg, args, variables, watch, measured, record)
+        if links:
+            record["link_busy"] = {name: links.busy(name) for name in times}
     record["step_s"] = times
     record["median_ms"] = {name: statistics.median(t) * 1000 if t else None for name, t in times.items()}
     record["cpu_s_per_step"] = {name: watch.cpu_per_step(name) for name in times}
@@ -284,11 +356,16 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
                   exchange_ms={name: ms - floor if ms is not None and floor is not None else None
                                for name, ms in record["median_ms"].items() if name != "floor"})
     print_config(record)
+    if "link_busy" in record:
+        print_link_busy(record)
     return record
 
 
+Measured = Callable[[str, Callable[[], float]], Callable[[], float]]  # (system, step) -> the step, measured
+
+
 def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]], watch: Processes,
-                 record: dict[str, Any]) -> dict[str, list[float]]:
+                 measured: Measured, record: dict[str, Any]) -> dict[str, list[float]]:
     """Every system built and alive at once, then interleaved rounds; each system's measured step times."""
     systems: list[System] = []
     try:
@@ -300,7 +377,7 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
         _, warm_order, interrupted = common.run_rounds({s.name: s.step for s in systems}, args.warmup, args.warmup,
                                                        settle_s=args.settle_s)
         times, order, record["interrupted"] = ({s.name: [] for s in systems}, [], True) if interrupted else \
-            common.run_rounds({s.name: watch.charged(s.name, s.step) for s in systems}, args.steps,
+            common.run_rounds({s.name: measured(s.name, s.step) for s in systems}, args.steps,
                               settle_s=args.settle_s)
         record["order"] = warm_order + order
     finally:
@@ -310,7 +387,7 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
 
 
 def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]], watch: Processes,
-                record: dict[str, Any]) -> dict[str, list[float]]:
+                measured: Measured, record: dict[str, Any]) -> dict[str, list[float]]:
     """One system alive at a time, in rotating order, ``args.repeats`` times: built, stepped ``args.warmup`` +
     ``args.turn_steps`` times, closed."""
     times: dict[str, list[float]] = {name: [] for name in args.systems}
@@ -322,7 +399,7 @@ def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str
                 watch.refresh([system])
                 record["details"].setdefault(name, system.details())
                 record["memory"].append({"alive": [name], **watch.memory()})
-                step = watch.charged(name, system.step)
+                step = measured(name, system.step)
                 for k in range(args.warmup + args.turn_steps):
                     time.sleep(args.settle_s)
                     seconds = system.step() if k < args.warmup else step()
@@ -464,6 +541,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=0.1, help="pause before every step")
     p.add_argument("--probe-mb", type=float, default=16.0)
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
+    p.add_argument("--link-busy", action="store_true",
+                   help=f"sample every link's byte counters every {LinkMonitor.SAMPLE_S * 1000:.0f} ms; record per "
+                        "system how busy each link was during its measured steps")
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)

@@ -122,9 +122,10 @@ class SGDWorker:
         return self.runtime.build(model_creator, state)
 
     def connect(self, layout: list[partitions.Partition], placement: list[int], servers: list,
-                routes: list[int] | None = None) -> int:
+                routes: list[int] | None = None, rounds: list[list[int]] | None = None) -> int:
         """Exchange ``layout``'s partitions with ``servers`` (``placement[j]`` sums partition j; ``routes[j]``,
-        default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.cluster.server_group``).
+        default ``placement[j]``, is where this worker pushes it: its node's relay, ``dsgd.cluster.server_group``;
+        ``rounds``: the order it pushes them in, ``ParameterServerClient``).
 
         The first call (and the first after ``setup`` rebuilt the replicas)
         makes the "ps" exchange; later calls, after a server or worker was
@@ -132,18 +133,21 @@ class SGDWorker:
         through shared memory.
         """
         if self.client is None:
-            self.client, self.exchange = self._ps_exchange(layout, placement)
-        elif [s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement:
+            self.client, self.exchange = self._ps_exchange(layout, placement, rounds)
+        elif ([s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement
+              or (rounds is not None and rounds != self.client.rounds)):
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
         return self.client.connect(servers, routes)
 
-    def _ps_exchange(self, layout: list[partitions.Partition],
-                     placement: list[int]) -> tuple[ParameterServerClient, Exchange]:
-        """The "ps" exchange of ``layout`` and ``placement`` for this index and its client, built once."""
-        key = self.worker_index, tuple(layout), tuple(placement)  # what a "ps" exchange is built for
+    def _ps_exchange(self, layout: list[partitions.Partition], placement: list[int],
+                     rounds: list[list[int]] | None) -> tuple[ParameterServerClient, Exchange]:
+        """The "ps" exchange of ``layout``, ``placement`` and ``rounds`` for this index and its client, built
+        once."""
+        key = (self.worker_index, tuple(layout), tuple(placement),  # what a "ps" exchange is built for
+               None if rounds is None else tuple(map(tuple, rounds)))
         if key not in self._ps_exchanges:
             client = ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
-                                           self.config.startup_timeout_s)
+                                           self.config.startup_timeout_s, rounds)
             self._ps_exchanges[key] = client, registry.worker_half("ps", self.runtime, client)
         return self._ps_exchanges[key]
 
@@ -182,8 +186,10 @@ class SGDWorker:
         self.exchange = self._local_exchange()
 
     def prepare_exchange(self, kind: str, fetch_stats: bool, layout: list[partitions.Partition] | None = None,
-                         placement: list[int] | None = None, feed_names: Sequence[str] | None = None) -> None:
-        """Build the exchange of ``kind`` (for "ps": of ``layout`` and ``placement``) without taking it up, and
+                         placement: list[int] | None = None, rounds: list[list[int]] | None = None,
+                         feed_names: Sequence[str] | None = None) -> None:
+        """Build the exchange of ``kind`` (for "ps": of ``layout``, ``placement`` and ``rounds``, as ``connect``
+        takes them) without taking it up, and
         have TensorFlow plan its step (stats fetched or not) for the feeds of this worker's last step, or, for a
         worker that has not stepped yet, ``feed_names`` (a survivor's, ``step_feed_names``).
 
@@ -195,7 +201,7 @@ class SGDWorker:
         dropped: the step then runs as it would have.
         """
         if registry.needs_servers(kind):
-            exchange = self._ps_exchange(layout, placement)[1]
+            exchange = self._ps_exchange(layout, placement, rounds)[1]
         else:
             exchange = self._local_exchange(kind)
         feed_names = self.runtime.feed_names if self.runtime.feed_names is not None else feed_names

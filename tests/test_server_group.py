@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from dsgd.cluster import room
-from dsgd.cluster.server_group import ServerGroup, assign_partitions, home_for, plan_relays, plan_servers
+from dsgd.cluster.server_group import (ServerGroup, assign_partitions, home_for, plan_relays, plan_servers,
+                                       send_rounds)
 from dsgd.wire.partitions import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_partitions
 
 
@@ -51,6 +52,19 @@ def test_default_partition_size_gives_each_server_a_few_partitions_of_at_least_1
     assert default_partition_bytes(many, 1) == 44_500_000
     assert default_partition_bytes(many, 2) == 22_250_000
     assert default_partition_bytes(floats(250), 1) == MIN_PARTITION_BYTES
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.1, 0.05])
+def test_default_partitions_fill_whole_rounds_of_one_per_server(scale):
+    # At a tenth of ResNet-101, 8 servers got 17 partitions of at least 1 MiB: a last round of one, pushed by
+    # every worker into one node's link at once. Now 16.
+    from benchmarks.exchange import variable_shapes
+
+    specs = [VarSpec(name, tuple(shape), np.dtype(np.float32)) for name, shape in variable_shapes("resnet101", scale)]
+    for servers in range(1, 9):
+        count = len(plan_partitions(specs, default_partition_bytes(specs, servers)))
+        assert count % servers == 0 or count < servers, (servers, count)
+    assert len(plan_partitions(specs, default_partition_bytes(specs, 8))) == {1.0: 32, 0.1: 16, 0.05: 8}[scale]
 
 
 def test_default_splits_a_variable_only_across_servers():
@@ -118,6 +132,48 @@ def test_every_node_holds_servers_and_no_link_carries_more_than_its_share(resnet
     assert sorted(links) == names
     busiest = max(b for way in links.values() for b in way)
     assert busiest <= 1.03 * share, {node: [round(b / share, 3) for b in way] for node, way in links.items()}
+
+
+@pytest.mark.parametrize("nodes, workers_per_node", [(2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1), (4, 2)])
+def test_at_every_point_of_a_round_each_node_pushes_to_a_different_node(resnet101, nodes, workers_per_node):
+    # The scaling benchmark's cluster (as above). In lock-step, the k-th push of a round of every worker leaves
+    # at once; with one order on every worker they all went to one server (incast).
+    names = [f"node{k}" for k in range(nodes)]
+    worker_nodes = [node for k in range(workers_per_node) for node in names]  # SPREAD: worker w on node w % n
+    servers = plan_servers(worker_nodes, dict.fromkeys(names, 8), 1, None)
+    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers)))
+    group = ServerGroup(layout, servers[:len(layout)], len(worker_nodes), 30.0, worker_nodes=worker_nodes)
+    assert len(layout) % len(group.nodes) == 0  # whole rounds only: a partial round has fewer targets than nodes
+    for w, rounds in enumerate(group.rounds):
+        assert rounds == send_rounds(group.placement, group.nodes, worker_nodes[w])
+        # The rounds are assign_partitions' (the same partitions on every worker, in layout order), reordered.
+        assert [sorted(r) for r in rounds] == [list(range(k, k + len(group.nodes)))
+                                               for k in range(0, len(layout), len(group.nodes))]
+        # A node's workers share an order: its relay has every copy of a partition at once.
+        assert rounds == group.rounds[worker_nodes.index(worker_nodes[w])]
+        # Its own node's partitions last in every round: those its servers relay come before their own (their
+        # channels answer in order, relayed ones apart), else two nodes' answers could wait for each other.
+        for r in rounds:
+            own = [group.nodes[group.placement[j]] == worker_nodes[w] for j in r]
+            assert own == sorted(own), (w, r)
+    for k in range(len(layout)):  # the k-th push of every node (its workers', or its relay's)
+        targets = [group.nodes[group.placement[[j for r in group.rounds[w] for j in r][k]]]
+                   for w in range(nodes)]  # workers 0..n-1: one on each node
+        assert sorted(targets) == names, (k, targets)
+        if workers_per_node == 1:  # and so to a different server
+            assert len({[j for r in group.rounds[w] for j in r][k] for w in range(nodes)}) == nodes
+
+
+def test_send_rounds_go_round_the_ring_from_the_next_node_to_the_workers_own():
+    placement = [0, 1, 2, 2, 1, 0, 0]  # rounds of 3: [0, 1, 2], [3, 4, 5], [6]
+    servers = ["a", "b", "c"]
+    assert send_rounds(placement, servers, "a") == [[1, 2, 0], [4, 3, 5], [6]]
+    assert send_rounds(placement, servers, "b") == [[2, 0, 1], [3, 5, 4], [6]]
+    assert send_rounds(placement, servers, "c") == [[0, 1, 2], [5, 4, 3], [6]]
+    assert send_rounds(placement, servers, None) == send_rounds(placement, servers, "c")  # node not known
+    # Two servers on node a: its partitions go together, last on a's workers.
+    assert send_rounds([0, 1, 2, 2, 1, 0], ["a", "b", "a"], "b") == [[0, 2, 1], [3, 5, 4]]
+    assert send_rounds([0, 1, 2, 2, 1, 0], ["a", "b", "a"], "a") == [[1, 0, 2], [4, 3, 5]]
 
 
 def test_the_memory_servers_buffers_take_per_node_counts_a_mean_and_an_input_buffer_per_worker():

@@ -84,8 +84,9 @@ def _grow(cluster: Cluster, new: list[int], nodes: list[str], resized: Topology,
             group = plan_group(cluster.options, resized, cluster.signature.exchange, cluster.worker_nodes + nodes)
             cluster.server_slots.stage(group)
             feed_names = survivors[0].step_feed_names.remote()  # before it is busy preparing
-            preparing = [w.prepare_exchange.remote(resized.exchange, fetch_stats, group.layout, group.placement)
-                         for w in survivors]
+            preparing = [w.prepare_exchange.remote(resized.exchange, fetch_stats, group.layout, group.placement,
+                                                   group.rounds[i])
+                         for i, w in enumerate(survivors)]
         identities = cluster.calls.identify(cluster.workers[len(survivors):], f"new workers {new} to start")
     cluster.worker_nodes += [i.node_id for i in identities]
     with phases("build models"):
@@ -93,8 +94,8 @@ def _grow(cluster: Cluster, new: list[int], nodes: list[str], resized: Topology,
         cluster._build_models(rebuilt, state, new)
     if group is not None:
         preparing += [w.prepare_exchange.remote(resized.exchange, fetch_stats, group.layout, group.placement,
-                                                feed_names)
-                      for w in cluster.workers[len(survivors):]]
+                                                group.rounds[i], feed_names)
+                      for i, w in enumerate(cluster.workers[len(survivors):], len(survivors))]
         with phases("start servers"):
             cluster.calls.identify(group.actors, "the parameter servers to start")
     if not preparing:

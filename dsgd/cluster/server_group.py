@@ -8,7 +8,8 @@ workers placed there (``plan_servers``), and picks the partition size from
 the model and the server count (``dsgd.wire.partitions.default_partition_bytes``);
 partitions are spread over the servers by bytes (``assign_partitions``).
 Workers reach a server on their own node through shared memory, others
-down a stream (``dsgd.exchange.ps_client``). Node-local aggregation
+down a stream (``dsgd.exchange.ps_client``), each worker in an order of its
+own that spreads every moment's pushes over the nodes (``send_rounds``). Node-local aggregation
 (``plan_relays``): on a node with several workers, a server there sums their
 copies of each partition summed elsewhere and pushes one partial sum per
 partition and step across (``dsgd.server.relays.Relay``), down a stream of its own
@@ -82,6 +83,38 @@ def assign_partitions(layout: Sequence[Partition], num_servers: int) -> list[int
     return placement
 
 
+def send_rounds(placement: Sequence[int], server_nodes: Sequence[str], node: str | None) -> list[list[int]]:
+    """The partitions a worker on ``node`` pushes, round by round, each round in the order it pushes them.
+
+    A round is ``assign_partitions``'s: ``len(server_nodes)`` consecutive
+    partitions of the layout, each on its own server. Every worker pushes
+    the rounds in layout order (back-propagation's), so partitions ready
+    together leave together. Within a round it pushes first those summed on
+    the next node on the ring of server nodes (in ``server_nodes``' order),
+    then the node after, and so on round the ring, its own node's last.
+    Were the order the same on every worker, all of them would push one
+    partition to one server at once: that node's link would carry every
+    other node's push while the other links waited (incast). Rotated, at
+    each point of a round every node pushes to a different node. A node's
+    workers share the order, so the node's relay (``plan_relays``) has every
+    copy of a partition at once. Own node's last: a worker's channel to a
+    server on its node is answered in order (``dsgd.transport.signals``),
+    except the partitions that server relays; with relayed partitions first
+    in every round, no answer of a round waits for a push queued behind it
+    on another node's channel. A node without servers (``None``: not known)
+    goes round from the ring's first node.
+    """
+    ring = list(dict.fromkeys(server_nodes))
+    own = ring.index(node) if node in ring else -1
+    size = len(server_nodes)
+
+    def offset(j: int) -> int:  # 1 for the next node, ..., len(ring) for its own
+        return (ring.index(server_nodes[placement[j]]) - own - 1) % len(ring) + 1
+
+    return [sorted(range(start, min(start + size, len(placement))), key=lambda j: (offset(j), j))
+            for start in range(0, len(placement), size)]
+
+
 def plan_relays(layout: Sequence[Partition], placement: Sequence[int], server_nodes: Sequence[str],
                 worker_nodes: Sequence[str]) -> dict[int, dict[int, tuple[int, ...]]]:
     """Node-local aggregation: ``relays[j] = {server r: the workers whose copies of partition j r sums}``.
@@ -133,8 +166,9 @@ class ServerGroup:
         averages the first ``num_workers - backup_workers`` workers' pushes.
 
         ``worker_nodes[w]``: worker w's node, for node-local aggregation
-        (``plan_relays``); without it, or with backup workers, every worker
-        pushes every partition to its server.
+        (``plan_relays``; without it, or with backup workers, every worker
+        pushes every partition to its server) and the order of its pushes
+        (``send_rounds``; without it, the same on every worker).
         """
         self.layout = list(layout)
         self.nodes = list(nodes)
@@ -145,13 +179,17 @@ class ServerGroup:
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
         self.relays = self._plan_relays(worker_nodes)
+        # rounds[w]: worker w's pushes (``send_rounds``), kept through replacements (any order within rounds is
+        # safe; the order only spreads the links' load)
+        self.rounds = [send_rounds(self.placement, self.nodes, node)
+                       for node in (worker_nodes if worker_nodes is not None else [None] * num_workers)]
         self.generation = 0  # resets so far: every server of the group has it (``ParameterServer.reset``)
 
     def plan(self) -> tuple:
         """What the group was planned as: two groups of one plan are interchangeable (a server holds nothing
         across steps)."""
-        return (self.layout, self.nodes, self.placement, self.relays, self.num_workers, self.step_timeout_s,
-                self.backup_workers)
+        return (self.layout, self.nodes, self.placement, self.relays, self.rounds, self.num_workers,
+                self.step_timeout_s, self.backup_workers)
 
     def _plan_relays(self, worker_nodes: Sequence[str] | None) -> dict[int, dict[int, tuple[int, ...]]]:
         """``plan_relays``, where node-local aggregation applies: without backup workers (a node's partial sum

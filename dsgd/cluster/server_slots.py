@@ -129,5 +129,5 @@ class ServerSlots:
     def connect_workers(self, workers: Sequence) -> list:
         """Refs of every worker's ``connect`` to the current group."""
         group = self.current
-        return [w.connect.remote(group.layout, group.placement, group.actors, group.routes(i))
+        return [w.connect.remote(group.layout, group.placement, group.actors, group.routes(i), group.rounds[i])
                 for i, w in enumerate(workers)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,8 +82,8 @@ class PsWorkerPython(PsWorker):
         local_means, stats = runtime.compute(fetch_stats)
         try:
             with runtime.phase("pack and send"):
-                for partition in client.layout:
-                    client.send_gradients(partition, step_id, local_means, runtime.trace)
+                for j in itertools.chain(*client.rounds):
+                    client.send_gradients(client.layout[j], step_id, local_means, runtime.trace)
             with runtime.phase("receive"):
                 partition_means = [client.receive(partition, step_id, runtime.trace) for partition in client.layout]
         except BaseException:
@@ -104,26 +105,37 @@ class PsWorkerOps(PsWorker):
         into the runtime's step (a TF1 graph, or traced in a tf.function; see dsgd/ops): the global means (one
         tensor per exchange tensor) and their checks.
 
-        Sends run in layout order (each after the previous one) and receive
-        k waits for send k, so a worker blocks only on partitions that every
-        worker with a longer run of sends has already sent: whichever worker
-        has sent the least always gets its means, and no thread budget can
-        deadlock. The apply runs once every partition has arrived and passed
-        its non-finite check (one per partition, ``finite_partitions``).
+        Sends run one after another in the client's rounds
+        (``ParameterServerClient.rounds``: the same partitions in every
+        worker's round r, in an order of the worker's own), and a round's
+        receives wait for its last send; at most ``RECEIVE_THREADS`` receives
+        wait at once (receive k also waits for receive k - RECEIVE_THREADS),
+        so the sends always have threads. A worker thus waits only for
+        partitions of rounds it has sent whole, and which every worker that
+        has sent at least as many partitions has sent whole too: whichever
+        worker has sent the least always gets its means, and no thread budget
+        can deadlock. The apply runs once every partition has arrived and
+        passed its non-finite check (one per partition, ``finite_partitions``).
         """
         import tensorflow as tf  # only the op path builds TensorFlow ops; the exchange's logic needs none
 
         from dsgd import ops
         from dsgd.worker.finite_checks import finite_partitions
+        from dsgd.worker.tf1.session_config import RECEIVE_THREADS
 
         layout, runtime = self.client.layout, self.runtime
-        received, previous = [], []
-        for partition in layout:
-            with tf.control_dependencies(previous):
-                sent = ops.build_send(local_means, partition, self._send, [step_id])
-            with tf.control_dependencies([sent]):
-                received.append(ops.receive_partition(functools.partial(self._receive, partition), partition, [step_id]))
-            previous = [sent]
+        received: list[Any] = [None] * len(layout)
+        last_sent, receives = [], []  # the last send built; the receives built, in order
+        for in_round in self.client.rounds:
+            for j in in_round:
+                with tf.control_dependencies(last_sent):
+                    last_sent = [ops.build_send(local_means, layout[j], self._send, [step_id])]
+            for j in in_round:
+                earlier = [receives[-RECEIVE_THREADS]] if len(receives) >= RECEIVE_THREADS else []
+                with tf.control_dependencies(last_sent + earlier):
+                    received[j] = ops.receive_partition(functools.partial(self._receive, layout[j]), layout[j],
+                                                        [step_id])
+                receives.append(received[j])
         exchange = runtime.signature.exchange
         means = ops.unpack(received, layout, exchange)
         return means, finite_partitions(received, layout, exchange, runtime.trainable_count, runtime.config)

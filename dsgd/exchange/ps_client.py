@@ -40,8 +40,11 @@ class ParameterServerClient:
     """Pushes one worker's partitions to their servers and reads back the means."""
 
     def __init__(self, worker_index: int, layout: Sequence[Partition], placement: Sequence[int],
-                 step_timeout_s: float, startup_timeout_s: float):
-        """``placement[j]``: the index of the server that sums ``layout[j]``.
+                 step_timeout_s: float, startup_timeout_s: float, rounds: Sequence[Sequence[int]] | None = None):
+        """``placement[j]``: the index of the server that sums ``layout[j]``; ``rounds``: the partitions'
+        indices in the order this worker pushes them, round by round (the driver's
+        ``dsgd.cluster.server_group.send_rounds``; the same round sets on every worker), by default layout order,
+        a partition a round.
 
         ``step_timeout_s`` bounds each wait for a mean, ``startup_timeout_s``
         each wait for a server to attach.
@@ -50,6 +53,10 @@ class ParameterServerClient:
         self.averaged: dict[int, tuple[int, ...]] = {}  # partition -> the workers its last mean averaged
         self.layout = list(layout)
         self.placement = list(placement)
+        self.rounds = [[j] for j in range(len(self.layout))] if rounds is None else [list(r) for r in rounds]
+        if sorted(j for r in self.rounds for j in r) != list(range(len(self.layout))) or not all(self.rounds):
+            raise ValueError(f"worker {worker_index}'s send rounds {self.rounds} must hold every partition index "
+                             f"0..{len(self.layout) - 1} once, in non-empty rounds")
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.segments = [segments(partition) for partition in self.layout]

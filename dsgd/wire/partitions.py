@@ -134,12 +134,21 @@ def default_partition_bytes(specs: Sequence[VarSpec], num_servers: int) -> int:
     A variable is split only into as many pieces as there are servers: its
     pieces are ready at the same moment, so splitting gains only when they
     are summed in parallel, and a split variable costs a copy on receive.
+    Partitions fill whole rounds of one per server (``assign_partitions``):
+    a last round of fewer would have every worker push its few partitions
+    to the same few servers at once (8 servers, 17 partitions: all 7 other
+    nodes' pushes of the 17th into one node's link), so a count past a
+    multiple of the servers is rounded down to it with larger partitions.
     """
     servers = max(1, num_servers)
     total = sum(s.size * np.dtype(s.dtype).itemsize for s in specs)
     largest = max((s.size * np.dtype(s.dtype).itemsize for s in specs), default=0)
-    return max(MIN_PARTITION_BYTES, math.ceil(total / (PARTITIONS_PER_SERVER * servers)),
+    size = max(MIN_PARTITION_BYTES, math.ceil(total / (PARTITIONS_PER_SERVER * servers)),
                math.ceil(largest / servers))
+    count = math.ceil(total / size)
+    if count <= servers or count % servers == 0:
+        return size
+    return math.ceil(total / (count // servers * servers))
 
 
 def plan_partitions(specs: Sequence[VarSpec], grad_shard_bytes: int, compression: str | None = None) -> list[Partition]:
