@@ -13,24 +13,13 @@ import tensorflow as tf
 import dsgd
 import tf2_test_models as m
 from dsgd.cluster import room
-from dsgd_test_models import actor_pids, kill, ps_actors
+from dsgd_test_models import actor_pids, assert_replicas_identical, kill, ps_actors
 
 STEPS = 3
 
 
 def replicas(workers: int, devices: int) -> list[tuple[int, int]]:
     return [(w, d) for w in range(workers) for d in range(devices)]
-
-
-def assert_replicas_identical(sgd) -> None:
-    """Every variable of every replica (moving statistics included) bit-identical to worker 0, replica 0's."""
-    per_worker = sgd.foreach_worker(lambda w: w.runtime.replica_weights())
-    first = per_worker[0][0]
-    for worker in per_worker:
-        for replica in worker:
-            assert list(replica) == list(first)
-            for name in first:
-                np.testing.assert_array_equal(replica[name], first[name], err_msg=name)
 
 
 def run_against_reference(sgd, net_name: str, optimizer_name: str, workers: int, devices: int) -> list[dict]:
@@ -43,7 +32,7 @@ def run_against_reference(sgd, net_name: str, optimizer_name: str, workers: int,
         np.testing.assert_allclose(got[name], expected[name], rtol=2e-5, atol=2e-6, err_msg=name)
     # The first step's loss is the mean replica loss from the same weights (regularization counted once).
     assert stats[0]["loss"] == pytest.approx(losses[0], rel=1e-5)
-    assert_replicas_identical(sgd)
+    assert_replicas_identical(sgd, workers * devices)
     return stats
 
 
@@ -163,7 +152,7 @@ def test_tf2_elastic_engine_starts_at_max_goes_on_without_a_lost_worker_and_grow
         assert sgd.step(fetch_stats=True)["num_replicas"] == 2 and sgd.num_workers == 2
         expected = regression_reference(expected, [(1, 0), (1, 0)], 1, fixed=True)  # the new worker 1 reads 1's
         assert sgd.foreach_model(lambda model: model.worker_index) == [1, 1]
-        assert_replicas_identical(sgd)
+        assert_replicas_identical(sgd, 2)
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -182,7 +171,7 @@ def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_refe
         expected = regression_reference(start, replicas(2, 1), 3, fixed=True)
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
-        assert_replicas_identical(sgd)
+        assert_replicas_identical(sgd, 2)
 
 
 def test_a_keras3_creator_with_eager_only_code_before_the_model_trains(ray_session):
@@ -274,7 +263,7 @@ def test_tf2_backup_workers_timeline_and_logdir_work_together(ray_session, tmp_p
         sgd.step()
         stats = sgd.step(fetch_stats=True, write_timeline=str(tmp_path / "step.json"))
         assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1 and stats["mae"] > 0
-        assert_replicas_identical(sgd)
+        assert_replicas_identical(sgd, 3)
     _, spans = load_trace(tmp_path / "step.json")
     pushed = [w for w in range(3) if "send partition 0" in names(spans[f"worker {w}"])]
     assert len(pushed) >= 2  # the step's sends, from inside the traced TF2 step
@@ -333,7 +322,7 @@ def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_
         assert "skipped a step (nan_policy='skip')" in caplog.text
         sgd.set_weights(good)
         assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
-        assert_replicas_identical(sgd)
+        assert_replicas_identical(sgd, 4)
 
 
 def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path):
@@ -364,7 +353,7 @@ def test_keras_applications_with_batch_norm_train_with_identical_replicas(ray_se
         moved = {k for k in after if not np.array_equal(after[k], before[k])}
         assert trainable <= moved  # every trainable weight had a gradient applied
         assert any("moving_mean" in k for k in moved - trainable)  # and the statistics were averaged in
-        assert_replicas_identical(sgd)
+        assert_replicas_identical(sgd, 2)
 
 
 def test_the_readmes_keras3_model_runs_as_written_and_learns_its_target(ray_session, capsys):
