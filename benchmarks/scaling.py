@@ -331,13 +331,18 @@ class LinkMonitor:
                 for k, node in enumerate(nodes)}
 
 
+USED_LOAD = 0.01  # a link that carried less (of its rate, both ways) in a system's steps is not one it uses
+
+
 def print_link_busy(record: dict[str, Any]) -> None:
     print(f"\n  links busy (>= {LinkMonitor.BUSY:.0%} of the rate), fraction of the measured steps' time, "
           "per node out/in; mean carried:", flush=True)
     for name, links in record["link_busy"].items():
+        used = [v for v in links.values() if v["out mean"] + v["in mean"] >= USED_LOAD] or \
+            [{"out mean": 0.0, "in mean": 0.0}]
         print(f"  {name:9s} " + "  ".join(f"{node}: {v['out']:.2f}/{v['in']:.2f}" for node, v in links.items())
-              + f"   mean carried out {np.mean([v['out mean'] for v in links.values()]):.2f}, "
-              + f"in {np.mean([v['in mean'] for v in links.values()]):.2f}", flush=True)
+              + f"   mean carried (links used) out {np.mean([v['out mean'] for v in used]):.2f}, "
+              + f"in {np.mean([v['in mean'] for v in used]):.2f}", flush=True)
 
 
 def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]],
