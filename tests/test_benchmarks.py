@@ -443,7 +443,7 @@ def _scaling_record(nodes: int, per_node: int, exchange_s: dict[str, float]) -> 
 
 def test_scaling_verdicts_table_and_plot(tmp_path):
     records = [_scaling_record(2, 1, {"ps": 1.1, "ps-bf16": 0.6, "simple": 1.2, "raytrain": 1.5}),
-               _scaling_record(4, 1, {"ps": 1.6, "ps-bf16": 0.8, "simple": 1.3, "raytrain": 2.5}),
+               _scaling_record(4, 1, {"ps": 1.6, "ps-bf16": 0.8, "ps-servers": 1.1, "simple": 1.3, "raytrain": 2.5}),
                _scaling_record(8, 1, {"ps": 1.9, "ps-bf16": 1.0, "simple": 1.6, "raytrain": 3.0}),
                _scaling_record(4, 2, {"ps": 1.7, "ps-bf16": 0.9, "simple": 2.5, "raytrain": 4.0})]
     found = scaling.verdicts(records)
@@ -453,12 +453,14 @@ def test_scaling_verdicts_table_and_plot(tmp_path):
     lines = scaling.verdict_lines(found)
     assert lines[0] == "ps/(M/B): 2x1 1.10, 4x1 1.60, 8x1 1.90, 4x2 1.70 (misses <= 1.3)"
     assert lines[3] == "raytrain/ps at 8 nodes: 1.55 (meets >= 1.3)"
+    assert lines[4] == "ps-servers/(M/B): 4x1 1.10 (meets <= 1.3)"  # servers on nodes of their own
     assert "| 8x1 | ps | 2000 | 1900 | 1000 | 1750 | 1.90 | 0.240 | 0.50 | node 1: ps worker 0 0.50 |" in \
         scaling.config_rows(records[2])
     (ax,) = scaling.scaling_figure(records).axes
     lines_drawn = {line.get_label(): line for line in ax.get_lines()}
     assert list(lines_drawn["ps"].get_xdata()) == [2, 4, 8]
     assert list(lines_drawn["ps"].get_ydata()) == [1.1, 1.6, 1.9]
+    assert list(lines_drawn["ps-servers"].get_xdata()) == [4]
     assert list(lines_drawn["ps, 2 workers a node"].get_ydata()) == [1.7]
     assert list(lines_drawn["2(n-1)/n x M/B"].get_ydata()) == [1.0, 1.5, 1.75]
     assert list(lines_drawn["M/B"].get_ydata()) == [1.0, 1.0, 1.0]
