@@ -135,6 +135,25 @@ def test_relays_sum_each_node_with_several_workers_for_partitions_summed_elsewhe
     assert sent["a"] == sum(bf16[j].nbytes for j, by in group.relays.items() if 0 in by)
 
 
+def test_a_replacement_plans_every_workers_rounds_for_the_nodes_they_run_on_now(monkeypatch):
+    """A worker replaced onto the other node must push its new node's partitions last (own node first can
+    deadlock a relay: a chaos run timed out re-running a step so); the servers restart with the new relays."""
+    layout = plan_partitions([VarSpec("v", (4000,), np.dtype(np.float32))], 2000)  # 2 rounds of 2 partitions
+    group = ServerGroup(layout, ["a", "b"], 4, 30.0, worker_nodes=["a", "a", "b", "b"])
+    assert group.rounds[0] == send_rounds(group.placement, ["a", "b"], "a")
+    killed, started = [], []
+    monkeypatch.setattr("dsgd.cluster.server_group.ray.kill", killed.append)
+    monkeypatch.setattr(group, "start", lambda indices: started.extend(indices) or [])
+    group.actors = ["server a", "server b"]
+    group.replace([], ["b", "a", "b", "b"])  # worker 0 replaced on node b
+    assert group.worker_nodes == ["b", "a", "b", "b"]
+    assert group.rounds == [send_rounds(group.placement, ["a", "b"], node) for node in ["b", "a", "b", "b"]]
+    own_last = [[group.placement[j] for j in r] for r in group.rounds[0]]
+    assert all(r[-1] == 1 for r in own_last), own_last  # server 1 is on node b, now worker 0's own
+    assert group.relays == plan_relays(layout, group.placement, ["a", "b"], ["b", "a", "b", "b"])
+    assert sorted(started) == [0, 1] and killed == ["server a", "server b"]  # a new relay plan: every server anew
+
+
 @pytest.fixture(scope="module")
 def resnet101():
     """ResNet-101's gradients as the engine passes them (last layer first), float32."""

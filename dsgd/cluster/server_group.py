@@ -205,11 +205,7 @@ class ServerGroup:
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
         self.relays = self._plan_relays(worker_nodes)
-        # rounds[w]: worker w's pushes (``send_rounds``), kept through replacements (any order within rounds is
-        # safe; the order only spreads the links' load)
-        serverless = [node for node in dict.fromkeys(worker_nodes or ()) if node not in self.nodes]
-        self.rounds = [send_rounds(self.placement, self.nodes, node, serverless)
-                       for node in (worker_nodes if worker_nodes is not None else [None] * num_workers)]
+        self.rounds = self._plan_rounds(worker_nodes)
         self.generation = 0  # resets so far: every server of the group has it (``ParameterServer.reset``)
 
     def plan(self) -> tuple:
@@ -217,6 +213,14 @@ class ServerGroup:
         across steps)."""
         return (self.layout, self.nodes, self.placement, self.relays, self.rounds, self.num_workers,
                 self.step_timeout_s, self.backup_workers)
+
+    def _plan_rounds(self, worker_nodes: Sequence[str] | None) -> list[list[list[int]]]:
+        """``rounds[w]``: worker w's pushes in order (``send_rounds``), for its node and the servers' nodes now. Not
+        only a matter of the links' load: with relays, a worker that pushed its own node's partitions before the
+        relayed ones could deadlock (``send_rounds``), so a worker or server on another node needs new rounds."""
+        serverless = [node for node in dict.fromkeys(worker_nodes or ()) if node not in self.nodes]
+        return [send_rounds(self.placement, self.nodes, node, serverless)
+                for node in (worker_nodes if worker_nodes is not None else [None] * self.num_workers)]
 
     def _plan_relays(self, worker_nodes: Sequence[str] | None) -> dict[int, dict[int, tuple[int, ...]]]:
         """``plan_relays``, where node-local aggregation applies: without backup workers (a node's partial sum
@@ -317,10 +321,14 @@ class ServerGroup:
 
         ``worker_nodes``: the nodes of the (live) workers. If they change
         which servers relay what (``plan_relays``), every server is started
-        anew with the new plan (a server holds nothing across steps).
+        anew with the new plan (a server holds nothing across steps). The
+        workers' rounds are planned again for the nodes now (``_plan_rounds``):
+        a worker whose rounds changed builds its exchange anew (``dsgd.cluster.replacement``).
         """
         for j in dead:
             self.nodes[j] = home_for(self.nodes, j, worker_nodes if hosts is None else hosts)
+        self.worker_nodes = list(worker_nodes)
+        self.rounds = self._plan_rounds(worker_nodes)
         relays = self._plan_relays(worker_nodes)
         if relays != self.relays:
             self.relays, dead = relays, range(len(self.nodes))
