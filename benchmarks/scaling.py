@@ -60,6 +60,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import statistics
@@ -572,7 +573,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "system how busy each link was during its measured steps")
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--plot-from", type=Path, nargs="+", default=[],
+                   help="run nothing: plot the configs of these records (a later record's config replaces an "
+                        "earlier one's) into --out's .png")
     args = p.parse_args(argv)
+    if args.plot_from:
+        return args
     if "floor" not in args.systems:
         p.error("--systems needs floor: the exchange time is a step less the floor's")
     if ("ps-servers" in args.systems) != (args.server_nodes > 0):
@@ -581,8 +587,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def plot_records(paths: list[Path], png: Path) -> dict[str, Any]:
+    """``scaling_figure`` of the configs of several runs' records, each config (nodes x workers) from the last
+    record that has it; every record must share the link rate and scale. Returns which record gave each."""
+    chosen: dict[tuple[int, int], tuple[Path, dict[str, Any]]] = {}
+    for path in paths:
+        for record in json.loads(path.read_text())["configs"]:
+            chosen[record["nodes"], record["workers"]] = (path, record)
+    records = [record for _, (_, record) in sorted(chosen.items())]
+    if len({(r["link_gbit"], r["scale"]) for r in records}) > 1:
+        sys.exit("benchmarks.scaling --plot-from: the records differ in link rate or scale; plot them apart")
+    scaling_figure(records).savefig(png, dpi=PLOT_DPI, format="png")
+    sources = {f"{nodes}x{workers // nodes}": str(path) for (nodes, workers), (path, _) in sorted(chosen.items())}
+    print(f"plot written to {png} from " + ", ".join(f"{c}: {p}" for c, p in sources.items()))
+    return sources
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.plot_from:
+        return plot_records(args.plot_from, args.out.with_suffix(".png"))
     reason = missing_requirements()
     if reason:
         sys.exit(f"benchmarks.scaling: {reason}; nothing was started.")

@@ -464,3 +464,15 @@ def test_scaling_verdicts_table_and_plot(tmp_path):
     assert list(lines_drawn["ps, 2 workers a node"].get_ydata()) == [1.7]
     assert list(lines_drawn["2(n-1)/n x M/B"].get_ydata()) == [1.0, 1.5, 1.75]
     assert list(lines_drawn["M/B"].get_ydata()) == [1.0, 1.0, 1.0]
+
+
+def test_scaling_plots_several_runs_each_config_from_the_last_record_that_has_it(tmp_path):
+    old, new, other = tmp_path / "old.json", tmp_path / "new.json", tmp_path / "other.json"
+    old.write_text(json.dumps({"configs": [_scaling_record(2, 1, {"ps": 1.1}), _scaling_record(4, 1, {"ps": 2.1})]}))
+    new.write_text(json.dumps({"configs": [_scaling_record(4, 1, {"ps": 1.9, "ps-servers": 1.7})]}))
+    sources = scaling.main(["--plot-from", str(old), str(new), "--out", str(tmp_path / "plot.json")])
+    assert sources == {"2x1": str(old), "4x1": str(new)}
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other.write_text(json.dumps({"configs": [{**_scaling_record(8, 1, {"ps": 2.5}), "link_gbit": 1.0}]}))
+    with pytest.raises(SystemExit, match="differ in link rate or scale"):
+        scaling.main(["--plot-from", str(old), str(other), "--out", str(tmp_path / "plot.json")])
