@@ -151,7 +151,7 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
     # the new server.
     assert run["failures_after_server"] == 2 and any(run["relays_after_server"])
     assert_relays_push_down_streams(run["relays_after_server"], run["relay_transports_after_server"],
-                                     run["placement"])
+                                    run["placement"])
     replicas = [weights_from_json(r) for r in run["replicas"]]
     assert len(replicas) == 4
     for replica in replicas[1:]:

@@ -143,8 +143,8 @@ def reference_stages(net_name: str, optimizer_name: str, weights: dict[str, np.n
     loss_fn = loss_of(net_name)
     state = [v for v in net.non_trainable_weights]
     losses = []
-    steps = [replicas for count, replicas in stages for _ in range(count)]
-    for step, replicas in enumerate(steps):
+    schedule = [replicas for count, replicas in stages for _ in range(count)]  # each step's replicas
+    for step, replicas in enumerate(schedule):
         old = [v.numpy() for v in state]
         grads, new_state, step_losses = [], [], []
         for w, d in replicas:
