@@ -4,7 +4,7 @@ reference.
 
 tests/relays_job.py runs the engines one after another on a two-node cluster
 in a subprocess (``run_job``); see its docstring for the set-up. The default
-suite runs one job (about 90 s); the Ray Data run, another (its engine alone
+suite runs one job (about 100 s); the Ray Data run, another (its engine alone
 took 39 s), is marked slow. tests/test_multinode.py runs relays with TF1
 models (bf16, a checkpoint, faults).
 """
