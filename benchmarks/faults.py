@@ -304,8 +304,11 @@ class FaultInjector:
 
     def _choose(self, count: int, rng: random.Random) -> list[tuple[str, str, int]]:
         """Up to ``count`` of the engine's live actors, (label, actor id, pid), none the last live worker."""
+        # A killed process stays a zombie, which Ray lists alive, until its raylet reaps it: the pids this
+        # injector killed are dead, whatever Ray says (two kills moments apart took every worker).
+        killed = {pid for kill in self.kills for pid in kill.pids}
         live = [(label, actor_id, pid) for label, actor_id in engine_actors(self.sgd)
-                if (pid := live_pid(actor_id)) is not None]
+                if (pid := live_pid(actor_id)) is not None and pid not in killed]
         workers = [a for a in live if a[0].startswith("worker")]
         victims: list[tuple[str, str, int]] = []
         for _ in range(count):

@@ -9,6 +9,12 @@ way, like a full-duplex NIC on a switch; traffic between two worker nodes
 crosses both of their links. Nothing else is touched: traffic stays on
 those veths and loopback.
 
+With ``server_nodes=K`` (`--server-nodes`), K more nodes follow the worker
+nodes, each in its own namespace behind a link of the same rate, started
+with 0 CPUs and the custom resource ``SERVER_RESOURCE``: dsgd's parameter
+servers run there with ``server_resource`` (they reserve no CPU), and no
+worker of any system can (each needs a CPU).
+
 With ``tls=True`` (`--tls`) Ray encrypts its traffic, and dsgd's streams
 theirs: ``with_tls`` makes a CA and a certificate naming every node's
 address (``benchmarks.tls_files``) and runs the script again with Ray's TLS
@@ -58,6 +64,7 @@ PREFIX = "dsgd-ln"  # names of every namespace, veth and bridge made here (<= 15
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "169.254.77"  # link-local /24: .1 the head, .2 and up the other nodes
 START_TIMEOUT_S = 60.0
+SERVER_RESOURCE = "dsgd_server"  # the custom resource of the server nodes (dsgd's ``server_resource``)
 TLS_DIR_PREFIX = "dsgd-ln-tls-"  # the temp dir of the CA ``with_tls`` makes, deleted with the cluster
 
 
@@ -110,13 +117,26 @@ def tbf_args(gbit: float) -> list[str]:
 
 @dataclass
 class LinkedCluster:
-    """The nodes' names and addresses, and the running Ray processes; made by ``linked_cluster``."""
+    """The nodes' names and addresses, and the running Ray processes; made by ``linked_cluster``.
+
+    Nodes 1 to ``nodes`` are worker nodes, the ``server_nodes`` after them
+    the parameter servers' own.
+    """
 
     nodes: int
     link_gbit: float
     temp_dir: str
     port: int = field(default_factory=_free_port)
     processes: list[subprocess.Popen] = field(default_factory=list)
+    server_nodes: int = 0
+
+    @property
+    def linked(self) -> range:
+        """Every node behind a link (all but the head): the worker nodes, then the server nodes."""
+        return range(1, self.nodes + self.server_nodes + 1)
+
+    def is_server_node(self, node: int) -> bool:
+        return node > self.nodes
 
     @property
     def head_ip(self) -> str:
@@ -141,7 +161,7 @@ class LinkedCluster:
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
         _run("ip", "addr", "add", f"{self.head_ip}/24", "dev", BRIDGE)
         _run("ip", "link", "set", BRIDGE, "up")
-        for node in range(1, self.nodes + 1):
+        for node in self.linked:
             ns, (head_end, node_end) = self.namespace(node), self.veths(node)
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
@@ -155,7 +175,7 @@ class LinkedCluster:
 
     def set_link_gbit(self, gbit: float) -> None:
         """Every link limited to `gbit` Gbit/s each way (both veth ends' egress)."""
-        for node in range(1, self.nodes + 1):
+        for node in self.linked:
             head_end, node_end = self.veths(node)
             _run("tc", "qdisc", "replace", "dev", head_end, "root", *tbf_args(gbit))
             _run("ip", "netns", "exec", self.namespace(node),
@@ -163,16 +183,17 @@ class LinkedCluster:
         self.link_gbit = gbit
 
     def link_bytes(self) -> list[tuple[int, int]]:
-        """Per node (1 first): the bytes its link has carried so far (out of the node, into it), from the
+        """Per linked node (1 first, server nodes last): the bytes its link has carried so far (out of the node, into it), from the
         counters of the head's end of its veth (what it receives, what it sends)."""
         def counter(device: str, name: str) -> int:
             return int(Path(f"/sys/class/net/{device}/statistics/{name}").read_text())
 
         return [(counter(head_end, "rx_bytes"), counter(head_end, "tx_bytes"))
-                for head_end, _ in map(self.veths, range(1, self.nodes + 1))]
+                for head_end, _ in map(self.veths, self.linked)]
 
     def start_ray(self, head_cpus: int, cpus_per_node: int, object_store_memory: int, dashboard: bool) -> None:
-        """`ray start --block` for the head here and for every node in its namespace; connect this process."""
+        """`ray start --block` for the head here and for every node in its namespace (a server node with 0 CPUs
+        and ``SERVER_RESOURCE``); connect this process."""
         ray_cli = str(Path(sys.executable).with_name("ray"))
         common_args = [f"--object-store-memory={object_store_memory}", "--disable-usage-stats", "--block"]
         head = [ray_cli, "start", "--head", f"--node-ip-address={self.head_ip}", f"--port={self.port}",
@@ -183,10 +204,12 @@ class LinkedCluster:
         self._wait_for_head()
         common.start_ray(self.address, node_ip_address=self.head_ip)
         # One at a time: nodes starting together on one machine pick clashing ports.
-        for node in range(1, self.nodes + 1):
+        for node in self.linked:
+            role = ["--num-cpus=0", f"--resources={{\"{SERVER_RESOURCE}\": 1}}"] if self.is_server_node(node) else \
+                [f"--num-cpus={cpus_per_node}"]
             self._spawn(["ip", "netns", "exec", self.namespace(node), ray_cli, "start",
                          f"--address={self.address}", f"--node-ip-address={self.node_ip(node)}",
-                         f"--num-cpus={cpus_per_node}", *common_args])
+                         *role, *common_args])
             self._wait_for_nodes(node + 1)
 
     def _wait_for_nodes(self, count: int) -> None:
@@ -232,7 +255,7 @@ class LinkedCluster:
     def leftover_pids(self) -> list[int]:
         """Processes of this cluster still running: in its namespaces, or naming its temp dir or port."""
         pids = set()
-        for node in range(1, self.nodes + 1):
+        for node in self.linked:
             listed = subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True)
             pids.update(int(p) for p in listed.stdout.split())
         marks = (self.temp_dir.encode(), f"{self.head_ip}:{self.port}".encode())
@@ -246,7 +269,7 @@ class LinkedCluster:
 
     def remove_network(self) -> None:
         """Delete the namespaces (their veth ends, and so the pairs, go with them) and the bridge."""
-        remove_network(self.nodes)
+        remove_network(len(self.linked))
 
 
 def remove_network(nodes: int) -> None:
@@ -278,9 +301,9 @@ def with_tls(nodes: int, module: str, argv: list[str] | None) -> None:
 @contextlib.contextmanager
 def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: int = 1,
                    object_store_memory: int = 1 << 30, dashboard: bool = False,
-                   tls: bool = False) -> Iterator[LinkedCluster]:
-    """A running linked cluster of `nodes` worker nodes and a head, this process connected to it; with `tls`,
-    Ray's TLS on in every process of it, as it is in this one (``with_tls``).
+                   tls: bool = False, server_nodes: int = 0) -> Iterator[LinkedCluster]:
+    """A running linked cluster of `nodes` worker nodes, `server_nodes` server nodes and a head, this process
+    connected to it; with `tls`, Ray's TLS on in every process of it, as it is in this one (``with_tls``).
 
     Raises RuntimeError naming what is missing when the machine cannot make one.
     """
@@ -291,8 +314,8 @@ def linked_cluster(nodes: int, link_gbit: float, cpus_per_node: int, head_cpus: 
         raise RuntimeError("a linked cluster with TLS needs Ray's TLS on in this process before Ray is imported "
                            "(Ray reads it once): call `with_tls` first")
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"))
-    remove_network(nodes)
+    cluster = LinkedCluster(nodes, link_gbit, tempfile.mkdtemp(prefix="dsgd-ln-"), server_nodes=server_nodes)
+    remove_network(len(cluster.linked))
     try:
         with common.environment(**auth_mode()):
             cluster.make_network()
@@ -345,14 +368,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="worker nodes, each in its own namespace")
     parser.add_argument("--link-gbit", type=float, nargs="+", default=[1.0], help="link rates to measure in turn")
     parser.add_argument("--probe-mb", type=float, default=64.0, help="size of the object moved each way")
+    parser.add_argument("--server-nodes", type=int, default=0, help="server nodes after the worker nodes (0 CPUs, "
+                        f"resource {SERVER_RESOURCE!r})")
     parser.add_argument("--tls", action="store_true", help="Ray's TLS on, with a CA made for the cluster")
     args = parser.parse_args(argv)
     reason = missing_requirements()
     if reason:
         sys.exit(f"linked_cluster: {reason}; nothing was started.")
     if args.tls:
-        with_tls(args.nodes, "benchmarks.linked_cluster", argv)
-    with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1, tls=args.tls) as cluster:
+        with_tls(args.nodes + args.server_nodes, "benchmarks.linked_cluster", argv)
+    with linked_cluster(args.nodes, args.link_gbit[0], cpus_per_node=1, tls=args.tls,
+                        server_nodes=args.server_nodes) as cluster:
         for gbit in args.link_gbit:
             cluster.set_link_gbit(gbit)
             for ip, node_id in sorted(worker_node_ids().items()):

@@ -13,7 +13,11 @@ graph built by `benchmarks.resnet.resnet_v1`:
            its own; a step lasts until the slowest is done. What "ps" would
            reach if exchanging gradients cost nothing (target: "ps" >= 0.95x);
   ps-bf16  the same with compression="bf16": 16-bit partitions on the wire
-           (not run unless asked for: `--systems ... ps-bf16`).
+           (not run unless asked for: `--systems ... ps-bf16`);
+  ps-tf2   "ps" the TF2 way: the same ResNet, data and optimizer written as a
+           `dsgd.TF2Model` (`ResNetTF2Model`: eager variables, Keras 3's
+           momentum SGD, the step traced in a `tf.function`); its step time
+           over "ps"'s is reported (target <= 1.1; `--systems ... ps-tf2`).
 
 Every system is built first and kept alive; then they run in alternating
 rounds: in round r each system takes one step, in an order rotated by r, so
@@ -48,6 +52,7 @@ import functools
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -56,6 +61,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import ray
 import tensorflow as tf
 
@@ -64,11 +70,12 @@ import dsgd
 from benchmarks import common, resnet
 from benchmarks.resnet101 import DsgdRun
 
-SYSTEMS = ("single", "raytrain", "simple", "ps", "ideal", "ps-bf16")
+SYSTEMS = ("single", "raytrain", "simple", "ps", "ideal", "ps-bf16", "ps-tf2")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 SYSTEM_NAMES = {"single": "single-process", "raytrain": "raytrain-mwms", "simple": "dsgd-simple",
-                "ps": "dsgd-ps", "ideal": "dsgd-ideal", "ps-bf16": "dsgd-ps-bf16"}
+                "ps": "dsgd-ps", "ideal": "dsgd-ideal", "ps-bf16": "dsgd-ps-bf16", "ps-tf2": "dsgd-ps-tf2"}
 RATIO_PEERS = ("single", "raytrain", "simple", "ideal")  # the report's "vs" columns
+TF2_TARGET = 1.1  # "ps-tf2"'s median step over "ps"'s
 RAY_TRAIN_STOP_S = 120.0
 # TensorFlow's CPU allocator, one setting for every system: dsgd's workers default to the BFC pool
 # (dsgd/cluster/cluster.py), so the single process and Ray Train's workers get the same unless told otherwise.
@@ -189,17 +196,18 @@ def take_turns(turnstile: Any, rank: int, step: Callable[[], tuple[float, float]
 
 
 class VariableStore:
-    """TF2 variable getter for `resnet_v1`, filled in two phases.
+    """TF2 variable getter for `resnet_v1` of `model`, filled in two phases.
 
-    First, a forward pass in inference mode records every variable's spec
-    (returning zeros, so nothing is created or communicated); `create()` then
-    makes the tf.Variables, under whatever distribution strategy scope is
-    open; afterwards the getter returns those variables.
+    First, a forward pass in inference mode (at construction) records every
+    variable's spec, returning zeros, so nothing is created or communicated;
+    `create()` then makes the tf.Variables, under whatever distribution
+    strategy scope is open; afterwards the getter returns those variables.
     """
 
-    def __init__(self):
+    def __init__(self, model: str):
         self.specs: dict[str, tuple[list[int], resnet.Initializer, bool]] = {}
         self.variables: dict[str, tf.Variable] = {}
+        resnet.resnet_v1(tf.zeros([1, 32, 32, 3]), model, self, training=False)
 
     def __call__(self, name: str, shape: list[int], initializer: resnet.Initializer,
                  trainable: bool) -> tf.Variable | tf.Tensor:
@@ -221,6 +229,39 @@ class VariableStore:
     def trainable_variables(self) -> list[tf.Variable]:
         return [v for v in self.variables.values() if v.trainable]
 
+    @property
+    def moving_statistics(self) -> list[tf.Variable]:
+        """Batch norm's moving means and variances: the variables the training step writes, not trains."""
+        return [v for v in self.variables.values() if not v.trainable]
+
+
+class ResNetTF2Model(dsgd.TF2Model):
+    """dsgd's replica of `benchmarks.resnet101.ResNetModel` the TF2 way: the same `resnet_v1` on the same
+    in-graph synthetic ImageNet, its variables in a `VariableStore`, the same momentum SGD from Keras 3."""
+
+    def __init__(self, worker_index: int, device_index: int, model: str = "resnet101",
+                 batch_size: int = 32, image_size: int = 224):
+        self.model, self.batch_size, self.image_size = model, batch_size, image_size
+        self.store = VariableStore(model)
+        self.store.create()
+        self.optimizer = resnet.make_keras_optimizer()
+
+    def get_variables(self) -> list[tf.Variable]:
+        return self.store.trainable_variables
+
+    def get_state_variables(self) -> list[tf.Variable]:
+        return self.store.moving_statistics  # averaged after every step, as the TF1 way averages them
+
+    def get_optimizer(self) -> Any:
+        return self.optimizer
+
+    def get_batch(self) -> np.ndarray:
+        return np.zeros((1,), np.float32)  # the batch is drawn in the graph, as the TF1 model's
+
+    def get_loss(self, batch: tf.Tensor) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+        loss, accuracy = resnet.build_v1_replica(self.model, self.batch_size, self.image_size, self.store)
+        return loss, {"accuracy": accuracy}
+
 
 def prepare_ray_train_worker(config: dict[str, Any]) -> common.BenchConfig:
     """A Ray Train worker set up as dsgd's are, from `RayTrainRun`'s loop config: the benchmark's CPU allocator,
@@ -241,18 +282,15 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     cfg = prepare_ray_train_worker(config)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     replica_batch = cfg.batch_size * cfg.devices_per_worker
-    store = VariableStore()
-    resnet.resnet_v1(tf.zeros([1, 32, 32, 3]), cfg.model, store, training=False)
+    store = VariableStore(cfg.model)
     with strategy.scope():
         store.create()
         optimizer = resnet.make_optimizer()
     trainable = store.trainable_variables
 
     def replica_step() -> tf.Tensor:
-        images, labels = resnet.synthetic_imagenet(replica_batch, cfg.image_size)
         with tf.GradientTape() as tape:
-            logits = resnet.resnet_v1(images, cfg.model, store, training=True)
-            loss, _ = resnet.loss_and_accuracy(logits, labels)
+            loss, _ = resnet.build_v1_replica(cfg.model, replica_batch, cfg.image_size, store)
             # v1 optimizers sum the replicas' gradients: scale to get their mean.
             scaled_loss = loss / strategy.num_replicas_in_sync
         grads = tape.gradient(scaled_loss, trainable)
@@ -387,6 +425,10 @@ def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any
         return IdealRun(cfg, **engine_kwargs)
     if system == "ps-bf16":
         return DsgdRun(cfg, strategy="ps", compression="bf16", **engine_kwargs)
+    if system == "ps-tf2":
+        creator = functools.partial(ResNetTF2Model, model=cfg.model, batch_size=cfg.batch_size,
+                                    image_size=cfg.image_size)
+        return DsgdRun(cfg, strategy="ps", label=SYSTEM_NAMES[system], model_creator=creator, **engine_kwargs)
     return DsgdRun(cfg, strategy=system, **engine_kwargs)
 
 
@@ -419,9 +461,23 @@ def _ratio(record: dict[str, Any], peer: dict[str, Any] | None) -> str:
     return f"{record['images_per_sec_mean'] / peer['images_per_sec_mean']:.2f}"
 
 
+def median_step_s(record: dict[str, Any] | None) -> float | None:
+    """A record's median measured step in seconds; None without a record or a measured step."""
+    measured = record["step_times_s"][record["warmup"]:] if record else []
+    return statistics.median(measured) if measured else None
+
+
+def tf2_ratio(records: list[dict[str, Any]]) -> float | None:
+    """"ps-tf2"'s median step over "ps"'s (target <= TF2_TARGET); None unless both were measured."""
+    by_system = {r["system"]: r for r in records}
+    tf2, ps = (median_step_s(by_system.get(SYSTEM_NAMES[s])) for s in ("ps-tf2", "ps"))
+    return None if tf2 is None or ps is None else tf2 / ps
+
+
 def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir: Path,
                  command: str, cluster: str = "one node", allocator: str = "bfc") -> Path:
-    """A markdown table of images/s with ratios to the single process, Ray Train, dsgd "simple" and the ideal."""
+    """A markdown table of images/s with ratios to the single process, Ray Train, dsgd "simple" and the ideal;
+    "ps-tf2"'s step over "ps"'s if both ran."""
     by_system = {r["system"]: r for r in records}
     peers = [by_system.get(SYSTEM_NAMES[s]) for s in RATIO_PEERS]
     host = records[0]["host"] if records else {"cpu_model": "?", "cores": "?"}
@@ -447,6 +503,10 @@ def write_report(records: list[dict[str, Any]], cfg: common.BenchConfig, out_dir
     nodes = [f"{r['system']} on {len(set(r['worker_nodes']))} node(s)" for r in records if "worker_nodes" in r]
     if nodes:
         lines += ["", "dsgd workers: " + ", ".join(nodes) + "."]
+    ratio = tf2_ratio(records)
+    if ratio is not None:
+        verdict = "meets" if ratio <= TF2_TARGET else "misses"
+        lines += ["", f"ps-tf2/ps, median step: **{ratio:.2f}** ({verdict} the target <= {TF2_TARGET})."]
     lines += ["", f"Generated {time.strftime('%Y-%m-%d %H:%M')}.", ""]
     path = out_dir / "report.md"
     path.parent.mkdir(parents=True, exist_ok=True)

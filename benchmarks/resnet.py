@@ -3,8 +3,9 @@
 One graph-building function, `resnet_v1`, serves every benchmarked system.
 It never creates variables itself: it asks a *variable getter* for them, so
 the same code runs in tf.compat.v1 graph mode (`v1_get_variable`, used by the
-single-process baseline and by dsgd) and in TF2 style (a store of
-`tf.Variable`s, used by the Ray Train peer).
+single-process baseline and by dsgd's TF1 way) and in TF2 style (a store of
+`tf.Variable`s, `benchmarks.peers.VariableStore`, used by the Ray Train peer
+and by dsgd's TF2 way).
 
 Layout is NHWC (the fast layout on CPU). Batch norm uses
 `tf.compat.v1.nn.fused_batch_norm`. In training mode each batch-norm layer
@@ -23,9 +24,12 @@ not a recipe for accuracy.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    import keras
 
 BLOCKS_PER_STAGE = {
     "resnet50": (3, 4, 6, 3),
@@ -139,8 +143,18 @@ def make_optimizer() -> tf.compat.v1.train.Optimizer:
     return tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM)
 
 
-def build_v1_replica(model: str, batch_size: int, image_size: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """Graph mode: synthetic batch -> ResNet -> (loss, accuracy) in the current scopes."""
+def make_keras_optimizer() -> keras.optimizers.SGD:
+    """``make_optimizer``'s momentum SGD as a Keras 3 optimizer, for the TF2 way: the same learning rate and
+    momentum, the same update while the learning rate stays constant."""
+    import keras  # only where a TF2 model is built
+
+    return keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM)
+
+
+def build_v1_replica(model: str, batch_size: int, image_size: int,
+                     get_variable: VariableGetter = v1_get_variable) -> tuple[tf.Tensor, tf.Tensor]:
+    """A training replica: synthetic batch -> ResNet -> (loss, accuracy), its variables from ``get_variable``
+    (default: graph mode's, in the current scopes)."""
     images, labels = synthetic_imagenet(batch_size, image_size)
-    logits = resnet_v1(images, model, v1_get_variable, training=True)
+    logits = resnet_v1(images, model, get_variable, training=True)
     return loss_and_accuracy(logits, labels)

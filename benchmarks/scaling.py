@@ -12,6 +12,10 @@ each way; the head, with this driver, runs no worker) and on it:
             (servers beside the workers; with 2 workers a node, its
             servers sum the node's copies before they cross: relays);
   ps-bf16   the same with compression="bf16";
+  ps-servers  "ps" with its servers on `--server-nodes` nodes of their own
+            (``server_resource``: BytePS's layout; each behind a link of
+            the same rate, with 0 CPUs so that no worker of any system
+            runs there), one server on each by default;
   simple    dsgd, strategy="simple" (the driver averages);
   raytrain  Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy,
             the same workers all-reducing a gradient of the same variables
@@ -24,7 +28,8 @@ variable (1-D, that fraction of its elements) so that 8 nodes stay
 link-bound on this 2-core machine. M is one worker's float32 gradient
 bytes, B the link rate: "ps" moves M each way per worker with servers of
 their own, and each link 2(n-1)/n x M each way with the servers beside the
-workers (as here), what a ring all-reduce moves too.
+workers (as here), what a ring all-reduce moves too; "ps-servers" moves M
+each way on every worker node's link.
 
 The systems run interleaved (`common.run_rounds`: each takes a step in
 turn, the order rotated every round), all alive at once; with `--in-turn`
@@ -43,6 +48,7 @@ and iproute2 (`ip`, `tc`). From the repository root:
 
     .venv/bin/python benchmarks/scaling.py --link-gbit 0.1 --scale 0.2 --in-turn 8x1 4x2
     .venv/bin/python -m benchmarks.scaling --configs 2x1 --scale 0.05 --warmup 1 --steps 2   # a smoke run
+    .venv/bin/python -m benchmarks.scaling --configs 4x1 --server-nodes 4 --systems floor ps ps-servers raytrain
 """
 
 from __future__ import annotations
@@ -70,11 +76,13 @@ import tensorflow as tf
 
 import dsgd
 from benchmarks import common, exchange, peers, processes
-from benchmarks.linked_cluster import LinkedCluster, linked_cluster, measure_link, missing_requirements, worker_node_ids
+from benchmarks.linked_cluster import (SERVER_RESOURCE, LinkedCluster, linked_cluster, measure_link,
+                                       missing_requirements, worker_node_ids)
 
-SYSTEMS = ("floor", "ps", "ps-bf16", "simple", "raytrain")
+SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "simple", "raytrain")
 RESULTS = common.RESULTS_DIR / "scaling"
-TARGETS = {"ps/(M/B)": 1.3, "ps 8 nodes / 2 nodes": 1.15, "ps-bf16/ps": 0.6, "raytrain/ps at 8 nodes": 1.3}
+TARGETS = {"ps/(M/B)": 1.3, "ps 8 nodes / 2 nodes": 1.15, "ps-bf16/ps": 0.6, "raytrain/ps at 8 nodes": 1.3,
+           "ps-servers/(M/B)": 1.3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,10 +205,16 @@ def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config) -> Sys
     elif name == "floor":
         system = DsgdSystem(name, variables, 1)
     else:
+        extra = {"ps-bf16": {"compression": "bf16"}, "ps-servers": {"server_resource": SERVER_RESOURCE}}
         system = DsgdSystem(name, variables, cfg.workers, strategy="simple" if name == "simple" else "ps",
-                            **({"compression": "bf16"} if name == "ps-bf16" else {}))
+                            **extra.get(name, {}))
     print(f"  {name}: built in {time.perf_counter() - start:.1f} s", flush=True)
     return system
+
+
+def node_name(cluster: LinkedCluster, node: int) -> str:
+    """"node 3", or "server node 5" for a parameter servers' own node."""
+    return f"{'server ' * cluster.is_server_node(node)}node {node}"
 
 
 class Processes:
@@ -208,8 +222,8 @@ class Processes:
 
     def __init__(self, cluster: LinkedCluster):
         self.cluster = cluster
-        namespaces = {os.stat(f"/run/netns/{cluster.namespace(k)}").st_ino: f"node {k}"
-                      for k in range(1, cluster.nodes + 1)}
+        namespaces = {os.stat(f"/run/netns/{cluster.namespace(k)}").st_ino: node_name(cluster, k)
+                      for k in cluster.linked}
         self.node_of = lambda pid: namespaces.get(processes.network_namespace(pid), "head")
         self.names: dict[int, tuple[str, str]] = {}
         self.cpu: dict[str, dict[tuple[str, str], float]] = defaultdict(lambda: defaultdict(float))
@@ -300,8 +314,9 @@ class LinkMonitor:
         """"node k" -> the fraction of ``system``'s measured steps' time its link was busy ("out", "in": carried
         at least ``BUSY`` of its rate) and what it carried on average ("out mean", "in mean", of its rate)."""
         rate = self.cluster.link_gbit * 1e9 / 8 * self.SAMPLE_S  # bytes in a sample interval at the link's rate
-        busy = np.zeros((self.cluster.nodes, 2))
-        carried = np.zeros((self.cluster.nodes, 2))
+        nodes = list(self.cluster.linked)
+        busy = np.zeros((len(nodes), 2))
+        carried = np.zeros((len(nodes), 2))
         spans = 0
         for (t0, before), (t1, after) in zip(self.samples, self.samples[1:]):
             if any(start <= t0 and t1 <= end for start, end in self.steps[system]):
@@ -310,18 +325,24 @@ class LinkMonitor:
                 carried += moved / rate
                 spans += 1
         spans = max(1, spans)
-        return {f"node {k + 1}": {"out": float(busy[k, 0] / spans), "in": float(busy[k, 1] / spans),
-                                  "out mean": float(carried[k, 0] / spans), "in mean": float(carried[k, 1] / spans)}
-                for k in range(self.cluster.nodes)}
+        return {node_name(self.cluster, node): {"out": float(busy[k, 0] / spans), "in": float(busy[k, 1] / spans),
+                                                "out mean": float(carried[k, 0] / spans),
+                                                "in mean": float(carried[k, 1] / spans)}
+                for k, node in enumerate(nodes)}
+
+
+USED_LOAD = 0.01  # a link that carried less (of its rate, both ways) in a system's steps is not one it uses
 
 
 def print_link_busy(record: dict[str, Any]) -> None:
     print(f"\n  links busy (>= {LinkMonitor.BUSY:.0%} of the rate), fraction of the measured steps' time, "
           "per node out/in; mean carried:", flush=True)
     for name, links in record["link_busy"].items():
+        used = [v for v in links.values() if v["out mean"] + v["in mean"] >= USED_LOAD] or \
+            [{"out mean": 0.0, "in mean": 0.0}]
         print(f"  {name:9s} " + "  ".join(f"{node}: {v['out']:.2f}/{v['in']:.2f}" for node, v in links.items())
-              + f"   mean carried out {np.mean([v['out mean'] for v in links.values()]):.2f}, "
-              + f"in {np.mean([v['in mean'] for v in links.values()]):.2f}", flush=True)
+              + f"   mean carried (links used) out {np.mean([v['out mean'] for v in used]):.2f}, "
+              + f"in {np.mean([v['in mean'] for v in used]):.2f}", flush=True)
 
 
 def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]],
@@ -329,9 +350,11 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
     """One cluster of ``cfg``: probe its links, run the systems, measure; its record."""
     print(f"\n== {cfg}: {cfg.nodes} nodes, {cfg.per_node} worker(s) each, links {args.link_gbit:g} Gbit/s", flush=True)
     record: dict[str, Any] = {"config": str(cfg), "nodes": cfg.nodes, "workers": cfg.workers,
+                              "server_nodes": args.server_nodes,
                               "mode": "in turn" if cfg in args.in_turn else "interleaved", "details": {}, "memory": []}
     with linked_cluster(cfg.nodes, args.link_gbit, cpus_per_node=cfg.per_node * len(args.systems), head_cpus=0,
-                        object_store_memory=args.object_store_memory, dashboard="raytrain" in args.systems) as cluster, \
+                        object_store_memory=args.object_store_memory, dashboard="raytrain" in args.systems,
+                        server_nodes=args.server_nodes) as cluster, \
             common.environment(**{peers.ALLOCATOR_ENV: peers.ALLOCATORS["bfc"]}):
         rates = []
         for ip, node_id in sorted(worker_node_ids().items()):
@@ -445,11 +468,12 @@ def verdicts(records: list[dict[str, Any]]) -> dict[str, Any]:
     single = {r["nodes"]: r for r in records if r["workers"] == r["nodes"]}
     found: dict[str, Any] = {}
 
-    def ps_over_mb(r: dict[str, Any]) -> float | None:
-        ms = r["exchange_ms"].get("ps")
+    def over_mb(r: dict[str, Any], system: str = "ps") -> float | None:
+        ms = r["exchange_ms"].get(system)
         return None if ms is None else ms / r["m_over_b_ms"]
 
-    found["ps/(M/B)"] = {r["config"]: ps_over_mb(r) for r in records}
+    found["ps/(M/B)"] = {r["config"]: over_mb(r) for r in records}
+    found["ps-servers/(M/B)"] = {r["config"]: over_mb(r, "ps-servers") for r in records}
     if 2 in single and 8 in single and single[2]["exchange_ms"].get("ps") and single[8]["exchange_ms"].get("ps"):
         found["ps 8 nodes / 2 nodes"] = single[8]["exchange_ms"]["ps"] / single[2]["exchange_ms"]["ps"]
     found["ps-bf16/ps"] = {r["config"]: r["exchange_ms"]["ps-bf16"] / r["exchange_ms"]["ps"] for r in records
@@ -489,7 +513,7 @@ def scaling_figure(records: list[dict[str, Any]]):
     single = sorted((r for r in records if r["workers"] == r["nodes"]), key=lambda r: r["nodes"])
     nodes = [r["nodes"] for r in single]
     systems = [s for s in SYSTEMS if s != "floor" and any(r["exchange_ms"].get(s) is not None for r in records)]
-    colors = dict(zip(systems, ("tab:blue", "tab:cyan", "tab:orange", "tab:red")))
+    colors = dict(zip(systems, ("tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red")))
     for name in systems:
         points = [(r["nodes"], r["exchange_ms"][name] / 1000) for r in single if r["exchange_ms"].get(name)]
         if points:
@@ -539,6 +563,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="with --in-turn: turns of every system")
     p.add_argument("--turn-steps", type=int, default=3, help="with --in-turn: measured steps per turn")
     p.add_argument("--settle-s", type=float, default=0.1, help="pause before every step")
+    p.add_argument("--server-nodes", type=int, default=0,
+                   help="nodes of the parameter servers' own, after the worker nodes, for ps-servers")
     p.add_argument("--probe-mb", type=float, default=16.0)
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
     p.add_argument("--link-busy", action="store_true",
@@ -549,6 +575,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "floor" not in args.systems:
         p.error("--systems needs floor: the exchange time is a step less the floor's")
+    if ("ps-servers" in args.systems) != (args.server_nodes > 0):
+        p.error("ps-servers runs its parameter servers on nodes of their own: give --systems ps-servers and "
+                "--server-nodes K (K >= 1) together")
     return args
 
 

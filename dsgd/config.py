@@ -74,6 +74,7 @@ class Options:
     min_workers: int | None = None  # num_workers=(min, max): the elastic bounds; None: a fixed count
     max_workers: int | None = None
     resize_interval_s: float = 60.0  # elastic engines: how often, at most, to look for room to grow
+    server_resource: str | None = None  # "ps": the Ray custom resource of the nodes that hold the servers alone
 
     @classmethod
     def checked(cls, **given: Any) -> "Options":
@@ -117,6 +118,7 @@ class Options:
             min_workers=min_workers if isinstance(given["num_workers"], tuple) else None,
             max_workers=max_workers if isinstance(given["num_workers"], tuple) else None,
             resize_interval_s=_check_seconds("resize_interval_s", given["resize_interval_s"]),
+            server_resource=_check_server_resource(given.get("server_resource"), given["strategy"]),
         )
 
     @property
@@ -211,6 +213,22 @@ def _check_backup_workers(value: Any, strategy: str, num_workers: int) -> int:
         raise ValueError(f"backup_workers must be < num_workers (a step averages num_workers - backup_workers >= 1 "
                          f"workers), got backup_workers={value} with num_workers={num_workers}")
     return int(value)
+
+
+def _check_server_resource(value: Any, strategy: str) -> str | None:
+    """``server_resource``: None, or the name of a Ray custom resource with strategy "ps"."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"server_resource must be None or the name of a Ray custom resource (a non-empty str, "
+                         f"e.g. 'dsgd_server'), got {value!r}")
+    if value in ("CPU", "GPU", "memory", "object_store_memory") or value.startswith("node:"):
+        raise ValueError(f"server_resource must name a custom resource that marks the parameter servers' nodes "
+                         f"(started with ray start --resources='{{\"dsgd_server\": 1}}'), not Ray's own {value!r}")
+    if strategy != "ps":
+        raise ValueError(f"server_resource needs strategy='ps' (it places the parameter servers), got "
+                         f"server_resource={value!r} with strategy={strategy!r}")
+    return value
 
 
 def _check_seconds(name: str, value: Any) -> float:

@@ -137,6 +137,15 @@ class DistributedSGD:
             grow before a step, at most this often (counted from the start
             and from the last resize); a grow settles the step in flight and
             adds as many workers as fit.
+        server_resource: for "ps", the name of a Ray custom resource that
+            marks nodes of the parameter servers' own (e.g. CPU-only nodes
+            started with ``ray start --resources='{"dsgd_server": 1}'``):
+            the servers run only on live nodes that have it (spread round
+            robin; by default one for every 2 CPUs of each such node, at
+            least one), and workers never run there. Each worker node's link
+            then carries its pushes out and the means in, whatever the node
+            count (the performance guide, "Scaling out"). ``None``
+            (default): the servers run beside the workers.
 
     Raises:
         TypeError: ``model_creator`` is not callable, or an option has the
@@ -144,8 +153,10 @@ class DistributedSGD:
         ValueError: an option is out of range or does not fit the others
             (the message names the argument and what was expected), e.g.
             ``compression`` or ``backup_workers`` with ``strategy="simple"``,
-            ``all_reduce_alg="nccl"`` without ``gpu=True``, or an elastic
-            ``num_workers`` inside a Ray Tune trial.
+            ``all_reduce_alg="nccl"`` without ``gpu=True``, an elastic
+            ``num_workers`` or ``server_resource`` inside a Ray Tune trial,
+            ``server_resource`` with ``strategy="simple"``, or no live node
+            with ``server_resource``.
         ModelCreatorError: ``model_creator`` raised (its traceback is part of
             the message) or returned something unusable.
         WorkerMismatchError: replicas built variables that disagree in
@@ -181,6 +192,7 @@ class DistributedSGD:
         compression: str | None = None,
         backup_workers: int = 0,
         resize_interval_s: float = 60.0,
+        server_resource: str | None = None,
     ):
         if not callable(model_creator):
             raise TypeError(f"model_creator must be callable (worker_index, device_index) -> dsgd.Model, got {model_creator!r}")
@@ -190,11 +202,14 @@ class DistributedSGD:
             num_parameter_servers=num_parameter_servers, cpus_per_worker=cpus_per_worker, nan_policy=nan_policy,
             use_ops=use_ops, max_failures=max_failures, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
             logdir=logdir, batch_size=batch_size, compression=compression, backup_workers=backup_workers,
-            resize_interval_s=resize_interval_s)
+            resize_interval_s=resize_interval_s, server_resource=server_resource)
         datasets = data.check_datasets(datasets)
         if opts.elastic and placement.in_placement_group():
             raise ValueError(f"num_workers={num_workers!r}: an elastic engine cannot run inside a placement group "
                              "(a Ray Tune trial), whose bundles fix the workers; give an int")
+        if opts.server_resource is not None and placement.in_placement_group():
+            raise ValueError(f"server_resource={server_resource!r} cannot be used inside a placement group (a Ray "
+                             "Tune trial), whose bundles fix where the engine's actors run; leave it None")
         if strategy == "ps" and opts.num_workers == 1:
             logger.warning("strategy='ps' with num_workers=1 has no parameter servers to use: "
                            "the worker averages its replicas locally, as 'simple' does"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -109,6 +109,31 @@ def assert_replicas_identical(sgd, num_replicas: int) -> None:
     replicas = replica_weights(sgd)
     assert len(replicas) == num_replicas
     assert_all_identical(replicas)
+
+
+def every_variable(worker) -> list[dict[str, np.ndarray]]:
+    """Each of ``worker``'s replicas' variables (TF1 or TF2): its weights (batch-norm statistics too) and its
+    optimizer's."""
+    runtime = worker.runtime
+    if runtime.sess is None:  # the TF2 way: eager variables
+        optimizer = [{k: v.numpy() for k, v in zip(runtime.names.optimizer, r.optimizer_vars)}
+                     for r in runtime.replicas]
+    else:
+        optimizer = runtime.sess.run([dict(o) for o in runtime.worker_graph.state_vars["optimizer"]])
+    return [{**{f"weights/{k}": v for k, v in weights.items()}, **{f"optimizer/{k}": v for k, v in o.items()}}
+            for weights, o in zip(runtime.replica_weights(), optimizer, strict=True)]
+
+
+def assert_every_variable_unchanged_by(sgd, action: Callable[[], Any]) -> None:
+    """``action()`` leaves every variable of every replica bit-identical (NaN equal to NaN)."""
+    before = sgd.foreach_worker(every_variable)
+    action()
+    after = sgd.foreach_worker(every_variable)
+    for worker_before, worker_after in zip(before, after, strict=True):
+        for replica_before, replica_after in zip(worker_before, worker_after, strict=True):
+            assert list(replica_after) == list(replica_before)
+            for name, value in replica_before.items():
+                np.testing.assert_array_equal(replica_after[name], value, err_msg=name)
 
 
 def assert_all_identical(replicas: list[dict[str, np.ndarray]]) -> None:

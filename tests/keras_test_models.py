@@ -214,11 +214,11 @@ def kind_loss(kind: str):
     return "mse"
 
 
-def kind_creator(kind: str, worker_index: int, device_index: int) -> dsgd.KerasModel:
-    """model_creator body for ``functools.partial(kind_creator, kind)``."""
+def kind_creator(kind: str, worker_index: int, device_index: int, adam: bool = False) -> dsgd.KerasModel:
+    """model_creator body for ``functools.partial(kind_creator, kind)``; plain SGD, or Adam (optimizer state)."""
     batches = [kind_batch(kind, worker_index, device_index, step) for step in range(STEPS)]
-    return dsgd.KerasModel(BUILDERS[kind](), loss=kind_loss(kind),
-                           optimizer=tf.compat.v1.train.GradientDescentOptimizer(LR), batches=batches)
+    optimizer = tf.compat.v1.train.AdamOptimizer(LR) if adam else tf.compat.v1.train.GradientDescentOptimizer(LR)
+    return dsgd.KerasModel(BUILDERS[kind](), loss=kind_loss(kind), optimizer=optimizer, batches=batches)
 
 
 def graph_variable_names(kind: str) -> list[str]:

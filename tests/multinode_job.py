@@ -18,7 +18,10 @@ record, weights as nested lists; under "backup", the same for a run with a
 straggler held at a gate and one backup worker (``run_with_backup``); under "node_local",
 2 workers per node, whose partitions cross through each node's relay
 (``run_node_local``), and under "node_local_bf16" the same under bf16
-compression, each step's weights before and after (``run_node_local_bf16``).
+compression, each step's weights before and after (``run_node_local_bf16``); under
+"server_nodes", a third node joins marked with ``SERVER_RESOURCE`` and 2 workers
+step with the parameter servers on it alone, then through a killed server's
+recovery (``run_server_nodes``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedSt
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node
+SERVER_RESOURCE = "dsgd_server"
+# The servers' own node: 2 CPUs (room for a worker, were they not kept off it) -> one server by default.
+SERVER_NODE_ARGS = {**NODE_ARGS, "num_cpus": 2, "resources": {SERVER_RESOURCE: 1}}
 ENGINES = {FLOAT32: {}, "bf16": dict(compression="bf16", use_ops=True),
            "fp16-python": dict(compression="fp16", use_ops=False)}
 
@@ -212,12 +218,35 @@ def run_node_local_bf16() -> dict:
                 "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])]}
 
 
+def run_server_nodes(cluster) -> dict:
+    """A node marked with ``SERVER_RESOURCE`` joins; 2 workers step ``STEPS`` times with ``server_resource``, then
+    server 0 is killed and ``STEPS`` more run through the recovery. Where every actor ran, before and after."""
+    server_node = cluster.add_node(**SERVER_NODE_ARGS).node_id
+    cluster.wait_for_nodes()
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
+                             server_resource=SERVER_RESOURCE) as sgd:
+        start = set_start_weights(sgd)
+        for _ in range(STEPS):
+            sgd.step()
+        group = server_group(sgd)
+        result = {"server_node": server_node,
+                  "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
+                  "ps_nodes": [actor_node(ps) for ps in group.actors], "relays": relays_of(group),
+                  "transports": _transports(sgd), "start": _listed(start)}
+        kill(group.actors[0])
+        for _ in range(STEPS):
+            sgd.step()
+        return {**result, "failures": sgd.failures, "ps_nodes_after": [actor_node(ps) for ps in ps_actors(sgd)],
+                "replicas": [_listed(r) for r in replica_weights(sgd)]}
+
+
 def main() -> None:
-    with local_cluster(NODE_ARGS, NODE_ARGS), tempfile.TemporaryDirectory() as scratch:
+    with local_cluster(NODE_ARGS, NODE_ARGS) as cluster, tempfile.TemporaryDirectory() as scratch:
         result = run()
         result["backup"] = run_with_backup(scratch + "/gate")
         result["node_local"] = run_node_local(scratch + "/start.npz")
         result["node_local_bf16"] = run_node_local_bf16()
+        result["server_nodes"] = run_server_nodes(cluster)
     print(RESULT_PREFIX + json.dumps(result))
 
 

@@ -35,10 +35,16 @@ def case(message, **kwargs):
     case("startup_timeout_s must be a positive number of seconds, got -5", startup_timeout_s=-5),
     case("logdir must be a directory path \\(str\\) or None, got 3", logdir=3),
     case("batch_size must be an integer >= 1, got 0", batch_size=0),
+    case("server_resource must be None or the name of a Ray custom resource", server_resource=""),
+    case("server_resource must name a custom resource .* not Ray's own 'CPU'", server_resource="CPU"),
+    case("server_resource needs strategy='ps' .* got server_resource='dsgd_server' with strategy='simple'",
+         server_resource="dsgd_server", strategy="simple"),
     # Checked against the Ray cluster (8 CPUs, no GPU), still before any actor starts.
     case("gpu=True with 1 workers x 1 GPU.*largest Ray node has 0", gpu=True),
     case("each worker needs 64 CPU on one node, but the largest Ray node has 8", cpus_per_worker=64),
     case("needs 10 CPU in all, but the Ray cluster has 8", num_workers=5, cpus_per_worker=2),
+    case("server_resource='dsgd_server': no live Ray node has that resource, so the parameter servers have no "
+         "node of their own", num_workers=2, server_resource="dsgd_server"),
 ])
 def test_bad_arguments_fail_fast_naming_the_argument(ray_session, kwargs, message):
     before = known_actors()

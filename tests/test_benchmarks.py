@@ -57,8 +57,7 @@ def test_resnet_sizes_match_the_reference_models():
 
 
 def test_tf2_variable_store_runs_batch_norm_updates():
-    store = peers.VariableStore()
-    resnet.resnet_v1(tf.zeros([1, 32, 32, 3]), "resnet50", store, training=False)
+    store = peers.VariableStore("resnet50")
     store.create()
     moving_mean = store.variables["bn1/moving_mean"]
 
@@ -230,18 +229,20 @@ def test_soak_compares_the_first_and_last_sample():
 
 @pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget); Ray Train's peer runs by default
 def test_peers_run_interleaved(ray_session, tmp_path):
-    records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple", "ideal",
-                                              "--results-dir", str(tmp_path), "--no-plot"])
-    assert [r["system"] for r in records] == ["single-process", "dsgd-simple", "dsgd-ideal"]
+    records = peers.main(TINY + NAN_IGNORE + ["--num-workers", "1", "--systems", "single", "simple", "ideal", "ps",
+                                              "ps-tf2", "--results-dir", str(tmp_path), "--no-plot"])
+    systems = ["single-process", "dsgd-simple", "dsgd-ideal", "dsgd-ps", "dsgd-ps-tf2"]
+    assert [r["system"] for r in records] == systems
     for record in records:
         check_record(record, record["system"], num_workers=1)
-        assert record["run_order"] == ["single-process", "dsgd-simple", "dsgd-ideal",
-                                       "dsgd-simple", "dsgd-ideal", "single-process"]
+        assert record["run_order"] == systems + systems[1:] + systems[:1]
         assert json.loads((tmp_path / f"{record['system']}.json").read_text()) == record
-    assert records[1]["engine_kwargs"] == records[2]["engine_kwargs"] == {"nan_policy": "ignore"}  # the flags given
+    assert all(r["engine_kwargs"] == {"nan_policy": "ignore"} for r in records[1:])  # the flags given
     assert records[2]["engines"] == 1 and len(records[2]["worker_nodes"]) == 1  # one 1-worker engine per worker
+    assert records[4].keys() == records[3].keys() and records[4]["strategy"] == "ps"  # "ps" the TF2 way
     report = (tmp_path / "report.md").read_text()
-    assert "| single-process |" in report and "| dsgd-simple |" in report and "| dsgd-ideal |" in report
+    assert all(f"| {system} |" in report for system in systems)
+    assert "ps-tf2/ps, median step: **" in report
     assert "`python -m benchmarks.peers --model resnet50" in report
 
 
@@ -415,6 +416,10 @@ def test_report_and_plot(tmp_path):
     report = peers.write_report(records, cfg, tmp_path, "python -m benchmarks.peers").read_text()
     assert "`python -m benchmarks.peers`" in report
     assert "| dsgd-ps | 9.00 ± 1.41 | 2 | 1.12 | 1.50 | 1.38 | 1.12 |" in report
+    assert "ps-tf2/ps" not in report  # not run
+    tf2 = common.make_record("dsgd-ps-tf2", cfg, [1.0, 0.45, 0.4], False)  # median 0.425 s against "ps"'s 0.45 s
+    with_tf2 = peers.write_report(records + [tf2], cfg, tmp_path, "python -m benchmarks.peers").read_text()
+    assert "ps-tf2/ps, median step: **0.94** (meets the target <= 1.1)." in with_tf2
 
     (ax,) = peers.throughput_figure(records, cfg).axes
     (bars,) = [c for c in ax.containers if isinstance(c, BarContainer)]
@@ -438,7 +443,7 @@ def _scaling_record(nodes: int, per_node: int, exchange_s: dict[str, float]) -> 
 
 def test_scaling_verdicts_table_and_plot(tmp_path):
     records = [_scaling_record(2, 1, {"ps": 1.1, "ps-bf16": 0.6, "simple": 1.2, "raytrain": 1.5}),
-               _scaling_record(4, 1, {"ps": 1.6, "ps-bf16": 0.8, "simple": 1.3, "raytrain": 2.5}),
+               _scaling_record(4, 1, {"ps": 1.6, "ps-bf16": 0.8, "ps-servers": 1.1, "simple": 1.3, "raytrain": 2.5}),
                _scaling_record(8, 1, {"ps": 1.9, "ps-bf16": 1.0, "simple": 1.6, "raytrain": 3.0}),
                _scaling_record(4, 2, {"ps": 1.7, "ps-bf16": 0.9, "simple": 2.5, "raytrain": 4.0})]
     found = scaling.verdicts(records)
@@ -448,12 +453,14 @@ def test_scaling_verdicts_table_and_plot(tmp_path):
     lines = scaling.verdict_lines(found)
     assert lines[0] == "ps/(M/B): 2x1 1.10, 4x1 1.60, 8x1 1.90, 4x2 1.70 (misses <= 1.3)"
     assert lines[3] == "raytrain/ps at 8 nodes: 1.55 (meets >= 1.3)"
+    assert lines[4] == "ps-servers/(M/B): 4x1 1.10 (meets <= 1.3)"  # servers on nodes of their own
     assert "| 8x1 | ps | 2000 | 1900 | 1000 | 1750 | 1.90 | 0.240 | 0.50 | node 1: ps worker 0 0.50 |" in \
         scaling.config_rows(records[2])
     (ax,) = scaling.scaling_figure(records).axes
     lines_drawn = {line.get_label(): line for line in ax.get_lines()}
     assert list(lines_drawn["ps"].get_xdata()) == [2, 4, 8]
     assert list(lines_drawn["ps"].get_ydata()) == [1.1, 1.6, 1.9]
+    assert list(lines_drawn["ps-servers"].get_xdata()) == [4]
     assert list(lines_drawn["ps, 2 workers a node"].get_ydata()) == [1.7]
     assert list(lines_drawn["2(n-1)/n x M/B"].get_ydata()) == [1.0, 1.5, 1.75]
     assert list(lines_drawn["M/B"].get_ydata()) == [1.0, 1.0, 1.0]

@@ -54,13 +54,14 @@ def test_a_workers_session_runs_on_its_cpus_and_its_idle_threads_sleep():
     """Threads: the worker's CPUs for each op, RECEIVE_THREADS more for the receives that wait; idle threads do
     not spin (they would take the cores the parameter servers share); only the subgraph a run needs is placed."""
     from dsgd.worker.tf1 import session_config
+    from dsgd.worker.runtime import RECEIVE_THREADS
     from dsgd.config import WorkerConfig
 
     config = WorkerConfig(exchange="ps", devices_per_worker=2, gpu=False, all_reduce_alg="simple", cpus_per_worker=3,
                           step_timeout_s=10, startup_timeout_s=10)
     proto = session_config.session_config(config)
     assert proto.intra_op_parallelism_threads == 3
-    assert proto.inter_op_parallelism_threads == 3 + session_config.RECEIVE_THREADS
+    assert proto.inter_op_parallelism_threads == 3 + RECEIVE_THREADS
     assert proto.experimental.disable_thread_spinning and proto.graph_options.place_pruned_graph
     assert proto.device_count["CPU"] == 2 and proto.device_count["GPU"] == 0
 

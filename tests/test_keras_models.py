@@ -3,6 +3,7 @@ subclassed and nested models, batch norm, dropout, regularizers, several inputs 
 and tf_keras.applications models."""
 
 import functools
+import logging
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import tf_keras
 
 import dsgd
 import keras_test_models as km
-from dsgd_test_models import REPLICAS_2x1, assert_replicas_identical, assert_weights_close
+from dsgd_test_models import (REPLICAS_2x1, assert_every_variable_unchanged_by, assert_replicas_identical,
+                              assert_weights_close)
 
 WORKERS = 2
 
@@ -54,6 +56,26 @@ def test_model_with_batch_norm_trains_and_every_replica_keeps_identical_variable
     # normalization subtracts the batch mean, so that bias has a zero gradient.
     unchanged = [name for name in got if np.array_equal(got[name], start[name])]
     assert unchanged == [bias_before_bn]
+
+
+def test_batch_norm_statistics_are_unchanged_by_a_warmup_and_a_skipped_step(ray_session, caplog):
+    """The TF1 way's batch-norm updates run in the step's forward pass: on 2 workers x 2 devices with Adam, a
+    warmup, and a step whose mean is NaN (a kernel set to NaN) skipped under nan_policy="skip", change no
+    weight, moving statistic or optimizer variable of any replica; the steps after them train on, the replicas
+    identical."""
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    with dsgd.DistributedSGD(functools.partial(km.kind_creator, "sequential_input_layer_bn", adam=True),
+                             num_workers=WORKERS, devices_per_worker=2, strategy="ps", nan_policy="skip") as sgd:
+        sgd.step()
+        assert_every_variable_unchanged_by(sgd, sgd.warmup)
+        good = sgd.get_weights()
+        kernel = next(k for k in good if k.endswith("kernel"))
+        sgd.set_weights({**good, kernel: np.full_like(good[kernel], np.nan)})
+        assert_every_variable_unchanged_by(sgd, lambda: sgd.step(fetch_stats=True))
+        assert "skipped a step (nan_policy='skip')" in caplog.text
+        sgd.set_weights(good)
+        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
+        assert_replicas_identical(sgd, WORKERS * 2)
 
 
 # MobileNetV3Small by default (the most kinds of layer: depthwise convolutions, squeeze-and-excite, hard swish,

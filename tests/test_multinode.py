@@ -9,7 +9,8 @@ op library, fp16 through Python) step in lockstep, their 16-bit partitions
 crossing the object stores (tests/test_compression.py has the one-node runs);
 then the same cluster runs 2 workers with one backup worker and a straggler held at a gate,
 and 2 nodes x 2 workers with node-local aggregation (float32, then bf16),
-the relays' partial sums crossing down streams.
+the relays' partial sums crossing down streams; last a third node joins for
+the parameter servers alone (``server_resource``).
 """
 
 import os
@@ -18,8 +19,8 @@ import numpy as np
 import pytest
 
 from compression_runs import check_lockstep, tolerance
-from dsgd_test_models import (REPLICAS_2x1, assert_job_replicas_identical_and_numpy_like, assert_weights_close,
-                              numpy_momentum_run, numpy_step, run_job, weights_from_json)
+from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_job_replicas_identical_and_numpy_like,
+                              assert_weights_close, numpy_momentum_run, numpy_step, run_job, weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
@@ -193,3 +194,20 @@ def test_two_workers_per_node_under_bf16_relay_float32_partial_sums_down_streams
         for name in expected:
             error = np.abs(replicas[0][name].astype(np.float64) - expected[name])
             assert np.all(error <= bound[name]), (step, name, error.max())
+
+
+def test_with_server_resource_the_servers_run_on_their_own_node_and_no_worker_does(job):
+    """A third node marked "dsgd_server" (with CPUs to spare) takes the parameter servers and no worker; every
+    partition crosses down a stream, none is relayed; a killed server is started again on that node, and the
+    replicas match the numpy reference through the recovery."""
+    run = job["server_nodes"]
+    server_node = run["server_node"]
+    assert sorted(run["worker_nodes"]) == job["nodes"]  # one worker on each of the first two nodes, none on the third
+    assert run["ps_nodes"] == [server_node]  # 2 CPUs there: one server by default
+    assert all(ends == ["StreamWorkerEnd"] * len(ends) for ends in run["transports"])
+    assert not any(run["relays"])
+    assert run["failures"] == 1 and run["ps_nodes_after"] == [server_node]
+    replicas = [weights_from_json(r) for r in run["replicas"]]
+    assert_all_identical(replicas)
+    expected = numpy_momentum_run(weights_from_json(run["start"]), REPLICAS_2x1, 2 * job["steps"])
+    assert_weights_close(replicas[0], expected)

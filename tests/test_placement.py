@@ -1,11 +1,15 @@
 """Where new workers replacing dead ones go, and what a placement group (a Tune trial) reserved."""
 
+import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dsgd.cluster import room
 from dsgd.cluster.placement import place_new_workers, reserved_cpus
 from dsgd.cluster.server_group import plan_servers
+from dsgd.config import Options
+from dsgd.errors import DSGDError
 
 ONE_CPU = {"CPU": 1}
 
@@ -27,6 +31,49 @@ def test_fewer_nodes_than_workers_means_the_next_one_fits_nowhere():
     assert place_new_workers(1, {"CPU": 1}, {"a": {"CPU": 0}}) == []
     assert place_new_workers(1, {"CPU": 1}, {}) == []
     assert free["a"] == {"CPU": 3, "GPU": 1}  # the caller's view is left as it was
+
+
+def test_spread_workers_go_round_robin_over_the_nodes_with_room():
+    free = {"a": {"CPU": 2}, "b": {"CPU": 2}, "c": {"CPU": 1}}
+    assert place_new_workers(5, ONE_CPU, free, spread=True) == ["a", "b", "c", "a", "b"]
+    assert place_new_workers(5, ONE_CPU, free) == ["a", "a", "b", "b", "c"]
+
+
+def _room(server_resource=None, **options):
+    given = dict(strategy="ps", num_workers=4, devices_per_worker=1, gpu=False, grad_shard_bytes=None,
+                 all_reduce_alg="simple", num_parameter_servers=None, cpus_per_worker=1, nan_policy="raise",
+                 use_ops=False, max_failures=3, timeout_s=60.0, startup_timeout_s=60.0, logdir=None,
+                 batch_size=None, compression=None, resize_interval_s=60.0, server_resource=server_resource)
+    return room.WorkerRoom(Options.checked(**{**given, **options}))
+
+
+# Two worker nodes of 2 CPUs, two server nodes of 8 CPUs marked with "dsgd_server".
+NODES = {"w1": {"CPU": 2.0}, "w2": {"CPU": 2.0}, "s1": {"CPU": 8.0, "dsgd_server": 1.0},
+         "s2": {"CPU": 8.0, "dsgd_server": 1.0}}
+
+
+def test_with_server_nodes_workers_go_round_robin_over_the_other_nodes_only(monkeypatch):
+    monkeypatch.setattr(room, "live_node_resources", lambda: NODES)
+    marked = _room("dsgd_server")
+    marked.check(4)
+    assert marked.start_nodes(4) == ["w1", "w2", "w1", "w2"]
+    assert marked.nodes_for([2], ["w1", "w2", "w1", "w2"]) == ["w1"]  # a replacement: never on s1 or s2
+    assert marked.place([4], ["w1", "w2", "w1", "w2"])[0] == []  # no room to grow: the server nodes' CPUs don't count
+    assert _room().start_nodes(4) == [None] * 4  # without server_resource Ray spreads them, on any node
+    assert len(_room().place([4, 5], ["w1", "w2", "w1", "w2"])[0]) == 2  # and s1, s2 count as room
+
+
+def test_the_cluster_cannot_hold_errors_count_room_outside_the_server_nodes(monkeypatch):
+    monkeypatch.setattr(room, "live_node_resources", lambda: NODES)
+    with pytest.raises(ValueError, match="needs 5 CPU in all, but the Ray cluster outside the 2 server nodes "
+                                         "\\('dsgd_server'\\) has 4"):
+        _room("dsgd_server").check(5)
+    with pytest.raises(ValueError, match="each worker needs 3 CPU on one node, but the largest Ray node outside"):
+        _room("dsgd_server", cpus_per_worker=3).check(1)
+    with pytest.raises(DSGDError, match="cannot start worker 4: .* no live node without 'dsgd_server'"):
+        _room("dsgd_server", num_workers=5).start_nodes(5)
+    with pytest.raises(ValueError, match="server_resource='gpu_box': no live Ray node has that resource"):
+        _room("gpu_box").check(2)
 
 
 @ray.remote(num_cpus=1)

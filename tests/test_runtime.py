@@ -340,11 +340,12 @@ def by_hand() -> tuple[dict[str, np.ndarray], float]:
     return {k: np.mean(v, axis=0) for k, v in grads.items()}, float(np.mean(losses))
 
 
-def tf1_runtime(**kwargs):
+def tf1_runtime(model_creator=None, **kwargs):
+    """A TF1 runtime of 2 replicas of ``model_creator`` (``linear_net`` if none)."""
     from dsgd.worker.tf1.runtime import Tf1Runtime
 
     runtime = Tf1Runtime(0, config(devices=2, **kwargs))
-    runtime.build(linear_net)
+    runtime.build(model_creator or linear_net)
     return runtime
 
 
@@ -375,6 +376,30 @@ def test_the_tf1_runtime_checks_the_means_it_applies():
     for replica in runtime.replica_weights():
         np.testing.assert_array_equal(replica["w"], W0)  # no replica applied any of it
         assert replica["b"] == B0
+
+
+def test_the_tf1_runtime_puts_back_what_update_ops_write_unless_the_step_is_applied():
+    """A dsgd.Model's UPDATE_OPS write its moving mean from each replica's own batch: what they write is the
+    exchanged value, but a warmup, a compute and a skipped apply leave both replicas' moving mean as it was; an
+    applied step gives both the mean."""
+    from dsgd_test_models import BatchNormNet, assert_all_identical, batch
+
+    runtime = tf1_runtime(BatchNormNet, nan_policy="skip")
+    runtime.set_group("weights", runtime.get_weights())  # as the engine's broadcast makes them: identical
+    names = [s.name for s in runtime.signature.exchange]
+    start = runtime.get_weights()
+    assert not start["moving_mean"].any()  # zeros: written, it is 0.1 of the batch's mean
+    runtime.warmup()  # the replicas' batches of step 0
+    local, _ = runtime.compute(fetch_stats=False)  # of step 1
+    written = local[names.index("moving_mean")]
+    np.testing.assert_allclose(written, np.mean([0.1 * batch(0, d, 1)[0].mean(0) for d in (0, 1)], 0), rtol=1e-5)
+    skipped = runtime.apply([np.full_like(m, np.nan) if n == "moving_mean" else m for n, m in zip(names, local)])
+    assert skipped == {"skipped": "non-finite value of variable 'moving_mean' in step 0"}
+    assert_all_identical([start, *runtime.replica_weights()])
+    assert runtime.apply(local) == {}
+    for replica in runtime.replica_weights():
+        np.testing.assert_array_equal(replica["moving_mean"], written)
+    assert_all_identical(runtime.replica_weights())
 
 
 def test_the_tf1_runtime_builds_an_in_step_exchange_into_one_fused_step_and_plans_it():

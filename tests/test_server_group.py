@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from dsgd.cluster import room
+from types import SimpleNamespace
+
+from dsgd.cluster import replacement, room
+from dsgd.errors import DSGDError
 from dsgd.cluster.server_group import (ServerGroup, assign_partitions, home_for, plan_relays, plan_servers,
                                        send_rounds)
 from dsgd.wire.partitions import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_partitions
@@ -25,6 +28,13 @@ def test_an_explicit_server_count_is_spread_over_worker_nodes_most_workers_first
     assert plan_servers(["a", "a"], {"a": 2}, 1, 1) == ["a"]
 
 
+def test_with_server_nodes_the_servers_go_there_only_and_by_default_one_per_two_of_their_cpus():
+    # Workers on w1, w2 (8 CPUs each, nearly idle): no server goes there.
+    cpus = {"w1": 8, "w2": 8, "s1": 4, "s2": 1}
+    assert plan_servers(["w1", "w2"], cpus, 1, None, ["s1", "s2"]) == ["s1", "s1", "s2"]
+    assert plan_servers(["w1", "w2"], cpus, 1, 3, ["s1", "s2"]) == ["s1", "s2", "s1"]
+
+
 def test_a_new_server_stays_beside_its_workers_or_leaves_a_lost_node_for_the_least_loaded_worker_node():
     # Server 1's node still runs a worker: the new server 1 goes there.
     assert home_for(["a", "b"], 1, ["a", "b"]) == "b"
@@ -32,6 +42,28 @@ def test_a_new_server_stays_beside_its_workers_or_leaves_a_lost_node_for_the_lea
     # Ray still lists b as alive.
     assert home_for(["a", "b"], 1, ["a", "c"]) == "c"
     assert home_for(["a", "b", "b"], 2, ["a", "a"]) == "a"
+    # Servers on nodes of their own (s1, s2, s3; the hosts are those known up): server 2's node s2 was lost, it
+    # goes to the server node with the fewest servers, never to a worker node.
+    assert home_for(["s1", "s1", "s2", "s3"], 2, ["s1", "s3"]) == "s3"
+    assert home_for(["s1", "s1", "s2", "s3"], 0, ["s1", "s3"]) == "s1"  # failed alone: stays on its node
+
+
+def test_with_server_nodes_new_servers_go_to_the_server_nodes_known_up(monkeypatch):
+    cluster = SimpleNamespace(options=SimpleNamespace(server_resource="dsgd_server"),
+                              servers=SimpleNamespace(nodes=["s1", "s1", "s2"]))
+    marked = {"dsgd_server": 1.0}
+    listed = {"w1": {"CPU": 2.0}, "s1": marked, "s2": marked, "s3": marked}
+    monkeypatch.setattr(replacement, "live_node_resources", lambda: listed)
+    # Server 2 died with s2, which Ray still lists: s1 (a server answered there) and s3 (no server died there).
+    assert replacement.server_hosts(cluster, [2]) == ["s1", "s3"]
+    # Every server died and no other node has the resource: the nodes Ray still lists (a server may fail alone).
+    del listed["s3"]
+    assert replacement.server_hosts(cluster, [0, 1, 2]) == ["s1", "s2"]
+    listed.clear()
+    with pytest.raises(DSGDError, match="no live Ray node with server_resource='dsgd_server' is left"):
+        replacement.server_hosts(cluster, [0, 1, 2])
+    cluster.options.server_resource = None
+    assert replacement.server_hosts(cluster, [2]) is None  # beside the workers
 
 
 def test_partitions_are_balanced_over_servers_by_bytes_in_backprop_order():
@@ -176,6 +208,42 @@ def test_send_rounds_go_round_the_ring_from_the_next_node_to_the_workers_own():
     assert send_rounds([0, 1, 2, 2, 1, 0], ["a", "b", "a"], "a") == [[1, 0, 2], [4, 3, 5]]
 
 
+def test_with_server_nodes_each_worker_node_pushes_to_a_different_server_node_at_every_point_of_a_round(
+        resnet101):
+    # 4 worker nodes, 4 server nodes of 2 CPUs (one server each): no worker node holds a server, so the rounds
+    # are rotated by the worker node's place among the worker nodes; else every worker pushed to one node at once.
+    worker_nodes = [f"w{k}" for k in range(4)]
+    server_nodes = [f"s{k}" for k in range(4)]
+    servers = plan_servers(worker_nodes, dict.fromkeys(server_nodes, 2), 1, None, server_nodes)
+    assert servers == server_nodes
+    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers)))
+    group = ServerGroup(layout, servers, len(worker_nodes), 30.0, worker_nodes=worker_nodes)
+    assert group.relays == {}  # no server on a worker node to relay: every worker pushes directly
+    assert all(group.routes(w) == group.placement for w in range(4))
+    assert len(layout) % len(servers) == 0
+    for k in range(len(layout)):
+        targets = [group.nodes[group.placement[[j for r in group.rounds[w] for j in r][k]]] for w in range(4)]
+        assert sorted(targets) == server_nodes, (k, targets)
+    # Each worker node's link carries its pushes out and the means in, nothing else; each server node's all
+    # workers' pushes in and their means out.
+    total = sum(p.wire_nbytes for p in layout)
+    links = group.node_link_bytes(worker_nodes)
+    assert all(links[node] == (total, total) for node in worker_nodes)
+    assert sum(links[node][0] for node in server_nodes) == 4 * total
+
+
+def test_send_rounds_of_nodes_without_servers_start_at_their_place_among_them():
+    placement = [0, 1, 2, 2, 1, 0]  # rounds of 3: [0, 1, 2], [3, 4, 5]
+    servers = ["s1", "s2", "s3"]
+    serverless = ["w1", "w2", "w3", "w4"]
+    assert send_rounds(placement, servers, "w1", serverless) == [[0, 1, 2], [5, 4, 3]]
+    assert send_rounds(placement, servers, "w2", serverless) == [[1, 2, 0], [4, 3, 5]]
+    assert send_rounds(placement, servers, "w3", serverless) == [[2, 0, 1], [3, 5, 4]]
+    assert send_rounds(placement, servers, "w4", serverless) == send_rounds(placement, servers, "w1", serverless)
+    # A node with servers keeps its own order (its own node's partitions last).
+    assert send_rounds(placement, servers, "s1", serverless) == send_rounds(placement, servers, "s1")
+
+
 def test_the_memory_servers_buffers_take_per_node_counts_a_mean_and_an_input_buffer_per_worker():
     partition = 4096  # bytes, a multiple of the alignment
     layout = plan_partitions([VarSpec("v", (partition,), np.dtype(np.float32))], partition)  # 4 partitions
@@ -217,6 +285,28 @@ def test_servers_that_would_not_fit_in_a_nodes_free_memory_are_refused_before_th
     message = str(refused.value)
     assert f"({needed} bytes) on node a" in message and f"({needed - 1} bytes) are free there" in message
     assert "add nodes" in message and "compression='bf16'" in message
+
+
+def test_a_server_node_without_workers_reports_its_free_memory_by_a_task_there(monkeypatch):
+    layout = plan_partitions([VarSpec("v", (4_000_000,), np.dtype(np.float32))], 4_000_000)
+    server_node = "5e" * 28  # a Ray node id: 28 bytes in hex
+    group = ServerGroup(layout, [server_node, server_node], 2, 30.0, worker_nodes=["a", "b"])
+    needed = group.node_buffer_bytes()
+    assert list(needed) == [server_node]  # the workers' nodes hold no buffers
+    tasks = []
+
+    class _Task:
+        def options(self, scheduling_strategy):
+            tasks.append((scheduling_strategy.node_id, scheduling_strategy.soft))
+            return self
+
+        def remote(self):
+            return needed[server_node] - 1
+
+    monkeypatch.setattr(room, "_free_memory_task", _Task())
+    with pytest.raises(ValueError, match=f"\\({needed[server_node]} bytes\\) on node 5e5e5e5e \\(2 servers"):
+        room.check_server_memory(group, [_Worker(), _Worker()], _Calls())
+    assert tasks == [(server_node, False)]  # read on that node, by hard affinity
 
 
 def test_free_memory_is_memavailable_capped_by_the_cgroups_limit(tmp_path):

@@ -3,7 +3,6 @@
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import tensorflow as tf
 import dsgd
 import tf2_test_models as m
 from dsgd.cluster import room
-from dsgd_test_models import actor_pids, assert_replicas_identical, kill, ps_actors
+from dsgd_test_models import actor_pids, assert_every_variable_unchanged_by, assert_replicas_identical, kill, ps_actors
 
 STEPS = 3
 
@@ -283,26 +282,6 @@ def test_tf2_non_finite_mean_is_skipped_on_every_worker_under_nan_policy_skip(ra
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
         assert sgd.foreach_worker(lambda w: w.applied_steps_count()) == [3, 3]
-
-
-def every_variable(worker) -> list[dict[str, np.ndarray]]:
-    """Each of ``worker``'s replicas' variables: its weights (batch-norm statistics too) and its optimizer's."""
-    runtime = worker.runtime
-    return [{**{f"weights/{k}": v for k, v in weights.items()},
-             **{f"optimizer/{k}": v.numpy() for k, v in zip(runtime.names.optimizer, r.optimizer_vars)}}
-            for r, weights in zip(runtime.replicas, runtime.replica_weights())]
-
-
-def assert_every_variable_unchanged_by(sgd, action: Callable[[], Any]) -> None:
-    """``action()`` leaves every variable of every replica bit-identical (NaN equal to NaN)."""
-    before = sgd.foreach_worker(every_variable)
-    action()
-    after = sgd.foreach_worker(every_variable)
-    for worker_before, worker_after in zip(before, after, strict=True):
-        for replica_before, replica_after in zip(worker_before, worker_after, strict=True):
-            assert list(replica_after) == list(replica_before)
-            for name, value in replica_before.items():
-                np.testing.assert_array_equal(replica_after[name], value, err_msg=name)
 
 
 def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_as_it_was(ray_session, caplog):

@@ -93,7 +93,8 @@ class Cluster:
     def start(self) -> None:
         """Start the workers, then the parameter servers, and connect them; each once the cluster can hold it.
 
-        CPUs and GPUs are checked before any worker starts; the object store
+        CPUs and GPUs are checked before any worker starts (with ``server_resource``, outside the servers'
+        nodes, which must exist); the object store
         once the workers have built their models, before any parameter server
         starts: the exchange's size is the model's, known only then.
         """
@@ -102,7 +103,8 @@ class Cluster:
             logger.info("num_workers=%s: starting %d workers", (self.options.min_workers, self.options.max_workers),
                         self.topology.num_workers)
         self.room.check(self.topology.num_workers)
-        self.workers = [self.new_worker(i) for i in range(self.topology.num_workers)]
+        nodes = self.room.start_nodes(self.topology.num_workers)
+        self.workers = [self.new_worker(i, node) for i, node in enumerate(nodes)]
         self.worker_nodes = [i.node_id for i in self.calls.identify(self.workers)]
         self.splits.split(self.worker_nodes, self.calls.call_startup)
         self._build_models(range(self.topology.num_workers))

@@ -63,12 +63,14 @@ def reserved_cpus() -> dict[str, float] | None:
 
 
 def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str, Mapping[str, float]],
-                      first: Collection[str] = (), last: Collection[str] = ()) -> list[str]:
+                      first: Collection[str] = (), last: Collection[str] = (), spread: bool = False) -> list[str]:
     """A node for each of ``count`` new workers in turn, each needing ``needs``, while they fit.
 
     ``free``: resources free per node. Nodes in ``first`` are tried first,
     those in ``last`` last, the others in between, each group in the order
-    of ``free``. Fewer than ``count`` nodes mean the next worker fits nowhere.
+    of ``free``; with ``spread``, a node that takes a worker goes to the end
+    of that order (round robin). Fewer than ``count`` nodes mean the next
+    worker fits nowhere.
     """
     left = {node: dict(resources) for node, resources in free.items()}
     order = sorted(left, key=lambda n: (n not in first, n in last))
@@ -80,7 +82,16 @@ def place_new_workers(count: int, needs: Mapping[str, float], free: Mapping[str,
         for r, amount in needs.items():
             left[node][r] = left[node].get(r, 0) - amount
         nodes.append(node)
+        if spread:
+            order.remove(node)
+            order.append(node)
     return nodes
+
+
+def nodes_with(resource: str | None, nodes: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The nodes of ``nodes`` (node id -> resources) that have some of the custom ``resource``, in id order
+    (none if ``resource`` is None): with ``server_resource``, the parameter servers' nodes."""
+    return sorted(node for node, have in nodes.items() if resource is not None and have.get(resource, 0) > 0)
 
 
 def in_driver() -> bool:

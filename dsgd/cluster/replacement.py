@@ -2,8 +2,9 @@
 
 Replacements go on live nodes: a new worker on a node with room for it
 beside the surviving workers (else a DSGDError names what is missing), a
-new parameter server beside the workers, so a server lost with its node
-moves to a live one. An elastic engine without room for every dead worker
+new parameter server beside the workers, or with ``server_resource`` on
+one of the servers' own nodes (``server_hosts``), so a server lost with
+its node moves to a live one. An elastic engine without room for every dead worker
 closes up the survivors' indices and goes on with fewer (``_shrink_around``),
 as long as ``min_workers`` remain.
 """
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from dsgd.cluster.placement import live_node_resources
+from dsgd.cluster.placement import live_node_resources, nodes_with
 from dsgd.cluster.room import amounts
 from dsgd.errors import ActorFailure, DSGDError
 
@@ -55,13 +56,38 @@ def replace_dead(cluster: Cluster) -> set[int]:
         return set(dead_workers)
     dead_servers = cluster.calls.unresponsive(cluster.servers.actors) if cluster.servers else []
     if dead_servers or (cluster.servers and rebuilt):  # new workers may sit on other nodes: relays re-planned
-        for identity in cluster.calls.identify(cluster.servers.replace(dead_servers, cluster.worker_nodes)):
+        hosts = server_hosts(cluster, dead_servers)
+        for identity in cluster.calls.identify(cluster.servers.replace(dead_servers, cluster.worker_nodes, hosts)):
             logger.warning("parameter server %d %s; started a new one, pid %d on node %s", identity.index,
                            "is dead" if identity.index in dead_servers else
                            "serves a new relay plan (a new worker runs on another node)",
                            identity.pid, identity.node_id[:8])
         cluster.server_slots.connect(cluster.workers)
     return set(dead_workers)
+
+
+def server_hosts(cluster: Cluster, dead: list[int]) -> list[str] | None:
+    """The nodes that may take the new servers for ``dead`` (``ServerGroup.replace``): None (beside the
+    workers) without ``server_resource``; else the servers' own nodes known up.
+
+    Those are the nodes of the servers that answered, and those Ray lists
+    with the resource where no server died (a node added since counts).
+    Only if there are none, the dead servers' nodes Ray still lists alive
+    (a server that failed alone; were its node lost, starting there fails
+    and the step ledger recovers again). A DSGDError if no node is left.
+    """
+    resource = cluster.options.server_resource
+    if resource is None:
+        return None
+    nodes = cluster.servers.nodes
+    answered = {node for j, node in enumerate(nodes) if j not in dead}
+    lost = {nodes[j] for j in dead} - answered
+    listed = set(nodes_with(resource, live_node_resources()))
+    hosts = sorted(answered | (listed - lost)) or sorted(listed)
+    if not hosts:
+        raise DSGDError(f"parameter servers {dead} are dead and no live Ray node with server_resource={resource!r} "
+                        f"is left to start new ones on; add such a node and restore from a checkpoint")
+    return hosts
 
 
 def _replace_or_shrink(cluster: Cluster, dead: list[int]) -> tuple[list[int], bool]:

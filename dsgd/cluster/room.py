@@ -20,7 +20,8 @@ import ray
 
 from dsgd.cluster.server_group import ServerGroup
 from dsgd.common.calls import Calls
-from dsgd.cluster.placement import actor_state, in_driver, live_node_resources, place_new_workers
+from dsgd.cluster.placement import (actor_placement, actor_state, in_driver, live_node_resources, nodes_with,
+                                    place_new_workers)
 from dsgd.config import Options
 from dsgd.errors import DSGDError
 from dsgd.wire import codec
@@ -42,50 +43,78 @@ class WorkerRoom:
         self.needs = {"CPU": opts.cpus_per_worker, **({"GPU": opts.devices_per_worker} if opts.gpu else {})}
 
     def check(self, num_workers: int) -> None:
-        """Fail fast, naming what is missing, instead of waiting forever for ``num_workers`` workers."""
-        total = ray.cluster_resources()
-        nodes = list(live_node_resources().values())
+        """Fail fast, naming what is missing, instead of waiting forever for ``num_workers`` workers: with
+        ``server_resource``, a live node with it, and room for the workers outside such nodes."""
+        live = live_node_resources()
+        marked = self.options.server_resource
+        servers = nodes_with(marked, live)
+        if marked is not None and not servers:
+            raise ValueError(
+                f"server_resource={marked!r}: no live Ray node has that resource, so the parameter servers have "
+                f"no node of their own to run on; start those nodes with ray start --resources='{{\"{marked}\": 1}}' "
+                f"(or leave server_resource=None to run the servers beside the workers)")
+        nodes = [have for node, have in live.items() if node not in servers]
+        outside = f" outside the {len(servers)} server node{'s' * (len(servers) != 1)} ({marked!r})" if servers else ""
         for resource, per_worker in self.needs.items():
-            have = total.get(resource, 0)
+            have = sum(n.get(resource, 0) for n in nodes)
             largest = max((n.get(resource, 0) for n in nodes), default=0)
             what = f"{'gpu=True with ' if resource == 'GPU' else ''}{num_workers} workers x {per_worker} {resource}"
             if per_worker > largest:
                 raise ValueError(
                     f"{what}: each worker needs {per_worker} {resource} on one node, but the largest "
-                    f"Ray node has {largest:g} (cluster total {have:g})")
+                    f"Ray node{outside} has {largest:g} (cluster total{outside} {have:g})")
             if per_worker * num_workers > have:
                 raise ValueError(
-                    f"{what} needs {per_worker * num_workers} {resource} in all, but the Ray cluster "
+                    f"{what} needs {per_worker * num_workers} {resource} in all, but the Ray cluster{outside} "
                     f"has {have:g}; lower num_workers/cpus_per_worker or start Ray with more")
 
-    def place(self, new: list[int], worker_nodes: Sequence[str]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    def worker_node_resources(self) -> dict[str, dict[str, float]]:
+        """Node id -> total resources, of the live nodes workers may run on: all but the parameter servers' own
+        (those with ``server_resource``)."""
+        live = live_node_resources()
+        servers = nodes_with(self.options.server_resource, live)
+        return {node: have for node, have in live.items() if node not in servers}
+
+    def place(self, new: list[int], worker_nodes: Sequence[str],
+              spread: bool = False) -> tuple[list[str], dict[str, dict[str, float]]]:
         """A live node for each of the new workers ``new`` in turn, as long as they fit; each node's free resources.
 
         Nodes where other workers run come first (they answered just now),
         the dead workers' own nodes last: Ray sees a lost node dead only
         seconds after its actors. Only the engine's workers count as holding
         resources (what other Ray jobs hold may be freed; waiting for that is
-        bounded).
+        bounded). Never on the parameter servers' own nodes
+        (``worker_node_resources``). ``spread``: round robin over the nodes
+        (``place_new_workers``).
         """
-        free = {node: {r: have.get(r, 0) for r in self.needs} for node, have in live_node_resources().items()}
+        free = {node: {r: have.get(r, 0) for r in self.needs} for node, have in self.worker_node_resources().items()}
         others = [node for i, node in enumerate(worker_nodes) if i not in new]
         own = [worker_nodes[i] for i in new if i < len(worker_nodes)]
         for node in others:
             if node in free:
                 for r, amount in self.needs.items():
                     free[node][r] -= amount
-        return place_new_workers(len(new), self.needs, free, first=others, last=own), free
+        return place_new_workers(len(new), self.needs, free, first=others, last=own, spread=spread), free
 
-    def nodes_for(self, new: list[int], worker_nodes: Sequence[str], what: str = "replace dead worker") -> list[str]:
+    def nodes_for(self, new: list[int], worker_nodes: Sequence[str], what: str = "replace dead worker",
+                  spread: bool = False) -> list[str]:
         """A live node for each of the new workers ``new`` (``place``); a DSGDError naming what is missing if
         not all fit."""
-        nodes, free = self.place(new, worker_nodes)
+        nodes, free = self.place(new, worker_nodes, spread)
         if len(nodes) < len(new):
             room = "; ".join(f"node {n[:8]} has {amounts(have)} free" for n, have in free.items())
+            marked = self.options.server_resource
             raise DSGDError(f"cannot {what} {new[len(nodes)]}: it needs {amounts(self.needs)} on one "
-                            f"node, and no live node has that free beside the other workers "
-                            f"({room or 'no node is alive'})")
+                            f"node, and no live node{f' without {marked!r} (the servers own those)' if marked else ''} "
+                            f"has that free beside the other workers ({room or 'no node is alive'})")
         return nodes
+
+    def start_nodes(self, count: int) -> list[str | None]:
+        """The node of each of the ``count`` workers an engine starts with: None (Ray spreads them), or with
+        ``server_resource`` round robin over the nodes without it (``place``; a DSGDError if they do not fit)."""
+        if self.options.server_resource is None:
+            return [None] * count
+        return self.nodes_for(list(range(count)), [], "start worker", spread=True)
 
     def to_grow(self, worker_nodes: Sequence[str]) -> int:
         """How many more workers (up to ``max_workers``) fit beside the engine's, and in what Ray has free now.
@@ -192,16 +221,25 @@ def _free_memory_on(worker) -> int:
     return free_memory_bytes()
 
 
+@ray.remote(num_cpus=0)
+def _free_memory_task() -> int:
+    """``free_memory_bytes`` on the node a task runs on: a parameter servers' own node, where no worker runs."""
+    return free_memory_bytes()
+
+
 def check_server_memory(group: ServerGroup, workers: Sequence, calls: Calls) -> None:
     """Each node has the memory ``group``'s buffers will take there (``ServerGroup.node_buffer_bytes``), read from
-    a worker on each server's node; a ValueError naming the node, the bytes needed and free, and what to
-    change, before any server starts."""
-    readers = {}  # a group planned without its workers' nodes (``ServerGroup``) has no reader: not checked
-    for worker, node in zip(workers, group.worker_nodes or ()):
+    a worker on each server's node, or on a node without workers (``server_resource``) by a task there; a
+    ValueError naming the node, the bytes needed and free, and what to change, before any server starts."""
+    if group.worker_nodes is None:  # a group planned without its workers' nodes (``ServerGroup``): not checked
+        return
+    readers = {}
+    for worker, node in zip(workers, group.worker_nodes):
         readers.setdefault(node, worker)
-    needed = {node: nbytes for node, nbytes in group.node_buffer_bytes().items() if node in readers}
-    free = dict(zip(needed, calls.call_startup([readers[node].apply_fn.remote(_free_memory_on) for node in needed],
-                                               "the workers to read their nodes' free memory")))
+    needed = group.node_buffer_bytes()
+    reads = [readers[node].apply_fn.remote(_free_memory_on) if node in readers else
+             _free_memory_task.options(scheduling_strategy=actor_placement(node)).remote() for node in needed]
+    free = dict(zip(needed, calls.call_startup(reads, "the servers' nodes to report their free memory")))
     for node, nbytes in needed.items():
         if nbytes > free[node]:
             servers = group.nodes.count(node)

@@ -4,7 +4,8 @@ Partitions and server processes are separate choices. A partition (about
 ``grad_shard_bytes``) is what travels and is pipelined with back-propagation;
 a server process sums many partitions. By default the driver starts a few
 servers on the nodes that hold workers, from each node's CPUs and the
-workers placed there (``plan_servers``), and picks the partition size from
+workers placed there (``plan_servers``), or, with ``server_resource``, on
+nodes of their own, where no worker runs, and picks the partition size from
 the model and the server count (``dsgd.wire.partitions.default_partition_bytes``);
 partitions are spread over the servers by bytes (``assign_partitions``).
 Workers reach a server on their own node through shared memory, others
@@ -29,7 +30,8 @@ from dsgd.server.relays import Relay
 from dsgd.wire import partitions
 from dsgd.config import Options
 from dsgd.cluster.topology import Topology
-from dsgd.cluster.placement import actor_placement, live_node_resources, reserved_cpus
+from dsgd.cluster.placement import actor_placement, live_node_resources, nodes_with, reserved_cpus
+from dsgd.errors import DSGDError
 from dsgd.wire.partitions import Partition, VarSpec
 
 logger = logging.getLogger(__name__)
@@ -38,14 +40,23 @@ CPUS_PER_SERVER = 2  # spare CPUs on a node that justify one more server there
 
 
 def plan_servers(worker_nodes: Sequence[str], node_cpus: dict[str, float], cpus_per_worker: int,
-                 requested: int | None) -> list[str]:
+                 requested: int | None, server_nodes: Sequence[str] = ()) -> list[str]:
     """The node of every server to start.
 
     ``requested`` servers are spread round robin over the nodes holding
     workers (most workers first). ``None`` picks per such node: one server
     for every ``CPUS_PER_SERVER`` CPUs the node's workers leave free, at
     least one and at most one per worker there.
+
+    With ``server_nodes`` (nodes of their own, ``server_resource``), the
+    servers go there instead: ``requested`` round robin, or by default one
+    for every ``CPUS_PER_SERVER`` CPUs of each (at least one): no worker
+    runs there, so all its CPUs are spare.
     """
+    if server_nodes:
+        if requested is not None:
+            return [server_nodes[j % len(server_nodes)] for j in range(requested)]
+        return [node for node in server_nodes for _ in range(max(1, int(node_cpus.get(node, 0) // CPUS_PER_SERVER)))]
     counts: dict[str, int] = {}
     for node in worker_nodes:
         counts[node] = counts.get(node, 0) + 1
@@ -83,7 +94,8 @@ def assign_partitions(layout: Sequence[Partition], num_servers: int) -> list[int
     return placement
 
 
-def send_rounds(placement: Sequence[int], server_nodes: Sequence[str], node: str | None) -> list[list[int]]:
+def send_rounds(placement: Sequence[int], server_nodes: Sequence[str], node: str | None,
+                serverless: Sequence[str] = ()) -> list[list[int]]:
     """The partitions a worker on ``node`` pushes, round by round, each round in the order it pushes them.
 
     A round is ``assign_partitions``'s: ``len(server_nodes)`` consecutive
@@ -101,11 +113,20 @@ def send_rounds(placement: Sequence[int], server_nodes: Sequence[str], node: str
     server on its node is answered in order (``dsgd.transport.signals``),
     except the partitions that server relays; with relayed partitions first
     in every round, no answer of a round waits for a push queued behind it
-    on another node's channel. A node without servers (``None``: not known)
-    goes round from the ring's first node.
+    on another node's channel.
+
+    A node without servers, the i-th of ``serverless`` (the worker nodes
+    without servers, in order), goes round from the ring's i-th node (modulo
+    its length): with servers on nodes of their own, at each point of a
+    round the worker nodes push to different server nodes, as long as
+    there are as many of these. Another (``None``: not known) goes round
+    from the ring's first node.
     """
     ring = list(dict.fromkeys(server_nodes))
-    own = ring.index(node) if node in ring else -1
+    if node in ring:
+        own = ring.index(node)
+    else:
+        own = list(serverless).index(node) - 1 if node in serverless else -1
     size = len(server_nodes)
 
     def offset(j: int) -> int:  # 1 for the next node, ..., len(ring) for its own
@@ -124,7 +145,9 @@ def plan_relays(layout: Sequence[Partition], placement: Sequence[int], server_no
     to sum so far (its own partitions, then the relayed ones in layout order)
     sums the node's workers' copies of j and pushes the sum to j's server, so
     one copy of j leaves the node per step instead of one per worker. A node
-    with one worker pushes directly (the same bytes, one hop fewer).
+    with one worker pushes directly (the same bytes, one hop fewer), and so
+    does every worker when the servers run on nodes of their own
+    (``server_resource``): no worker node holds a server to relay.
     """
     workers_on: dict[str, list[int]] = {}
     for w, node in enumerate(worker_nodes):
@@ -144,17 +167,20 @@ def plan_relays(layout: Sequence[Partition], placement: Sequence[int], server_no
     return relays
 
 
-def home_for(server_nodes: Sequence[str], server: int, worker_nodes: Sequence[str]) -> str:
-    """The node for a new server ``server`` (``server_nodes[j]``: where server j ran), beside the live workers.
+def home_for(server_nodes: Sequence[str], server: int, hosts: Sequence[str]) -> str:
+    """The node for a new server ``server`` (``server_nodes[j]``: where server j ran), one of ``hosts``.
 
-    It stays on its node if a worker runs there; else that node was lost, and
-    it moves to the worker node with the fewest servers. Ray lists a lost
-    node as alive for seconds after its actors fail: only the nodes of the
-    workers, which answered just now, are known to be up.
+    ``hosts``: the nodes known to be up that may hold servers: the live
+    workers' (servers beside the workers), or the servers' own nodes
+    (``server_resource``, see ``dsgd.cluster.replacement``). It stays on its
+    node if that is one of them; else that node was lost, and it moves to
+    the host with the fewest servers. Ray lists a lost node as alive for
+    seconds after its actors fail: only the nodes of actors that answered
+    just now are known to be up.
     """
-    if server_nodes[server] in worker_nodes:
+    if server_nodes[server] in hosts:
         return server_nodes[server]
-    return min(worker_nodes, key=lambda n: (list(server_nodes).count(n), n))
+    return min(hosts, key=lambda n: (list(server_nodes).count(n), n))
 
 
 class ServerGroup:
@@ -181,7 +207,8 @@ class ServerGroup:
         self.relays = self._plan_relays(worker_nodes)
         # rounds[w]: worker w's pushes (``send_rounds``), kept through replacements (any order within rounds is
         # safe; the order only spreads the links' load)
-        self.rounds = [send_rounds(self.placement, self.nodes, node)
+        serverless = [node for node in dict.fromkeys(worker_nodes or ()) if node not in self.nodes]
+        self.rounds = [send_rounds(self.placement, self.nodes, node, serverless)
                        for node in (worker_nodes if worker_nodes is not None else [None] * num_workers)]
         self.generation = 0  # resets so far: every server of the group has it (``ParameterServer.reset``)
 
@@ -284,15 +311,16 @@ class ServerGroup:
         opens its streams to them (``ParameterServer.set_peers``), closing those to the servers before."""
         return [actor.set_peers.remote(self.actors) for j, actor in enumerate(self.actors) if self.relays_of(j)]
 
-    def replace(self, dead: Sequence[int], worker_nodes: Sequence[str]) -> list:
-        """Kill what is left of servers ``dead`` and start new ones (``home_for``); the new actors.
+    def replace(self, dead: Sequence[int], worker_nodes: Sequence[str], hosts: Sequence[str] | None = None) -> list:
+        """Kill what is left of servers ``dead`` and start new ones on ``hosts`` (``home_for``; default beside
+        the workers); the new actors.
 
         ``worker_nodes``: the nodes of the (live) workers. If they change
         which servers relay what (``plan_relays``), every server is started
         anew with the new plan (a server holds nothing across steps).
         """
         for j in dead:
-            self.nodes[j] = home_for(self.nodes, j, worker_nodes)
+            self.nodes[j] = home_for(self.nodes, j, worker_nodes if hosts is None else hosts)
         relays = self._plan_relays(worker_nodes)
         if relays != self.relays:
             self.relays, dead = relays, range(len(self.nodes))
@@ -349,12 +377,19 @@ def plan_group(options: Options, topology: Topology, exchange: Sequence[VarSpec]
     workers of ``topology``, not started yet.
 
     The nodes' CPUs are the engine's placement group's inside a Tune trial,
-    else the live nodes'. The choice is logged.
+    else the live nodes'. With ``server_resource``, the servers go to the
+    live nodes that have it (a DSGDError if none is left). The choice is logged.
     """
+    live = live_node_resources()
     node_cpus = reserved_cpus()  # inside a Tune trial: its bundles, not the nodes' CPUs
     if node_cpus is None:
-        node_cpus = {node: have.get("CPU", 0) for node, have in live_node_resources().items()}
-    nodes = plan_servers(worker_nodes, node_cpus, options.cpus_per_worker, options.num_parameter_servers)
+        node_cpus = {node: have.get("CPU", 0) for node, have in live.items()}
+    server_nodes = nodes_with(options.server_resource, live)
+    if options.server_resource is not None and not server_nodes:
+        raise DSGDError(f"server_resource={options.server_resource!r}: no live Ray node has that resource any "
+                        f"more, so the parameter servers have no node of their own to run on; add such a node")
+    nodes = plan_servers(worker_nodes, node_cpus, options.cpus_per_worker, options.num_parameter_servers,
+                         server_nodes)
     partition_bytes = options.grad_shard_bytes
     if partition_bytes is None:
         partition_bytes = partitions.default_partition_bytes(exchange, len(nodes))
@@ -362,7 +397,8 @@ def plan_group(options: Options, topology: Topology, exchange: Sequence[VarSpec]
     group = ServerGroup(layout, nodes[:len(layout)], topology.num_workers, options.timeout_s,
                         topology.backup_workers, worker_nodes)
     chosen = options.grad_shard_bytes is None and options.num_parameter_servers is None
-    logger.info("strategy 'ps'%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
+    logger.info("strategy 'ps'%s%s: %s%s", f", {options.compression} on the wire" if options.compression else "",
+                f", servers on the {len(server_nodes)} nodes with {options.server_resource!r}" if server_nodes else "",
                 group.describe(), "" if chosen else
                 f" (grad_shard_bytes={options.grad_shard_bytes}, num_parameter_servers={options.num_parameter_servers})")
     return group

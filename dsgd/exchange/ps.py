@@ -36,7 +36,7 @@ from dsgd.common import timeline
 from dsgd.exchange.base import Exchange
 from dsgd.exchange.ps_client import EXCHANGE_TRACK, ParameterServerClient
 from dsgd.wire import partitions
-from dsgd.worker.runtime import ReplicaRuntime
+from dsgd.worker.runtime import RECEIVE_THREADS, ReplicaRuntime
 
 
 class PsWorker(Exchange):
@@ -121,7 +121,6 @@ class PsWorkerOps(PsWorker):
 
         from dsgd import ops
         from dsgd.worker.finite_checks import finite_partitions
-        from dsgd.worker.tf1.session_config import RECEIVE_THREADS
 
         layout, runtime = self.client.layout, self.runtime
         received: list[Any] = [None] * len(layout)

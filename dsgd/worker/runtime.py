@@ -48,6 +48,15 @@ if TYPE_CHECKING:
 # into the TF1 graph, or inside a tf.function.
 InStepExchange = Callable[[Sequence[Any], Any], tuple[list[Any], list[Any]]]
 
+RECEIVE_THREADS = 2  # inter-op threads beyond the compute's: a receive waiting for its mean holds one
+
+
+def thread_counts(config: WorkerConfig) -> tuple[int, int]:
+    """(intra-op, inter-op) threads of a worker's TensorFlow, whichever runtime: its CPUs for each op, and as many
+    ops at once (at least 2) plus ``RECEIVE_THREADS`` for the in-step receives that wait for their means."""
+    threads = max(1, config.cpus_per_worker)
+    return threads, max(2, threads) + RECEIVE_THREADS
+
 
 class FusedStep(abc.ABC):
     """A step that computes, exchanges in-step (if built with an ``InStepExchange``) and applies, in one go."""

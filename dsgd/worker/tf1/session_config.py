@@ -5,16 +5,15 @@ from __future__ import annotations
 import tensorflow as tf
 
 from dsgd.config import WorkerConfig
-
-RECEIVE_THREADS = 2  # inter-op threads beyond the compute's: a receive waiting for its mean holds one
+from dsgd.worker.runtime import thread_counts
 
 
 def session_config(config: WorkerConfig) -> tf.compat.v1.ConfigProto:
     """A session with one device per replica and the worker's CPUs as threads."""
-    threads = max(1, config.cpus_per_worker)
+    intra_op, inter_op = thread_counts(config)
     proto = tf.compat.v1.ConfigProto(
-        intra_op_parallelism_threads=threads,
-        inter_op_parallelism_threads=max(2, threads) + RECEIVE_THREADS,
+        intra_op_parallelism_threads=intra_op,
+        inter_op_parallelism_threads=inter_op,
         allow_soft_placement=False)
     # Place (and optimize) only the subgraph a run needs, not the whole graph: a worker's graph
     # holds ops no single run uses (state assigns, other exchanges' applies), and without this

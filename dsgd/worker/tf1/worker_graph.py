@@ -15,6 +15,12 @@ What is exchanged between workers is the list of *exchange tensors*: the
 averaged gradient of every trainable variable and, for models with
 ``UPDATE_OPS`` (batch norm), the updated value of every non-trainable float
 variable, so that moving statistics stay identical on every replica too.
+The update ops write those *state variables* from the replica's own batch:
+they are read before the update ops' writes and put back once the updated
+values are read, before anything is exchanged or checked
+(``dsgd.worker.put_back``), so a step not applied (skipped or raised under
+``nan_policy``) and a warmup leave them as they were; an applied step
+assigns their mean.
 
 Variables are named ``device_<i>/<name>`` in the graph and ``<name>`` to the
 user (``dsgd.worker.replica_names``).
@@ -45,7 +51,7 @@ from dsgd.config import WorkerConfig
 from dsgd.errors import ModelCreatorError, WorkerMismatchError
 from dsgd.model import Model, TF2ModelInGraph
 from dsgd.wire import partitions
-from dsgd.worker import user_model
+from dsgd.worker import put_back, user_model
 from dsgd.worker.replica_names import device, replica_scope, strip_scope
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf1.applies import apply_ops
@@ -178,14 +184,38 @@ def _build_gradients(graph: tf.Graph, model: Model, weights: dict[str, tf.Variab
     grads = [(tf.convert_to_tensor(g), v) for g, v in grads if g is not None]
     if not grads:
         raise ModelCreatorError(f"the loss on {where} depends on none of the trainable variables")
+    grads.reverse()  # back-propagation yields the last layers first: exchange them first
+    exchange = [g for g, _ in grads]
     update_ops = graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, scope=replica_scope(index) + "/")
     state_vars = [v for v in weights.values() if v not in trainable and v.dtype.is_floating] if update_ops else []
-    with tf.control_dependencies(update_ops):
-        state_values = [tf.identity(v.read_value()) for v in state_vars]
-    grads.reverse()  # back-propagation yields the last layers first: exchange them first
+    if state_vars:
+        start = put_back.read(state_vars)
+        for write in _state_writes(update_ops, state_vars):
+            write._add_control_inputs([t.op for t in start])  # no public API orders an op built already
+        with tf.control_dependencies(update_ops):
+            written = put_back.read(state_vars)
+        exchange = put_back.exchanged_after_put_back(state_vars, start, written, exchange + written)
     return Replica(index, model, weights, optimizer, loss, metrics={},
-                   train_vars=tuple(v for _, v in grads), state_vars=tuple(state_vars),
-                   exchange=tuple(g for g, _ in grads) + tuple(state_values))
+                   train_vars=tuple(v for _, v in grads), state_vars=tuple(state_vars), exchange=tuple(exchange))
+
+
+def _state_writes(update_ops: Sequence[tf.Operation | tf.Tensor],
+                  state_vars: Sequence[tf.Variable]) -> list[tf.Operation]:
+    """The ops that write a state variable among the update ops and every op they wait for: what the step's
+    start values must be read before."""
+    handles = {v.op for v in state_vars}
+    seen: set[tf.Operation] = set()
+    todo = [u if isinstance(u, tf.Operation) else u.op for u in update_ops]
+    writes = []
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type != "ReadVariableOp" and any(t.op in handles for t in op.inputs):
+            writes.append(op)
+        todo += [t.op for t in op.inputs] + list(op.control_inputs)
+    return writes
 
 
 def _var_spec(name: str, tensor: tf.Tensor | tf.Variable) -> partitions.VarSpec:

@@ -13,14 +13,14 @@ import tensorflow as tf
 
 from dsgd.config import WorkerConfig
 from dsgd.errors import ModelCreatorError
-from dsgd.worker.tf1.session_config import RECEIVE_THREADS
+from dsgd.worker.runtime import thread_counts
 
 logger = logging.getLogger(__name__)
 
 
 def configure(config: WorkerConfig) -> None:
     """Logical CPU devices, one per replica (GPUs: memory growth), and the worker's CPUs as threads."""
-    threads = max(1, config.cpus_per_worker)
+    intra_op, inter_op = thread_counts(config)
     try:
         if config.gpu:
             for gpu in tf.config.list_physical_devices("GPU"):
@@ -29,8 +29,8 @@ def configure(config: WorkerConfig) -> None:
             cpu = tf.config.list_physical_devices("CPU")[0]
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration()] * config.devices_per_worker)
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads) + RECEIVE_THREADS)
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
     except RuntimeError as e:  # the context started already: it must have the devices
         logger.debug("TensorFlow's context started before the worker configured it: %s", e)
     kind = "GPU" if config.gpu else "CPU"

@@ -14,8 +14,9 @@ each replica's Keras optimizer applies the mean gradients, and the state
 variables (batch-norm statistics) take the mean values. The forward pass
 writes the state variables (a Keras layer assigns its statistics in its
 call): once read, they are put back as they were, before anything is
-exchanged or checked, so a step not applied (skipped or raised under
-``nan_policy``, a warmup) leaves every variable as it was.
+exchanged or checked (``dsgd.worker.put_back``, as the TF1 way does), so a
+step not applied (skipped or raised under ``nan_policy``, a warmup) leaves
+every variable as it was.
 
 dsgd's own code is traced as it is (autograph off); the user's ``get_loss``
 is converted by autograph, as ``tf.function`` would.
@@ -35,6 +36,7 @@ import tensorflow as tf
 from dsgd import ops
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, ModelCreatorError
+from dsgd.worker import put_back
 from dsgd.worker.finite_checks import finite_tensors
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
@@ -124,15 +126,14 @@ class Tf2Runtime(ReplicaRuntime):
         for r, batch, user_loss in zip(self.replicas, batches, self._losses):
             where = f"worker {self.worker_index}, device {r.index}"
             with tf.device(r.device):
-                start = [tf.identity(v) for v in r.state_vars]  # read before the forward's writes
+                state_vars = [tf_variable(v) for v in r.state_vars]
+                start = put_back.read(state_vars)  # before the forward's writes
                 with tf.GradientTape() as tape:
                     loss, replica_metrics = _loss_and_metrics(user_loss(batch), where)
-                written = [tf.identity(v) for v in r.state_vars]  # read after them
+                written = put_back.read(state_vars)  # after them
                 grads = tape.gradient(loss, list(r.train_vars))
-                # Everything exchanged waits for the put-back: a check that fails (on any mean) comes after it.
-                with tf.control_dependencies(_put_back(r.state_vars, start)):
-                    exchanged.append([tf.identity(t) for t in _gradients(grads, r.train_vars, where, self.names)
-                                      + written])
+                exchanged.append(put_back.exchanged_after_put_back(
+                    state_vars, start, written, _gradients(grads, r.train_vars, where, self.names) + written))
             losses.append(tf.cast(loss, tf.float32))
             metrics.append(replica_metrics)
         names = sorted(metrics[0])
@@ -341,13 +342,6 @@ def _loss_and_metrics(result: Any, where: str) -> tuple[tf.Tensor, dict[str, tf.
         raise ModelCreatorError(f"get_loss(batch) on {where} must return a float loss, got {loss.dtype.name}")
     metrics = {k: tf.reduce_mean(tf.convert_to_tensor(v)) for k, v in metrics.items()}
     return loss, metrics
-
-
-def _put_back(variables: Sequence[Any], values: Sequence[tf.Tensor]) -> list[tf.Operation]:
-    """Assign each variable its value from the step's start (the ops): the forward's writes (batch-norm
-    statistics) are undone, so a step whose check fails, skipped or raised, or a warmup, leaves them as they
-    were; an applied step assigns their mean."""
-    return [tf_variable(v).assign(value, read_value=False) for v, value in zip(variables, values)]
 
 
 def _gradients(grads: Sequence[Any], variables: Sequence[Any], where: str, names: Names) -> list[tf.Tensor]:
