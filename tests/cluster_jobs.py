@@ -44,3 +44,15 @@ def objects_created(node_id: str | None = None) -> int:
     node = next(n for n in ray.nodes() if n["Alive"] and node_id in (None, n["NodeID"]))
     reply = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
     return reply.store_stats.cumulative_created_objects
+
+
+def relays_of(group) -> list:
+    """Per partition of a ``ServerGroup``: [relaying server, the workers it sums] of each node that relays it."""
+    return [[[r, list(ws)] for r, ws in group.relays.get(j, {}).items()] for j in range(len(group.layout))]
+
+
+def relay_transports(group) -> list:
+    """Per server of a ``ServerGroup``: the server it relays partitions to -> how its partial sums go there
+    ("stream", "object store")."""
+    return [{str(home): how for home, how in transports.items()}
+            for transports in ray.get([a.relay_transports.remote() for a in group.actors], timeout=60)]

@@ -36,7 +36,7 @@ import ray
 
 import dsgd
 from dsgd.transport.listener import shut_down
-from cluster_jobs import actor_node, local_cluster, objects_created
+from cluster_jobs import actor_node, local_cluster, objects_created, relay_transports, relays_of
 from compression_runs import FLOAT32, STEPS, lockstep
 from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedStragglerNet, TanhNet, kill,
                               replica_weights, set_start_weights, ps_actors, server_group)
@@ -180,24 +180,24 @@ def run_node_local(scratch: str) -> dict:
             "ps_nodes": [actor_node(ps) for ps in group.actors],
             "placement": group.placement,
             "partition_bytes": [s.wire_nbytes for s in group.layout],
-            "relays": _relays(group),
+            "relays": relays_of(group),
             "routes": [group.routes(w) for w in range(4)],
             "traffic": traffic,
-            "relay_transports": _relay_transports(group),
+            "relay_transports": relay_transports(group),
             "rerun_identical": all(np.array_equal(a[k], b[k]) for a, b in zip(first_run, second_run) for k in a),
             "node_sent_bytes": [s["node_sent_bytes"] for s in stats],
             "sent_bytes": [s["sent_bytes"] for s in stats]}
         kill(sgd.workers[3])
         for _ in range(STEPS):
             sgd.step()
-        result.update(failures=sgd.failures, relays_after=_relays(server_group(sgd)),
-                      relay_transports_after=_relay_transports(server_group(sgd)))
+        result.update(failures=sgd.failures, relays_after=relays_of(server_group(sgd)),
+                      relay_transports_after=relay_transports(server_group(sgd)))
         kill(server_group(sgd).actors[0])  # the server the other node's relay streams its partial sums to
         for _ in range(STEPS):
             sgd.step()
         return {**result, "failures_after_server": sgd.failures,
-                "relays_after_server": _relays(server_group(sgd)),
-                "relay_transports_after_server": _relay_transports(server_group(sgd)),
+                "relays_after_server": relays_of(server_group(sgd)),
+                "relay_transports_after_server": relay_transports(server_group(sgd)),
                 "start": _listed(start), "replicas": [_listed(r) for r in replica_weights(sgd)]}
 
 
@@ -213,20 +213,9 @@ def run_node_local_bf16() -> dict:
             sgd.step()
             steps.append({"before": _listed(before), "replicas": [_listed(r) for r in replica_weights(sgd)]})
         group = server_group(sgd)
-        return {"steps": steps, "relays": _relays(group), "relay_transports": _relay_transports(group),
+        return {"steps": steps, "relays": relays_of(group), "relay_transports": relay_transports(group),
                 "placement": group.placement,
                 "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])]}
-
-
-def _relay_transports(group) -> list:
-    """Per server: the server it relays partitions to -> how its partial sums go there ("stream", "object store")."""
-    return [{str(home): how for home, how in transports.items()}
-            for transports in ray.get([a.relay_transports.remote() for a in group.actors], timeout=60)]
-
-
-def _relays(group) -> list:
-    """Per partition: [relaying server, the workers it sums] of each node that relays it."""
-    return [[[r, list(ws)] for r, ws in group.relays.get(j, {}).items()] for j in range(len(group.layout))]
 
 
 def run_server_nodes(cluster) -> dict:
@@ -242,7 +231,7 @@ def run_server_nodes(cluster) -> dict:
         group = server_group(sgd)
         result = {"server_node": server_node,
                   "worker_nodes": [i.node_id for i in ray.get([w.identity.remote() for w in sgd.workers])],
-                  "ps_nodes": [actor_node(ps) for ps in group.actors], "relays": _relays(group),
+                  "ps_nodes": [actor_node(ps) for ps in group.actors], "relays": relays_of(group),
                   "transports": _transports(sgd), "start": _listed(start)}
         kill(group.actors[0])
         for _ in range(STEPS):

@@ -135,7 +135,7 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
         # One push from the other node per step: the relay's partial sum, down its stream (2 without relays).
         assert run["traffic"][home][str(j)] == job["steps"]
         sent[other] += run["partition_bytes"][j]
-    _assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
+    assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
     # The same steps from the same checkpoint give the same weights bit for bit: partial sums are added in the
     # same order whichever arrives first.
     assert run["rerun_identical"]
@@ -147,12 +147,12 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
     # steps after it (and after the server's below) still equal the numpy reference, on 4 bit-identical replicas.
     assert run["failures"] == 1 and any(run["relays_after"])
     # the streams to the servers of the recovered engine were opened anew (as new streams, or to new servers)
-    _assert_relays_push_down_streams(run["relays_after"], run["relay_transports_after"], run["placement"])
+    assert_relays_push_down_streams(run["relays_after"], run["relay_transports_after"], run["placement"])
     # Server 0 killed: the relay streaming to it saw the stream end, one more recovery, and the relays stream to
     # the new server.
     assert run["failures_after_server"] == 2 and any(run["relays_after_server"])
-    _assert_relays_push_down_streams(run["relays_after_server"], run["relay_transports_after_server"],
-                                     run["placement"])
+    assert_relays_push_down_streams(run["relays_after_server"], run["relay_transports_after_server"],
+                                    run["placement"])
     replicas = [weights_from_json(r) for r in run["replicas"]]
     assert len(replicas) == 4
     for replica in replicas[1:]:
@@ -162,7 +162,7 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
     assert_weights_close(replicas[0], expected)
 
 
-def _assert_relays_push_down_streams(relays: list, transports: list, placement: list) -> None:
+def assert_relays_push_down_streams(relays: list, transports: list, placement: list) -> None:
     """Every relaying server (``relays``: per partition, [server, workers] of each node that relays it) pushes its
     partial sums to each partition's server down a stream, and no other server relays."""
     expected: dict[int, dict[str, str]] = {r: {} for r in range(len(transports))}
@@ -182,7 +182,7 @@ def test_two_workers_per_node_under_bf16_relay_float32_partial_sums_down_streams
     tests/test_compression.py holds one node to), on bit-identical replicas."""
     run = job["node_local_bf16"]
     assert sorted(run["worker_nodes"].count(n) for n in set(run["worker_nodes"])) == [2, 2]
-    _assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
+    assert_relays_push_down_streams(run["relays"], run["relay_transports"], run["placement"])
     for step, entry in enumerate(run["steps"]):
         before = weights_from_json(entry["before"])
         replicas = [weights_from_json(r) for r in entry["replicas"]]

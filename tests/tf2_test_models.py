@@ -27,11 +27,13 @@ def batch(worker_index: int, device_index: int, step: int) -> tuple[np.ndarray, 
     return x, (np.abs(x[:, :CLASSES]).argmax(1)).astype(np.int64)
 
 
-def batches(worker_index: int, device_index: int):
+def batches(worker_index: int, device_index: int, fixed: bool = False):
+    """The replica's batches, step after step; ``fixed``: its first batch every step (a new or replaced worker
+    then reads what the old ones do)."""
     step = 0
     while True:
         yield batch(worker_index, device_index, step)
-        step += 1
+        step += 0 if fixed else 1
 
 
 def sequential() -> keras.Model:
@@ -76,10 +78,10 @@ def labels_of(net_name: str, y: np.ndarray):
     return (y, y) if net_name == "functional" else y
 
 
-def keras_creator(net_name: str = "sequential", optimizer_name: str = "sgd") -> Callable:
-    """A model_creator of KerasModel replicas of ``NETS[net_name]`` reading ``batches``."""
+def keras_creator(net_name: str = "sequential", optimizer_name: str = "sgd", fixed: bool = False) -> Callable:
+    """A model_creator of KerasModel replicas of ``NETS[net_name]`` reading ``batches`` (``fixed`` or not)."""
     def create(worker_index: int, device_index: int):
-        data = ((x, labels_of(net_name, y)) for x, y in batches(worker_index, device_index))
+        data = ((x, labels_of(net_name, y)) for x, y in batches(worker_index, device_index, fixed))
         return dsgd.KerasModel(NETS[net_name](), loss=loss_of(net_name), optimizer=optimizer(optimizer_name),
                                metrics=["accuracy"], batches=data)
     return create
@@ -123,6 +125,14 @@ def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndar
                   steps: int) -> tuple[dict[str, np.ndarray], list[float]]:
     """The weights after ``steps`` synchronous steps from ``weights`` (keyed as the engine keys them, by
     position), and each step's mean replica loss: eager, one process."""
+    return reference_stages(net_name, optimizer_name, weights, [(steps, replicas)])
+
+
+def reference_stages(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray],
+                     stages: list[tuple[int, list[tuple[int, int]]]],
+                     fixed: bool = False) -> tuple[dict[str, np.ndarray], list[float]]:
+    """``reference_run`` in stages of (steps, the replicas each step averages), the optimizer's state carried from
+    stage to stage (a resized engine); ``fixed``: every replica reads its first batch every step."""
     net = NETS[net_name]()
     x0, y0 = batch(0, 0, 0)
     net(x0, training=False)  # built
@@ -133,13 +143,14 @@ def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndar
     loss_fn = loss_of(net_name)
     state = [v for v in net.non_trainable_weights]
     losses = []
-    for step in range(steps):
+    schedule = [replicas for count, replicas in stages for _ in range(count)]  # each step's replicas
+    for step, replicas in enumerate(schedule):
         old = [v.numpy() for v in state]
         grads, new_state, step_losses = [], [], []
         for w, d in replicas:
             for v, value in zip(state, old):
                 v.assign(value)
-            x, y = batch(w, d, step)
+            x, y = batch(w, d, 0 if fixed else step)
             with tf.GradientTape() as tape:
                 out = net(x, training=True)
                 targets = labels_of(net_name, y)

@@ -1,0 +1,168 @@
+"""Node-local aggregation (relays) together with 2 devices, a resize, an elastic engine, a timeline, a logdir,
+nan_policy, and tf_keras, Keras 3 and TF2Model models; and (slow) with Ray Data; each against a single-process
+reference.
+
+tests/relays_job.py runs the engines one after another on a two-node cluster
+in a subprocess (``run_job``); see its docstring for the set-up. The default
+suite runs one job (about 100 s); the Ray Data run, another (its engine alone
+took 39 s), is marked slow. tests/test_multinode.py runs relays with TF1
+models (bf16, a checkpoint, faults).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import data_test_models as dm
+import keras_test_models as km
+import tf2_test_models as m
+from dsgd_test_models import assert_all_identical, assert_weights_close, run_job, weights_from_json
+from test_data import assert_disjoint_equal_cover
+from test_multinode import assert_relays_push_down_streams
+from test_tensorboard import read_scalars
+from test_tf2 import regression_reference
+from test_timeline import load_trace
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relays_job.py")
+TIMEOUT_S = 480
+DEVICES, STAGE_STEPS = 2, 2
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("relays")
+
+
+@pytest.fixture(scope="module")
+def job(scratch) -> dict:
+    return run_job(JOB, TIMEOUT_S, str(scratch), "keras3", "tf_keras", "tf2")
+
+
+def replicas(workers: int) -> list[tuple[int, int]]:
+    return [(w, d) for w in range(workers) for d in range(DEVICES)]
+
+
+def assert_relayed(plan: dict) -> None:
+    """Some partition is relayed; every partition is relayed from every node other than its server's that holds two
+    or more workers (by a server there, summing exactly that node's workers) and from no other node, and the
+    relays' partial sums go down streams."""
+    workers_on: dict[str, list[int]] = {}
+    for w, node in enumerate(plan["worker_nodes"]):
+        workers_on.setdefault(node, []).append(w)
+    ps_nodes = plan["ps_nodes"]
+    for home, relays in zip(plan["placement"], plan["relays"]):
+        expected = sorted([node, workers] for node, workers in workers_on.items()
+                          if node != ps_nodes[home] and len(workers) >= 2 and node in ps_nodes)
+        assert sorted([ps_nodes[r], workers] for r, workers in relays) == expected
+    assert any(plan["relays"]), plan
+    assert_relays_push_down_streams(plan["relays"], plan["relay_transports"], plan["placement"])
+
+
+def test_keras3_elastic_engine_with_relays_resizes_skips_a_nan_step_and_trains_like_the_reference(job):
+    """A Keras 3 model with batch normalization, 2 devices per worker, in an elastic engine: 4 workers on two nodes
+    (relays planned), a traced step, a step whose mean is NaN skipped on every replica (every weight as it was), a
+    resize to 3 (a node of 2 workers still relays), a grow back to 4 by the engine (relays planned again). Every
+    replica is bit-identical at each size, and the weights equal the eager reference of the replicas alive at each
+    step, the momentum carried through."""
+    run = job["keras3"]
+    at_4, at_3, back_at_4 = run["plans"]
+    assert len(at_4["worker_nodes"]) == 4 and set(at_4["worker_nodes"]) == set(job["nodes"])
+    assert_relayed(at_4)
+    assert len(at_3["worker_nodes"]) == 3
+    assert_relayed(at_3)
+    assert len(back_at_4["worker_nodes"]) == 4 and run["num_workers"] == 4
+    assert_relayed(back_at_4)
+    # the skipped step: every replica holds the poisoned weights, NaN where they were NaN, the rest unchanged
+    poisoned = weights_from_json(run["poisoned"])
+    for replica in [weights_from_json(r) for r in run["after_skip"]]:
+        assert list(replica) == list(poisoned)
+        for name in poisoned:
+            assert np.array_equal(replica[name], poisoned[name], equal_nan=True), name
+    at_sizes = [8.0] * (STAGE_STEPS + 1) + [6.0] * STAGE_STEPS + [8.0] * STAGE_STEPS  # 4 workers (the skip too), 3, 4
+    assert [s["num_replicas"] for s in run["stats"]] == at_sizes
+    assert any(message.startswith("skipped a step (nan_policy='skip'): non-finite") for message in run["skip_warnings"])
+    start = weights_from_json(run["start"])
+    at_3_replicas = [weights_from_json(r) for r in run["replicas_at_3"]]
+    assert len(at_3_replicas) == 3 * DEVICES
+    assert_all_identical(at_3_replicas)
+    stages = [(STAGE_STEPS, replicas(4)), (STAGE_STEPS, replicas(3))]
+    expected, _ = m.reference_stages("sequential", "sgd", start, stages, fixed=True)
+    assert_keras3_close(at_3_replicas[0], expected)
+    final = [weights_from_json(r) for r in run["replicas"]]
+    assert len(final) == 4 * DEVICES
+    assert_all_identical(final)
+    expected, _ = m.reference_stages("sequential", "sgd", start, stages + [(STAGE_STEPS, replicas(4))], fixed=True)
+    assert_keras3_close(final[0], expected)
+
+
+def assert_keras3_close(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for name in got:
+        np.testing.assert_allclose(got[name], expected[name], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_the_relayed_steps_timeline_shows_each_relays_partial_sum_and_the_logdir_every_fetched_step(job, scratch):
+    """The traced step (4 workers): each relaying server's trace has its push of the node's partial sum of each
+    partition it relays, and the partition's server the partial sum's arrival; the TensorBoard logdir has every
+    fetched step's scalars, the replica count following the resizes."""
+    run = job["keras3"]
+    at_4 = run["plans"][0]
+    processes, spans = load_trace(scratch / "step.json")
+    assert sorted(processes.values()) == sorted(["driver"] + [f"worker {w}" for w in range(4)]
+                                                + [f"parameter server {s}" for s in range(len(at_4["ps_nodes"]))])
+    names = {process: [e["name"] for e in events] for process, events in spans.items()}
+    relayed = 0
+    for j, (home, relays) in enumerate(zip(at_4["placement"], at_4["relays"])):
+        for r, workers in relays:
+            pushed = [n for n in names[f"parameter server {r}"]
+                      if n.startswith(f"push the node's partial sum of partition {j} (workers {workers},")]
+            assert pushed and pushed[0].endswith(f"to parameter server {home}"), (j, r)
+            arrived = f"the partial sum of workers {workers}: push of partition {j} (waits for the sum)"
+            assert arrived in names[f"parameter server {home}"], (j, home)
+            relayed += 1
+    assert relayed > 0
+    scalars = read_scalars(scratch / "logs")
+    assert [value for _, value, _ in scalars["num_replicas"]] == [s["num_replicas"] for s in run["stats"]]
+    assert [value for _, value, _ in scalars["node_sent_bytes"]] == [s["node_sent_bytes"] for s in run["stats"]]
+
+
+def test_tf_keras_model_with_relays_trains_like_sgd_on_the_union_of_batches(job):
+    run = job["tf_keras"]
+    assert_relayed(run["plan"])
+    got = [weights_from_json(r) for r in run["replicas"]]
+    assert len(got) == 4
+    assert_all_identical(got)
+    expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
+    for step in range(km.STEPS):
+        expected = km.dense_sgd_step(expected, [(w, 0) for w in range(4)], step)
+    assert_weights_close(got[0], expected)
+
+
+def test_tf2_model_with_relays_trains_like_the_reference(job):
+    run = job["tf2"]
+    assert_relayed(run["plan"])
+    got = [weights_from_json(r) for r in run["replicas"]]
+    assert len(got) == 4
+    assert_all_identical(got)
+    expected = regression_reference(weights_from_json(run["start"]), [(w, 0) for w in range(4)], run["steps"],
+                                    fixed=True)
+    assert_weights_close(got[0], expected)
+
+
+@pytest.mark.slow
+def test_tf2_model_reading_ray_data_with_relays_trains_on_every_replicas_own_rows(scratch):
+    """A TF2Model reading a Ray Dataset (its first batch at build) on 4 workers over two nodes: each replica reads
+    its own split, and every step trains on the replicas' batches, as the numpy reference does."""
+    run = run_job(JOB, TIMEOUT_S, str(scratch), "tf2_data")["tf2_data"]
+    assert_relayed(run["plan"])
+    seen, rows = run["seen"], run["rows"]
+    assert [[len(ids) for ids in s] for s in seen] == [[2 * dm.BATCH, dm.BATCH]] * 4
+    assert_disjoint_equal_cover([s[0] for s in seen], rows)
+    w = np.zeros(2)
+    for step in range(run["steps"]):  # step k: each replica's k-th batch
+        w = dm.numpy_step(w, [(s[0] + s[1])[step * dm.BATCH:(step + 1) * dm.BATCH] for s in seen], rows)
+    got = [weights_from_json(r) for r in run["replicas"]]
+    assert len(got) == 4
+    assert_all_identical(got)
+    np.testing.assert_allclose(got[0]["w"], w, rtol=1e-5)
