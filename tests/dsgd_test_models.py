@@ -136,6 +136,23 @@ def assert_every_variable_unchanged_by(sgd, action: Callable[[], Any]) -> None:
                 np.testing.assert_array_equal(replica_after[name], value, err_msg=name)
 
 
+def assert_warmup_and_a_skipped_step_change_nothing(sgd, log_text: Callable[[], str], num_replicas: int) -> None:
+    """On an engine of a model with batch normalization under nan_policy="skip", after a first step: a warmup,
+    and a step whose mean is NaN (a kernel set to NaN) skipped, change no weight, moving statistic or optimizer
+    variable of any replica; the step after them trains on, the replicas identical. ``log_text()``: the dsgd
+    log so far (pytest's ``caplog.text``)."""
+    sgd.step()
+    assert_every_variable_unchanged_by(sgd, sgd.warmup)
+    good = sgd.get_weights()
+    kernel = next(k for k in good if k.endswith("kernel"))
+    sgd.set_weights({**good, kernel: np.full_like(good[kernel], np.nan)})
+    assert_every_variable_unchanged_by(sgd, lambda: sgd.step(fetch_stats=True))
+    assert "skipped a step (nan_policy='skip')" in log_text()
+    sgd.set_weights(good)
+    assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
+    assert_replicas_identical(sgd, num_replicas)
+
+
 def assert_all_identical(replicas: list[dict[str, np.ndarray]]) -> None:
     """Every replica's weights (a list as ``replica_weights`` returns it) equal the first's, bit for bit."""
     for i, other in enumerate(replicas[1:], start=1):
