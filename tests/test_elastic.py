@@ -320,7 +320,7 @@ def test_ctrl_c_after_the_new_workers_are_built_finishes_the_resize_at_the_next_
         assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (2, 3)]))
 
 
-def test_inside_a_placement_group_resize_and_elastic_engines_are_refused(ray_session):
+def test_inside_a_placement_group_resize_elastic_engines_and_server_nodes_are_refused(ray_session):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -330,12 +330,17 @@ def test_inside_a_placement_group_resize_and_elastic_engines_are_refused(ray_ses
         dsgd.tune.trainable(lambda config: FixedDataMomentumNet, steps_per_report=1, num_workers=(1, 2))
 
     @ray.remote(num_cpus=1)
-    def trial() -> tuple[str, str, int]:
+    def trial() -> tuple[str, str, str, int]:
         try:
             dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2))
             elastic_error = ""
         except ValueError as e:
             elastic_error = str(e)
+        try:
+            dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, server_resource="dsgd_server")
+            server_error = ""
+        except ValueError as e:
+            server_error = str(e)
         with engine(1, "ps") as sgd:
             try:
                 sgd.resize(2)
@@ -343,18 +348,19 @@ def test_inside_a_placement_group_resize_and_elastic_engines_are_refused(ray_ses
             except dsgd.DSGDError as e:
                 resize_error = str(e)
             sgd.step(fetch_stats=True)
-            return elastic_error, resize_error, sgd.num_workers
+            return elastic_error, server_error, resize_error, sgd.num_workers
 
     group = placement_group([{"CPU": 1}, {"CPU": 1}])
     try:
         ray.get(group.ready(), timeout=60)
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        elastic_error, resize_error, num_workers = ray.get(trial.options(scheduling_strategy=strategy).remote(),
-                                                           timeout=180)
+        elastic_error, server_error, resize_error, num_workers = ray.get(
+            trial.options(scheduling_strategy=strategy).remote(), timeout=180)
     finally:
         remove_placement_group(group)
     assert "an elastic engine cannot run inside a placement group" in elastic_error
+    assert "server_resource='dsgd_server' cannot be used inside a placement group" in server_error
     assert "resize(2) inside a placement group (a Ray Tune trial) is refused" in resize_error
     assert num_workers == 1
 
