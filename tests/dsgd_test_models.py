@@ -230,6 +230,15 @@ class FixedDataMomentumNet(TanhNet):
         return {self.x: x, self.y: y}
 
 
+def identical_job_replicas(replicas: list[dict], count: int) -> dict[str, np.ndarray]:
+    """A job's reported replicas (JSON weights, as ``replica_weights`` lists them): ``count`` of them, bit-identical;
+    their weights."""
+    got = [weights_from_json(r) for r in replicas]
+    assert len(got) == count
+    assert_all_identical(got)
+    return got[0]
+
+
 def assert_job_replicas_identical_and_numpy_like(job: dict, replicas: list[tuple[int, int]]) -> None:
     """A job's reported replicas (``job["replicas"]``) are bit-identical and equal ``numpy_step`` run from its
     ``start`` weights for its ``steps``."""

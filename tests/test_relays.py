@@ -17,7 +17,7 @@ import pytest
 import data_test_models as dm
 import keras_test_models as km
 import tf2_test_models as m
-from dsgd_test_models import assert_all_identical, assert_weights_close, run_job, weights_from_json
+from dsgd_test_models import assert_weights_close, identical_job_replicas, run_job, weights_from_json
 from test_data import assert_disjoint_equal_cover
 from test_multinode import assert_relays_push_down_streams
 from test_tensorboard import read_scalars
@@ -83,17 +83,13 @@ def test_keras3_elastic_engine_with_relays_resizes_skips_a_nan_step_and_trains_l
     assert [s["num_replicas"] for s in run["stats"]] == at_sizes
     assert any(message.startswith("skipped a step (nan_policy='skip'): non-finite") for message in run["skip_warnings"])
     start = weights_from_json(run["start"])
-    at_3_replicas = [weights_from_json(r) for r in run["replicas_at_3"]]
-    assert len(at_3_replicas) == 3 * DEVICES
-    assert_all_identical(at_3_replicas)
+    at_3 = identical_job_replicas(run["replicas_at_3"], 3 * DEVICES)
     stages = [(STAGE_STEPS, replicas(4)), (STAGE_STEPS, replicas(3))]
     expected, _ = m.reference_stages("sequential", "sgd", start, stages, fixed=True)
-    assert_keras3_close(at_3_replicas[0], expected)
-    final = [weights_from_json(r) for r in run["replicas"]]
-    assert len(final) == 4 * DEVICES
-    assert_all_identical(final)
+    assert_keras3_close(at_3, expected)
+    final = identical_job_replicas(run["replicas"], 4 * DEVICES)
     expected, _ = m.reference_stages("sequential", "sgd", start, stages + [(STAGE_STEPS, replicas(4))], fixed=True)
-    assert_keras3_close(final[0], expected)
+    assert_keras3_close(final, expected)
 
 
 def assert_keras3_close(got: dict, expected: dict) -> None:
@@ -130,24 +126,20 @@ def test_the_relayed_steps_timeline_shows_each_relays_partial_sum_and_the_logdir
 def test_tf_keras_model_with_relays_trains_like_sgd_on_the_union_of_batches(job):
     run = job["tf_keras"]
     assert_relayed(run["plan"])
-    got = [weights_from_json(r) for r in run["replicas"]]
-    assert len(got) == 4
-    assert_all_identical(got)
+    got = identical_job_replicas(run["replicas"], 4)
     expected = {k: np.array(v, np.float64) for k, v in run["start"].items()}
     for step in range(km.STEPS):
         expected = km.dense_sgd_step(expected, [(w, 0) for w in range(4)], step)
-    assert_weights_close(got[0], expected)
+    assert_weights_close(got, expected)
 
 
 def test_tf2_model_with_relays_trains_like_the_reference(job):
     run = job["tf2"]
     assert_relayed(run["plan"])
-    got = [weights_from_json(r) for r in run["replicas"]]
-    assert len(got) == 4
-    assert_all_identical(got)
+    got = identical_job_replicas(run["replicas"], 4)
     expected = regression_reference(weights_from_json(run["start"]), [(w, 0) for w in range(4)], run["steps"],
                                     fixed=True)
-    assert_weights_close(got[0], expected)
+    assert_weights_close(got, expected)
 
 
 @pytest.mark.slow
@@ -162,7 +154,5 @@ def test_tf2_model_reading_ray_data_with_relays_trains_on_every_replicas_own_row
     w = np.zeros(2)
     for step in range(run["steps"]):  # step k: each replica's k-th batch
         w = dm.numpy_step(w, [(s[0] + s[1])[step * dm.BATCH:(step + 1) * dm.BATCH] for s in seen], rows)
-    got = [weights_from_json(r) for r in run["replicas"]]
-    assert len(got) == 4
-    assert_all_identical(got)
-    np.testing.assert_allclose(got[0]["w"], w, rtol=1e-5)
+    got = identical_job_replicas(run["replicas"], 4)
+    np.testing.assert_allclose(got["w"], w, rtol=1e-5)
