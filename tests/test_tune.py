@@ -158,11 +158,11 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
     by_kill = {r.config["kill_at"]: r for r in results}
     killed, uninterrupted = by_kill[7], by_kill[None]
     assert killed.metrics["num_steps"] == uninterrupted.metrics["num_steps"] == 10
-    # Resumed at step 6 rather than restarted: after the failure it reported iterations 4 and 5, steps 8
-    # and 10. Tune sometimes keeps only the rows reported after the restart (seen once in CI).
+    # After the failure it reported iterations 4 and 5, steps 8 and 10. Of the rows before it, Tune's history
+    # keeps all, none or some (seen in CI: none; iteration 1 alone), but never one that differs.
     history = killed.metrics_dataframe
     rows = list(zip(history["training_iteration"], history["num_steps"]))
-    assert rows in ([(1, 2), (2, 4), (3, 6), (4, 8), (5, 10)], [(4, 8), (5, 10)]), rows
+    assert rows[-2:] == [(4, 8), (5, 10)] and set(rows[:-2]) <= {(1, 2), (2, 4), (3, 6)}, rows
     # What tells a resume from a restart from scratch: after the restart worker 0 computed steps 6 to 9
     # only. Before the kill it computed steps 0 to 6, and step 7 too if it got there before worker 1 died.
     batches = {kill_at: len(open(calls_file(kill_at, marker)).readlines()) for kill_at in (None, 7)}
