@@ -69,23 +69,26 @@ def regression_creator(config):
     return lambda worker_index, device_index: Regression(worker_index, device_index, config)
 
 
-def numpy_losses(lr: float, replicas: list, steps: int) -> list[float]:
-    """Plain gradient descent on Regression: the mean loss over replicas before each step."""
+def numpy_descent(lr: float, replicas: list, steps: int, momentum: float = 0.0) -> tuple[np.ndarray, list[float]]:
+    """Gradient descent with momentum (TF1's MomentumOptimizer) on Regression, on the mean of the replicas'
+    gradients: the weights after ``steps`` steps, and the mean loss over replicas before each step."""
     xs = [batch(w, d, 0)[0].astype(np.float64) for w, d in replicas]
-    w, losses = np.zeros(len(W_TRUE)), []
+    w, velocity, losses = np.zeros(len(W_TRUE)), np.zeros(len(W_TRUE)), []
     for _ in range(steps):
         residuals = [x @ w - x @ W_TRUE for x in xs]
         losses.append(float(np.mean([np.mean(r ** 2) for r in residuals])))
-        w = w - lr * np.mean([2 * x.T @ r / len(r) for x, r in zip(xs, residuals)], axis=0)
-    return losses
+        velocity = momentum * velocity + np.mean([2 * x.T @ r / len(r) for x, r in zip(xs, residuals)], axis=0)
+        w = w - lr * velocity
+    return w, losses
 
 
-def run(trainable, param_space, tmp_path, iterations, **tune_config):
-    """Tuner.fit with a stop, a time budget and quiet output; the ResultGrid, its trials in config order."""
+def run(trainable, param_space, tmp_path, iterations, callbacks=(), **tune_config):
+    """Tuner.fit with a stop, a time budget, one restart of a failed trial, quiet output and Tune ``callbacks``; the
+    ResultGrid, its trials in config order."""
     tuner = tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(metric="loss", mode="min", time_budget_s=TIME_BUDGET_S, **tune_config),
-        run_config=tune.RunConfig(name="run", storage_path=str(tmp_path), verbose=0,
+        run_config=tune.RunConfig(name="run", storage_path=str(tmp_path), verbose=0, callbacks=list(callbacks),
                                   stop={"training_iteration": iterations},
                                   failure_config=tune.FailureConfig(max_failures=1)))
     handler = signal.getsignal(signal.SIGINT)
@@ -138,7 +141,7 @@ def test_two_learning_rates_report_every_steps_per_report_and_the_larger_wins(ra
         assert list(history["num_steps"]) == [3, 6, 9, 12]
         assert list(history["step"]) == [2, 5, 8, 11]  # the id of the step whose stats are reported
         replicas = [(w, 0) for w in range(result.config["num_workers"])]
-        expected = numpy_losses(lr, replicas, 12)
+        _, expected = numpy_descent(lr, replicas, 12)
         np.testing.assert_allclose(history["loss"], [expected[s] for s in (2, 5, 8, 11)], rtol=1e-4)
         assert (history["rmse"] > 0).all()  # the model's metric is reported too
         assert [m["training_iteration"] for _, m in result.best_checkpoints] == [2, 4]  # checkpoint_every=2
