@@ -16,7 +16,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 import dsgd
 import dsgd.tune as dsgd_tune
 from dsgd.driver import checkpoint
-from dsgd_test_models import batch, modules_a_user_imports
+from dsgd_test_models import actors_started_since, batch, known_actors, modules_a_user_imports
 
 W_TRUE = np.array([1.0, -2.0, 0.5, 3.0, -1.0], np.float32)
 TIME_BUDGET_S = 240  # bound on each Tune run; the runs here take seconds
@@ -175,6 +175,21 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
     assert got.keys() == expected.keys() and any(k.startswith("optimizer/") for k in got)
     for key in expected:
         assert np.array_equal(got[key], expected[key]), key
+
+
+@pytest.mark.slow  # as it stands it waits startup_timeout_s for the new worker, then Tune restarts the trial
+@pytest.mark.xfail(strict=True, reason="the new worker goes to the lowest bundle on its node, the trial's own, whose "
+                   "CPU the trial holds: it waits for startup_timeout_s, the trial fails and Tune resumes it")
+def test_engine_in_a_trial_replaces_its_dead_worker_without_failing_the_trial(ray_session, tmp_path):
+    marker = str(tmp_path / "killed")
+    trainable = dsgd_tune.trainable(regression_creator, steps_per_report=2, num_workers=2, strategy="ps",
+                                    num_parameter_servers=1, startup_timeout_s=20, timeout_s=60)
+    before = known_actors()
+    (result,) = run(trainable, {"lr": 0.1, "kill_at": 3, "marker": marker}, tmp_path, iterations=3)
+    assert os.path.exists(marker) and result.metrics["num_steps"] == 6
+    # the engine's 2 workers and the one that replaced worker 1; a restarted trial would have started 2 more
+    workers = [name for name, _ in actors_started_since(before) if name.endswith("SGDWorker")]
+    assert len(workers) == 3, workers
 
 
 @pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")
