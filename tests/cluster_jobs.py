@@ -39,6 +39,17 @@ def actor_node(actor) -> str:
     return ray._private.state.actors(actor_id=actor._actor_id.hex())["Address"]["NodeID"]
 
 
+def live_actors() -> dict[str, list[tuple[str, str]]]:
+    """Class name ("SGDWorker", "ParameterServer") -> (actor id, node) of each live actor of that class, by id, from
+    the GCS actor table: also the actors of an engine the job holds no handle to (a Tune trial's)."""
+    actors: dict[str, list[tuple[str, str]]] = {}
+    for actor_id, actor in sorted(ray._private.state.actors().items()):
+        if actor["State"] == "ALIVE":
+            actors.setdefault(actor["ActorClassName"].rsplit(".", 1)[-1], []).append(
+                (actor_id, actor["Address"]["NodeID"]))
+    return actors
+
+
 def objects_created(node_id: str | None = None) -> int:
     """Objects a node's object store has created since it started (Ray's node stats); the first live node if None."""
     node = next(n for n in ray.nodes() if n["Alive"] and node_id in (None, n["NodeID"]))

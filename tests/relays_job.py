@@ -20,13 +20,21 @@ another:
 - ``tf2``: 4 workers of a ``dsgd.TF2Model`` (``tf2_test_models.FixedRegression``), ``TF2_STEPS`` steps.
 - ``tf2_data``: 4 workers of a ``dsgd.TF2Model`` reading a Ray Dataset
   (``data_test_models.row_id_tf2_creator``), ``DATA_STEPS`` steps.
+- ``tune``: a Ray Tune trial (``dsgd.tune.trainable``) of 4 workers of
+  ``test_tune.Regression``, momentum SGD, a checkpoint every report. Its
+  placement group packs the trial's bundle and two workers' on one node, the
+  other two workers' on the other. Worker 1 kills itself at step
+  ``TUNE_KILL_AT`` (``max_failures=0``: the trial fails), and Tune restarts
+  the trial from its last checkpoint. At every report a Tune callback reads
+  where the trial's placement group, workers and servers are.
 
 Prints one stdout line, ``RESULT`` and a JSON object: per engine, where its
 workers and servers ran and the relays planned (``plan``, at each size),
 the weights it started from, every replica's weights (nested lists) and
 what else its test checks (each step's stats, the skipped step's weights and
-warnings, the rows each replica read); the seconds each engine took, from its
-start to its shutdown.
+warnings, the rows each replica read; for ``tune``, the layout at each report,
+the trial's reports and its last checkpoint); the seconds each engine took,
+from its start to its shutdown.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import dsgd
 import data_test_models as dm
 import keras_test_models as km
 import tf2_test_models as m
-from cluster_jobs import actor_node, local_cluster, relay_transports, relays_of
+from cluster_jobs import actor_node, live_actors, local_cluster, relay_transports, relays_of
 from dsgd_test_models import RESULT_PREFIX, replica_weights, server_group
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
@@ -54,6 +62,9 @@ KERAS3_PARTITION_BYTES = 200  # about 850 bytes of gradients -> 5 partitions
 TF_KERAS_PARTITION_BYTES = 24  # 84 bytes -> 4 partitions
 TF2_PARTITION_BYTES, TF2_STEPS = 8, 3  # 28 bytes -> 4 partitions
 DATA_ROWS, DATA_STEPS = 80, 3  # 4 replicas x 20 rows: 2 steps an epoch
+TUNE_LR, TUNE_MOMENTUM = 0.05, 0.5
+TUNE_STEPS_PER_REPORT, TUNE_REPORTS, TUNE_KILL_AT = 2, 4, 5  # killed in the third report, resumed after the second
+TUNE_METRICS = ("training_iteration", "num_steps", "loss", "node_sent_bytes", "num_replicas")
 TIMEOUTS = dict(timeout_s=120, startup_timeout_s=300)
 
 
@@ -147,8 +158,43 @@ def tf2_data() -> dict:
                 "replicas": [listed(r) for r in replica_weights(sgd)]}
 
 
+def tune_trial(scratch: str) -> dict:
+    from ray import tune
+
+    import dsgd.tune as dsgd_tune
+    import test_tune
+
+    class Reports(tune.Callback):
+        """Every report as it arrives (a restarted trial's metrics_dataframe may hold only those after the restart),
+        and the layout while the trial's engine runs: the nodes of its placement group's bundles, workers and
+        parameter servers, and the workers' actor ids (a restarted trial's engine has new ones)."""
+
+        def __init__(self):
+            self.seen: list[dict] = []
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+            actors = live_actors()
+            workers, servers = actors.get("SGDWorker", []), actors.get("ParameterServer", [])
+            self.seen.append({**{k: float(result[k]) for k in TUNE_METRICS},
+                              "bundles": [{str(b): n for b, n in g["bundles_to_node_id"].items()} for g in groups],
+                              "workers": [node for _, node in workers], "servers": [node for _, node in servers],
+                              "worker_ids": [actor_id for actor_id, _ in workers]})
+
+    marker = os.path.join(scratch, "killed")
+    trainable = dsgd_tune.trainable(test_tune.regression_creator, steps_per_report=TUNE_STEPS_PER_REPORT,
+                                    num_workers=4, strategy="ps", grad_shard_bytes=4, max_failures=0, **TIMEOUTS)
+    reports = Reports()
+    results = test_tune.run(trainable, {"lr": TUNE_LR, "momentum": TUNE_MOMENTUM, "kill_at": TUNE_KILL_AT,
+                                        "marker": marker}, os.path.join(scratch, "tune"), TUNE_REPORTS,
+                            callbacks=[reports])
+    return {"reports": reports.seen, "killed": os.path.exists(marker), "lr": TUNE_LR, "momentum": TUNE_MOMENTUM,
+            "checkpoint": listed(test_tune.final_state(results[0]))}
+
+
 def main(scratch: str, runs: list[str]) -> None:
-    engines = {"keras3": lambda: keras3(scratch), "tf_keras": tf_keras, "tf2": tf2, "tf2_data": tf2_data}
+    engines = {"keras3": lambda: keras3(scratch), "tf_keras": tf_keras, "tf2": tf2, "tf2_data": tf2_data,
+               "tune": lambda: tune_trial(scratch)}
     with local_cluster(NODE_ARGS, NODE_ARGS):
         result: dict = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]), "seconds": {}}
         for name in runs:

@@ -1,12 +1,13 @@
 """Node-local aggregation (relays) together with 2 devices, a resize, an elastic engine, a timeline, a logdir,
-nan_policy, and tf_keras, Keras 3 and TF2Model models; and (slow) with Ray Data; each against a single-process
-reference.
+nan_policy, and tf_keras, Keras 3 and TF2Model models; and (slow) with Ray Data and in a Ray Tune trial; each
+against a single-process reference.
 
 tests/relays_job.py runs the engines one after another on a two-node cluster
 in a subprocess (``run_job``); see its docstring for the set-up. The default
-suite runs one job (about 100 s); the Ray Data run, another (its engine alone
-took 39 s), is marked slow. tests/test_multinode.py runs relays with TF1
-models (bf16, a checkpoint, faults).
+suite runs one job (about 100 s); the Ray Data run and the Tune trial, a job
+each (the engine alone took 39 s; the trial with its restart, 58 s), are
+marked slow. tests/test_multinode.py runs relays with TF1 models (bf16, a
+checkpoint, faults).
 """
 
 import os
@@ -23,6 +24,7 @@ from test_multinode import assert_relays_push_down_streams
 from test_tensorboard import read_scalars
 from test_tf2 import regression_reference
 from test_timeline import load_trace
+from test_tune import numpy_descent
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relays_job.py")
 TIMEOUT_S = 480
@@ -156,3 +158,32 @@ def test_tf2_model_reading_ray_data_with_relays_trains_on_every_replicas_own_row
         w = dm.numpy_step(w, [(s[0] + s[1])[step * dm.BATCH:(step + 1) * dm.BATCH] for s in seen], rows)
     got = identical_job_replicas(run["replicas"], 4)
     np.testing.assert_allclose(got["w"], w, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_tune_trial_over_two_nodes_relays_resumes_from_its_checkpoint_and_trains_like_numpy(scratch):
+    """A Ray Tune trial (``dsgd.tune.trainable``) of 4 workers: its placement group packs the trial's bundle and two
+    workers' on one node, two workers' on the other, so each node's server relays the other's partitions. Worker 1
+    dies in the third report and Tune restarts the trial from the second's checkpoint, on a new engine that plans
+    the relays again. Every report's loss, and the last checkpoint's weights, are those of momentum SGD on the
+    4 replicas' batches in numpy, step for step across the restart."""
+    run = run_job(JOB, TIMEOUT_S, str(scratch), "tune")
+    nodes, trial = run["nodes"], run["tune"]
+    reports = trial["reports"]
+    assert trial["killed"]
+    assert [(r["training_iteration"], r["num_steps"]) for r in reports] == [(1, 2), (2, 4), (3, 6), (4, 8)]
+    engines = [r["worker_ids"] for r in reports]
+    assert engines[0] == engines[1] and engines[2] == engines[3] and not set(engines[1]) & set(engines[2])
+    for report in reports:
+        (bundles,) = report["bundles"]  # the trial's placement group, the job's only one
+        trial_node = bundles["0"]
+        assert sorted(bundles.values()) == sorted([trial_node] * 3 + [n for n in nodes if n != trial_node] * 2)
+        assert sorted(report["workers"]) == sorted(nodes * 2) and sorted(report["servers"]) == nodes
+        # 5 partitions of 4 bytes on the two servers (3 and 2): a node's relay sends the sum of its two workers'
+        # copies of the other node's partitions, at most 3 x 4 bytes a step; without relays both copies, 24
+        assert report["node_sent_bytes"] == 12 and report["num_replicas"] == 4
+    replicas = [(w, 0) for w in range(4)]
+    weights, losses = numpy_descent(trial["lr"], replicas, 8, trial["momentum"])
+    np.testing.assert_allclose([r["loss"] for r in reports], [losses[int(r["num_steps"]) - 1] for r in reports],
+                               rtol=1e-4)
+    np.testing.assert_allclose(trial["checkpoint"]["weights/w"], weights, rtol=1e-4, atol=1e-6)
