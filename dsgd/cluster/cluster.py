@@ -32,7 +32,7 @@ from dsgd.cluster.topology import Topology
 from dsgd.errors import DSGDError, WorkerMismatchError
 from dsgd.model import Model
 from dsgd.cluster import replacement, resizing
-from dsgd.cluster.placement import actor_placement
+from dsgd.cluster.placement import actor_placement, in_placement_group
 from dsgd.cluster.room import HeldResources, WorkerRoom, check_object_store
 from dsgd.cluster.server_group import ServerGroup, plan_group
 from dsgd.cluster.server_slots import ServerSlots
@@ -137,11 +137,13 @@ class Cluster:
         (default the engine's)."""
         opts = self.options
         config = dataclasses.replace(self.worker_config, exchange=(topology or self.topology).exchange)
+        # Inside a placement group (a Tune trial) a worker takes any bundle with room, a replacement as the
+        # first workers did: the lowest bundle on its node may be the trial's own, whose CPU the trial holds.
         return ray.remote(SGDWorker).options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.devices_per_worker if opts.gpu else 0,
             runtime_env={"env_vars": worker_env()},
-            scheduling_strategy=actor_placement(node_id)).remote(index, config)
+            scheduling_strategy=actor_placement(None if in_placement_group() else node_id)).remote(index, config)
 
     # ---- models and datasets ------------------------------------------------
 

@@ -152,11 +152,11 @@ class HeldResources:
 
     Ray gives a killed actor's resources back some 0.1 s after it lists the
     actor dead; an actor started meanwhile is placed as if they were taken
-    (with "SPREAD", on the other nodes). Only a driver waits: a task or
-    actor (a Tune trial) gives its own CPU back while it waits on Ray and
-    takes it again after, so what Ray lists free is no reference there; and
-    inside a placement group a new worker waits for its bundle rather than
-    going to another node.
+    (with "SPREAD", on the other nodes). Only a driver waits: a task
+    gives its own CPU back while it waits on Ray and takes it again after,
+    so what Ray lists free is no reference there; and inside a placement
+    group (a Tune trial) a new worker waits for a bundle with room rather
+    than going to another node.
     """
 
     def __init__(self, actors: Sequence, needs: dict[str, float]):
