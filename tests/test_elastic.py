@@ -329,24 +329,21 @@ def test_inside_a_placement_group_resize_elastic_engines_and_server_nodes_are_re
     with pytest.raises(ValueError, match="elastic engines do not run in Tune trials"):
         dsgd.tune.trainable(lambda config: FixedDataMomentumNet, steps_per_report=1, num_workers=(1, 2))
 
+    def refusal(call, error: type[Exception]) -> str:
+        """The message of the ``error`` that ``call()`` raises; "" if it raises none."""
+        try:
+            call()
+        except error as e:
+            return str(e)
+        return ""
+
     @ray.remote(num_cpus=1)
     def trial() -> tuple[str, str, str, int]:
-        try:
-            dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2))
-            elastic_error = ""
-        except ValueError as e:
-            elastic_error = str(e)
-        try:
-            dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, server_resource="dsgd_server")
-            server_error = ""
-        except ValueError as e:
-            server_error = str(e)
+        elastic_error = refusal(lambda: dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=(1, 2)), ValueError)
+        server_error = refusal(lambda: dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2,
+                                                           server_resource="dsgd_server"), ValueError)
         with engine(1, "ps") as sgd:
-            try:
-                sgd.resize(2)
-                resize_error = ""
-            except dsgd.DSGDError as e:
-                resize_error = str(e)
+            resize_error = refusal(lambda: sgd.resize(2), dsgd.DSGDError)
             sgd.step(fetch_stats=True)
             return elastic_error, server_error, resize_error, sgd.num_workers
 
