@@ -147,6 +147,10 @@ class DsgdSystem:
                          buffer_bytes={n[:8]: b for n, b in group.node_buffer_bytes().items()})
         return found
 
+    def write_timeline(self, path: Path) -> None:
+        """One more step, traced: a Chrome trace of every worker's and server's events on one clock."""
+        self.sgd.step(write_timeline=str(path))
+
     def close(self) -> None:
         self.sgd.shutdown()
 
@@ -404,10 +408,22 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
             common.run_rounds({s.name: measured(s.name, s.step) for s in systems}, args.steps,
                               settle_s=args.settle_s)
         record["order"] = warm_order + order
+        if args.timeline and not interrupted:
+            write_timelines(systems, args.timeline, cfg)
     finally:
         for system in systems:
             system.close()
     return times
+
+
+def write_timelines(systems: list[System], directory: Path, cfg: Config) -> None:
+    """A traced step of every dsgd system but the floor, after the measured ones: ``directory/<config>-<system>.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for system in systems:
+        if isinstance(system, DsgdSystem) and system.name != "floor":
+            path = directory / f"{cfg}-{system.name}.json"
+            system.write_timeline(path)
+            print(f"  {system.name}: a traced step written to {path}", flush=True)
 
 
 def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str, list[int]]], watch: Processes,
@@ -573,6 +589,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "system how busy each link was during its measured steps")
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--timeline", type=Path, default=None, metavar="DIR",
+                   help="after the measured rounds (interleaved configs), one traced step of each dsgd system, "
+                        "a Chrome trace per system in DIR")
     p.add_argument("--plot-from", type=Path, nargs="+", default=[],
                    help="run nothing: plot the configs of these records (a later record's config replaces an "
                         "earlier one's) into --out's .png")
