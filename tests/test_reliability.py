@@ -1,8 +1,10 @@
 """Faults and non-finite gradients: no run is lost, no replica diverges (checkpoints: test_checkpoint.py)."""
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import numpy as np
@@ -15,9 +17,10 @@ from dsgd.wire import partitions
 from dsgd.worker import finite_checks, nonfinite
 from dsgd.config import WorkerConfig
 from dsgd_test_models import (REPLICAS_2x1, BatchNormNet, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue,
-                              KillOnCue, NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
+                              NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
                               assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
                               ps_actors, pushes_waiting, set_start_weights, steps_applied, wait_until)
+from reliability_test_models import GatedKillOnCues
 
 
 @pytest.fixture
@@ -34,19 +37,26 @@ SHARED_MAX_FAILURES = 50
 class SharedEngine:
     """A 2-worker "ps" engine with tiny partitions, shared by the fault tests that need no other configuration.
 
-    Its model is GatedWorker1Net: FixedDataMomentumNet, whose worker 1 passes
-    ``gate`` before each batch (open unless a test closes it).
-    ``checkpoint`` holds its start: ``start`` weights, zero momentum, step 0.
+    Its model is GatedKillOnCues: FixedDataMomentumNet, whose worker 1 passes
+    ``gate`` before each batch (open unless a test closes it) and fires
+    ``cues["build"]`` as it builds its model, ``cues["feed"]`` as it feeds
+    (each unarmed unless a test arms it). ``checkpoint`` holds its start:
+    ``start`` weights, zero momentum, step 0.
     """
 
     sgd: dsgd.DistributedSGD
     gate: Gate
+    cues: dict[str, KillCue]
     start: dict
     checkpoint: str
 
     def fresh(self) -> tuple[dsgd.DistributedSGD, dict]:
-        """The engine back at its start (gate open, the start checkpoint restored) and the start weights."""
+        """The engine back at its start (gate open, cues unarmed, the start checkpoint restored) and the start
+        weights."""
         self.gate.open()
+        for cue in self.cues.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(cue.path)
         self.sgd.restore(self.checkpoint)
         return self.sgd, self.start
 
@@ -54,13 +64,14 @@ class SharedEngine:
 @pytest.fixture(scope="module")
 def shared(ray_session, tmp_path_factory):
     folder = tmp_path_factory.mktemp("shared_engine")
-    gate = Gate(str(folder / "gate"))
-    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
-                             grad_shard_bytes=40, max_failures=SHARED_MAX_FAILURES) as sgd:
+    gate, cues = Gate(str(folder / "gate")), {at: KillCue(str(folder / f"{at}_cue")) for at in ("build", "feed")}
+    creator = functools.partial(GatedKillOnCues, gate=gate, build_cue=cues["build"], feed_cue=cues["feed"])
+    with dsgd.DistributedSGD(creator, num_workers=2, strategy="ps", grad_shard_bytes=40,
+                             max_failures=SHARED_MAX_FAILURES) as sgd:
         start = set_start_weights(sgd)
         checkpoint = str(folder / "start.ckpt")
         sgd.save(checkpoint)
-        yield SharedEngine(sgd, gate, start, checkpoint)
+        yield SharedEngine(sgd, gate, cues, start, checkpoint)
 
 
 def test_parameter_server_killed_between_and_during_steps(shared, warnings_seen):
@@ -201,7 +212,7 @@ def test_worker_and_parameter_server_killed_in_the_same_step(shared, warnings_se
 
 
 @pytest.mark.parametrize("at", ["build", "feed"])
-def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp_path, at):
+def test_parameter_server_killed_during_recovery(shared, warnings_seen, at):
     """Worker 1 is killed; while the driver recovers, the new worker 1 kills server 0.
 
     "build": as it builds its model, inside ``replace_dead``: the servers are
@@ -209,25 +220,23 @@ def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp
     "feed": as it feeds the re-run step: that re-run fails, and a second
     recovery replaces the server and runs the step again.
     """
-    cue = KillCue(str(tmp_path / "cue"))
-    with dsgd.DistributedSGD(functools.partial(KillOnCue, cue=cue, at=at), num_workers=2, strategy="ps",
-                             grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        sgd.get_weights()
-        cue.arm(actor_pids(ps_actors(sgd)[0])[0])
-        fault = time.monotonic()
-        kill(sgd.workers[1])
-        stats = sgd.step(fetch_stats=True)  # step 1: recovery starts a new worker 1, which kills server 0
-        print(f"time to recover, a parameter server killed while recovering from a dead worker ({at}): "
-              f"{time.monotonic() - fault:.1f}s from the worker's kill, {time.time() - cue.fired_at():.1f}s from "
-              "the server's")
-        assert np.isfinite(stats["loss"])
-        assert "worker 1 is dead" in warnings_seen.text
-        assert "parameter server 0 is dead" in warnings_seen.text
-        assert sgd.failures == {"build": 1, "feed": 2}[at]
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+    sgd, start = shared.fresh()
+    cue, failures = shared.cues[at], sgd.failures
+    sgd.step()
+    sgd.get_weights()
+    cue.arm(actor_pids(ps_actors(sgd)[0])[0])
+    fault = time.monotonic()
+    kill(sgd.workers[1])
+    stats = sgd.step(fetch_stats=True)  # step 1: recovery starts a new worker 1, which kills server 0
+    print(f"time to recover, a parameter server killed while recovering from a dead worker ({at}): "
+          f"{time.monotonic() - fault:.1f}s from the worker's kill, {time.time() - cue.fired_at():.1f}s from "
+          "the server's")
+    assert np.isfinite(stats["loss"])
+    assert "worker 1 is dead" in warnings_seen.text
+    assert "parameter server 0 is dead" in warnings_seen.text
+    assert sgd.failures - failures == {"build": 1, "feed": 2}[at]
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
 
 
 @pytest.mark.parametrize("call", ["save", "set_weights"])
