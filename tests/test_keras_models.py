@@ -2,8 +2,11 @@
 subclassed and nested models, batch norm, dropout, regularizers, several inputs and outputs,
 and tf_keras.applications models."""
 
+import contextlib
 import functools
+import gc
 import logging
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -29,28 +32,34 @@ def start_weights(sgd, seed: int = 5) -> dict:
     return weights
 
 
-def local_worker(kind: str, devices: int) -> SGDWorker:
+@contextlib.contextmanager
+def local_worker(kind: str, devices: int) -> Iterator[SGDWorker]:
     """A dsgd worker of ``kind`` built in this process (no Ray) as a worker actor builds it: ``devices`` replicas,
-    whose mean gradient the worker's own graph takes (exchange "alone")."""
+    whose mean gradient the worker's own graph takes (exchange "alone"). Closed on exit."""
     tf_keras.backend.reset_uids()  # Keras's layer counters, at zero in a new worker process
     worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=devices, gpu=False,
                                        all_reduce_alg="simple", cpus_per_worker=1, step_timeout_s=60.0,
                                        startup_timeout_s=60.0))
-    worker.setup(functools.partial(km.kind_creator, kind))
-    return worker
+    try:
+        worker.setup(functools.partial(km.kind_creator, kind))
+        yield worker
+    finally:
+        if worker.sess is not None:
+            worker.sess.close()
+        gc.unfreeze()  # setup froze the heap for a worker process's life; this worker's ends here
 
 
 @pytest.mark.parametrize("kind", km.DETERMINISTIC)
 def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(kind):
     """Each kind on a worker built in this process with two replicas (the worker code is the same; the mean
     across worker processes: the next test)."""
-    worker = local_worker(kind, devices=2)
-    start = start_weights(worker)
-    stats = [worker.step(step, fetch_stats=True) for step in range(km.STEPS)]
+    with local_worker(kind, devices=2) as worker:
+        start = start_weights(worker)
+        stats = [worker.step(step, fetch_stats=True) for step in range(km.STEPS)]
+        got, replicas = worker.get_weights(), worker.runtime.replica_weights()
     expected, first_loss = km.eager_reference(kind, start, [(0, 0), (0, 1)], km.STEPS)
-    assert worker.get_weights().keys() == expected.keys()
-    assert_weights_close(worker.get_weights(), expected)
-    replicas = worker.runtime.replica_weights()
+    assert got.keys() == expected.keys()
+    assert_weights_close(got, expected)
     assert len(replicas) == 2
     assert_all_identical(replicas)
     # The step's loss is the replicas' mean loss before the step, regularization included once.
