@@ -63,6 +63,7 @@ class SharedEngine:
 
 @pytest.fixture(scope="module")
 def shared(ray_session, tmp_path_factory):
+    """The module's SharedEngine: built for its first test, shut down after its last."""
     folder = tmp_path_factory.mktemp("shared_engine")
     gate, cues = Gate(str(folder / "gate")), {at: KillCue(str(folder / f"{at}_cue")) for at in ("build", "feed")}
     creator = functools.partial(GatedKillOnCues, gate=gate, build_cue=cues["build"], feed_cue=cues["feed"])
