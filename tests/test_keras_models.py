@@ -2,8 +2,11 @@
 subclassed and nested models, batch norm, dropout, regularizers, several inputs and outputs,
 and tf_keras.applications models."""
 
+import contextlib
 import functools
+import gc
 import logging
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -12,14 +15,16 @@ import tf_keras
 
 import dsgd
 import keras_test_models as km
-from dsgd_test_models import (REPLICAS_2x1, assert_replicas_identical, assert_warmup_and_a_skipped_step_change_nothing,
-                              assert_weights_close)
+from dsgd.config import WorkerConfig
+from dsgd.sgd_worker import SGDWorker
+from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_replicas_identical,
+                              assert_warmup_and_a_skipped_step_change_nothing, assert_weights_close)
 
 WORKERS = 2
 
 
 def start_weights(sgd, seed: int = 5) -> dict:
-    """Small random weights on every replica; moving variances positive."""
+    """Small random weights on every replica of ``sgd`` (an engine or an SGDWorker); moving variances positive."""
     rng = np.random.RandomState(seed)
     weights = {k: (np.abs if "moving_variance" in k else np.asarray)(0.3 * rng.randn(*v.shape)).astype(v.dtype)
                for k, v in sgd.get_weights().items()}
@@ -27,8 +32,44 @@ def start_weights(sgd, seed: int = 5) -> dict:
     return weights
 
 
+@contextlib.contextmanager
+def local_worker(kind: str, devices: int) -> Iterator[SGDWorker]:
+    """A dsgd worker of ``kind`` built in this process (no Ray) as a worker actor builds it: ``devices`` replicas,
+    whose mean gradient the worker's own graph takes (exchange "alone"). Closed on exit."""
+    tf_keras.backend.reset_uids()  # Keras's layer counters, at zero in a new worker process
+    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=devices, gpu=False,
+                                       all_reduce_alg="simple", cpus_per_worker=1, step_timeout_s=60.0,
+                                       startup_timeout_s=60.0))
+    try:
+        worker.setup(functools.partial(km.kind_creator, kind))
+        yield worker
+    finally:
+        if worker.sess is not None:
+            worker.sess.close()
+        gc.unfreeze()  # setup froze the heap for a worker process's life; this worker's ends here
+
+
 @pytest.mark.parametrize("kind", km.DETERMINISTIC)
-def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(ray_session, kind):
+def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(kind):
+    """Each kind on a worker built in this process with two replicas (the worker code is the same; the mean
+    across worker processes: the next test)."""
+    with local_worker(kind, devices=2) as worker:
+        start = start_weights(worker)
+        stats = [worker.step(step, fetch_stats=True) for step in range(km.STEPS)]
+        got, replicas = worker.get_weights(), worker.runtime.replica_weights()
+    expected, first_loss = km.eager_reference(kind, start, [(0, 0), (0, 1)], km.STEPS)
+    assert got.keys() == expected.keys()
+    assert_weights_close(got, expected)
+    assert len(replicas) == 2
+    assert_all_identical(replicas)
+    # The step's loss is the replicas' mean loss before the step, regularization included once.
+    assert stats[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
+
+
+def test_model_trains_like_an_eager_reference_applying_the_mean_gradient_of_two_workers(ray_session):
+    """The same through the engine for one kind (a regularized one: its loss must count the regularization once
+    in the mean over workers)."""
+    kind = "regularized"
     with dsgd.DistributedSGD(functools.partial(km.kind_creator, kind), num_workers=WORKERS) as sgd:
         start = start_weights(sgd)
         stats = [sgd.step(fetch_stats=True) for _ in range(km.STEPS)]
@@ -36,7 +77,6 @@ def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(ray_ses
         assert sgd.get_weights().keys() == expected.keys()
         assert_weights_close(sgd.get_weights(), expected)
         assert_replicas_identical(sgd, WORKERS)
-    # The step's loss is the replicas' mean loss before the step, regularization included once.
     assert stats[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
 
 

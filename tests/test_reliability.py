@@ -1,7 +1,10 @@
 """Faults and non-finite gradients: no run is lost, no replica diverges (checkpoints: test_checkpoint.py)."""
 
+import contextlib
+import dataclasses
 import functools
 import logging
+import os
 import time
 
 import numpy as np
@@ -14,9 +17,10 @@ from dsgd.wire import partitions
 from dsgd.worker import finite_checks, nonfinite
 from dsgd.config import WorkerConfig
 from dsgd_test_models import (REPLICAS_2x1, BatchNormNet, FixedDataMomentumNet, Gate, GatedWorker1Net, KillCue,
-                              KillOnCue, NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
+                              NaNOnWorker1AtStep1, TanhNet, actor_pids, actors_started_since,
                               assert_replicas_identical, assert_weights_close, kill, known_actors, numpy_momentum_run,
                               ps_actors, pushes_waiting, set_start_weights, steps_applied, wait_until)
+from reliability_test_models import GatedKillOnCues
 
 
 @pytest.fixture
@@ -25,98 +29,141 @@ def warnings_seen(caplog):
     return caplog
 
 
-def test_parameter_server_killed_between_and_during_steps(ray_session, warnings_seen, tmp_path):
-    gate = Gate(str(tmp_path / "gate"))
-    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
-                             grad_shard_bytes=40) as sgd:
+# Recoveries the shared engine may make over all its tests (each test counts its own).
+SHARED_MAX_FAILURES = 50
+
+
+@dataclasses.dataclass
+class SharedEngine:
+    """A 2-worker "ps" engine with tiny partitions, shared by the fault tests that need no other configuration.
+
+    Its model is GatedKillOnCues: FixedDataMomentumNet, whose worker 1 passes
+    ``gate`` before each batch (open unless a test closes it) and fires
+    ``cues["build"]`` as it builds its model, ``cues["feed"]`` as it feeds
+    (each unarmed unless a test arms it). ``checkpoint`` holds its start:
+    ``start`` weights, zero momentum, step 0.
+    """
+
+    sgd: dsgd.DistributedSGD
+    gate: Gate
+    cues: dict[str, KillCue]
+    start: dict
+    checkpoint: str
+
+    def fresh(self) -> tuple[dsgd.DistributedSGD, dict]:
+        """The engine back at its start (gate open, cues unarmed, the start checkpoint restored) and the start
+        weights."""
+        self.gate.open()
+        for cue in self.cues.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(cue.path)
+        self.sgd.restore(self.checkpoint)
+        return self.sgd, self.start
+
+
+@pytest.fixture(scope="module")
+def shared(ray_session, tmp_path_factory):
+    """The module's SharedEngine: built for its first test, shut down after its last."""
+    folder = tmp_path_factory.mktemp("shared_engine")
+    gate, cues = Gate(str(folder / "gate")), {at: KillCue(str(folder / f"{at}_cue")) for at in ("build", "feed")}
+    creator = functools.partial(GatedKillOnCues, gate=gate, build_cue=cues["build"], feed_cue=cues["feed"])
+    with dsgd.DistributedSGD(creator, num_workers=2, strategy="ps", grad_shard_bytes=40,
+                             max_failures=SHARED_MAX_FAILURES) as sgd:
         start = set_start_weights(sgd)
-        sgd.step()
-        sgd.get_weights()  # waits for step 0
-        # Between steps: both workers have applied step 0 (asked directly: the driver's calls would
-        # first wait for the steps in flight), and no push waits on any server.
-        assert steps_applied(sgd) == [1, 1]
-        assert [pushes_waiting(server) for server in ps_actors(sgd)] == [{}, {}]
-        kill(ps_actors(sgd)[0])
-        sgd.step(fetch_stats=True)
-        assert "parameter server 0 is dead" in warnings_seen.text
-        gate.close()
-        sgd.step()  # worker 1 is held before its batch; worker 0 pushes its partitions and waits
-        gate.wait_arrived()
-        server_1 = ps_actors(sgd)[1]
-        wait_until(lambda: pushes_waiting(server_1))
-        # During a step: worker 0's push of step 2 waits on server 1 for worker 1's, which is held.
-        assert set(map(tuple, pushes_waiting(server_1).values())) == {(1,)}
-        kill(server_1)
-        gate.open()
-        got = sgd.get_weights()
-        assert "parameter server 1 is dead" in warnings_seen.text
-        assert sgd.failures == 2
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 3))
+        checkpoint = str(folder / "start.ckpt")
+        sgd.save(checkpoint)
+        yield SharedEngine(sgd, gate, cues, start, checkpoint)
 
 
-def test_worker_killed_is_replaced_with_weights_and_optimizer_state(ray_session, warnings_seen):
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        sgd.step()
-        old_pid = ray.get(sgd.workers[1].identity.remote()).pid
-        kill(sgd.workers[1])
-        stats = sgd.step(fetch_stats=True)
-        assert np.isfinite(stats["loss"])
-        assert "worker 1 is dead" in warnings_seen.text
-        assert ray.get(sgd.workers[1].identity.remote()).pid != old_pid
-        sgd.step()
-        assert_replicas_identical(sgd, 2)
-        # Momentum slots came along: the result equals an uninterrupted run.
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 4))
+def test_parameter_server_killed_between_and_during_steps(shared, warnings_seen):
+    sgd, start = shared.fresh()
+    gate, failures = shared.gate, sgd.failures
+    sgd.step()
+    sgd.get_weights()  # waits for step 0
+    # Between steps: both workers have applied step 0 (asked directly: the driver's calls would
+    # first wait for the steps in flight), and no push waits on any server.
+    assert steps_applied(sgd) == [1, 1]
+    assert [pushes_waiting(server) for server in ps_actors(sgd)] == [{}, {}]
+    kill(ps_actors(sgd)[0])
+    sgd.step(fetch_stats=True)
+    assert "parameter server 0 is dead" in warnings_seen.text
+    gate.close()
+    sgd.step()  # worker 1 is held before its batch; worker 0 pushes its partitions and waits
+    gate.wait_arrived()
+    server_1 = ps_actors(sgd)[1]
+    wait_until(lambda: pushes_waiting(server_1))
+    # During a step: worker 0's push of step 2 waits on server 1 for worker 1's, which is held.
+    assert set(map(tuple, pushes_waiting(server_1).values())) == {(1,)}
+    kill(server_1)
+    gate.open()
+    got = sgd.get_weights()
+    assert "parameter server 1 is dead" in warnings_seen.text
+    assert sgd.failures - failures == 2
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 3))
 
 
-def test_worker_killed_while_save_reads_its_state_is_replaced_and_the_state_read_again(ray_session, warnings_seen,
+def test_worker_killed_is_replaced_with_weights_and_optimizer_state(shared, warnings_seen):
+    sgd, start = shared.fresh()
+    sgd.step()
+    sgd.step()
+    old_pid = ray.get(sgd.workers[1].identity.remote()).pid
+    kill(sgd.workers[1])
+    stats = sgd.step(fetch_stats=True)
+    assert np.isfinite(stats["loss"])
+    assert "worker 1 is dead" in warnings_seen.text
+    assert ray.get(sgd.workers[1].identity.remote()).pid != old_pid
+    sgd.step()
+    assert_replicas_identical(sgd, 2)
+    # Momentum slots came along: the result equals an uninterrupted run.
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 4))
+
+
+def test_worker_killed_while_save_reads_its_state_is_replaced_and_the_state_read_again(shared, warnings_seen,
                                                                                       tmp_path, monkeypatch):
     """Worker 0 dies after ``save`` asked every worker for its step count and before it reads worker 0's state."""
     path = str(tmp_path / "run.ckpt")
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        calls, worker_0 = sgd._ledger.cluster.calls, sgd.workers[0]
-        answers, pids = calls.answers, actor_pids(worker_0)
+    sgd, start = shared.fresh()
+    failures = sgd.failures
+    sgd.step()
+    calls, worker_0 = sgd._ledger.cluster.calls, sgd.workers[0]
+    answers, pids = calls.answers, actor_pids(worker_0)
 
-        def answers_then_kill(*args, **kwargs):
-            monkeypatch.undo()
-            result = answers(*args, **kwargs)
-            kill(worker_0, pids=pids)
-            return result
+    def answers_then_kill(*args, **kwargs):
+        monkeypatch.undo()
+        result = answers(*args, **kwargs)
+        kill(worker_0, pids=pids)
+        return result
 
-        monkeypatch.setattr(calls, "answers", answers_then_kill)
-        sgd.save(path)
-        assert "worker 0 is dead" in warnings_seen.text and sgd.failures == 1
-        sgd.step()
-        sgd.restore(path)
-        assert sgd.num_steps == 1
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
+    monkeypatch.setattr(calls, "answers", answers_then_kill)
+    sgd.save(path)
+    assert "worker 0 is dead" in warnings_seen.text and sgd.failures - failures == 1
+    sgd.step()
+    sgd.restore(path)
+    assert sgd.num_steps == 1
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
 
 
-def test_worker_killed_between_steps_is_recovered_by_the_calls_that_need_it(ray_session, warnings_seen):
+def test_worker_killed_between_steps_is_recovered_by_the_calls_that_need_it(shared, warnings_seen):
     """get_weights recovers and reads; foreach_model recovers but does not run the user's function twice."""
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        sgd.get_weights()  # waits for step 0: nothing is in flight when worker 0 dies
-        kill(sgd.workers[0])
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
-        assert "worker 0 is dead" in warnings_seen.text and sgd.failures == 1
-        kill(sgd.workers[1])
-        with pytest.raises(dsgd.DSGDError, match=r"^foreach_model may have run on some workers and not others, so "
-                                                 r"it was not run again after the engine recovered .* worker 1 "
-                                                 r"failed \(pid \d+"):
-            sgd.foreach_model(lambda model: 1)
-        assert sgd.failures == 2
-        assert sgd.foreach_model(lambda model: 1) == [1, 1]
-        sgd.step()
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+    sgd, start = shared.fresh()
+    failures = sgd.failures
+    sgd.step()
+    sgd.get_weights()  # waits for step 0: nothing is in flight when worker 0 dies
+    kill(sgd.workers[0])
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
+    assert "worker 0 is dead" in warnings_seen.text and sgd.failures - failures == 1
+    kill(sgd.workers[1])
+    with pytest.raises(dsgd.DSGDError, match=r"^foreach_model may have run on some workers and not others, so "
+                                             r"it was not run again after the engine recovered .* worker 1 "
+                                             r"failed \(pid \d+"):
+        sgd.foreach_model(lambda model: 1)
+    assert sgd.failures - failures == 2
+    assert sgd.foreach_model(lambda model: 1) == [1, 1]
+    sgd.step()
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
 
 
 def test_past_max_failures_the_error_names_the_dead_actor(ray_session):
@@ -140,35 +187,33 @@ def test_every_worker_killed_says_to_restore_from_a_checkpoint(ray_session):
 # ---- faults at once: each ends recovered, every replica identical -------------
 
 
-def test_worker_and_parameter_server_killed_in_the_same_step(ray_session, warnings_seen, tmp_path):
-    gate = Gate(str(tmp_path / "gate"))
-    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
-                             grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        worker_1, server_0 = sgd.workers[1], ps_actors(sgd)[0]
-        pids = actor_pids(worker_1, server_0)
-        assert steps_applied(sgd) == [1, 1]  # step 0 done: the gate holds step 1
-        gate.close()
-        sgd.step()  # step 1: worker 1 is held before its batch; worker 0 pushes its partitions and waits
-        gate.wait_arrived()
-        wait_until(lambda: any(pushes_waiting(server) for server in ps_actors(sgd)))
-        # Mid-step: every push waiting on a server waits for worker 1 only.
-        assert {tuple(w) for server in ps_actors(sgd) for w in pushes_waiting(server).values()} == {(1,)}
-        fault = time.monotonic()
-        kill(worker_1, server_0, pids=pids)
-        gate.open()  # for the replacement worker 1, which re-runs step 1
-        got = sgd.get_weights()  # waits for step 1, which recovery re-runs
-        print(f"time to recover, a worker and a parameter server killed in one step: {time.monotonic() - fault:.1f}s")
-        assert "worker 1 is dead" in warnings_seen.text
-        assert "parameter server 0 is dead" in warnings_seen.text
-        assert sgd.failures == 1
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 2))
+def test_worker_and_parameter_server_killed_in_the_same_step(shared, warnings_seen):
+    sgd, start = shared.fresh()
+    gate, failures = shared.gate, sgd.failures
+    sgd.step()
+    worker_1, server_0 = sgd.workers[1], ps_actors(sgd)[0]
+    pids = actor_pids(worker_1, server_0)
+    assert steps_applied(sgd) == [1, 1]  # step 0 done: the gate holds step 1
+    gate.close()
+    sgd.step()  # step 1: worker 1 is held before its batch; worker 0 pushes its partitions and waits
+    gate.wait_arrived()
+    wait_until(lambda: any(pushes_waiting(server) for server in ps_actors(sgd)))
+    # Mid-step: every push waiting on a server waits for worker 1 only.
+    assert {tuple(w) for server in ps_actors(sgd) for w in pushes_waiting(server).values()} == {(1,)}
+    fault = time.monotonic()
+    kill(worker_1, server_0, pids=pids)
+    gate.open()  # for the replacement worker 1, which re-runs step 1
+    got = sgd.get_weights()  # waits for step 1, which recovery re-runs
+    print(f"time to recover, a worker and a parameter server killed in one step: {time.monotonic() - fault:.1f}s")
+    assert "worker 1 is dead" in warnings_seen.text
+    assert "parameter server 0 is dead" in warnings_seen.text
+    assert sgd.failures - failures == 1
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(got, numpy_momentum_run(start, REPLICAS_2x1, 2))
 
 
 @pytest.mark.parametrize("at", ["build", "feed"])
-def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp_path, at):
+def test_parameter_server_killed_during_recovery(shared, warnings_seen, at):
     """Worker 1 is killed; while the driver recovers, the new worker 1 kills server 0.
 
     "build": as it builds its model, inside ``replace_dead``: the servers are
@@ -176,78 +221,74 @@ def test_parameter_server_killed_during_recovery(ray_session, warnings_seen, tmp
     "feed": as it feeds the re-run step: that re-run fails, and a second
     recovery replaces the server and runs the step again.
     """
-    cue = KillCue(str(tmp_path / "cue"))
-    with dsgd.DistributedSGD(functools.partial(KillOnCue, cue=cue, at=at), num_workers=2, strategy="ps",
-                             grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        sgd.get_weights()
-        cue.arm(actor_pids(ps_actors(sgd)[0])[0])
-        fault = time.monotonic()
-        kill(sgd.workers[1])
-        stats = sgd.step(fetch_stats=True)  # step 1: recovery starts a new worker 1, which kills server 0
-        print(f"time to recover, a parameter server killed while recovering from a dead worker ({at}): "
-              f"{time.monotonic() - fault:.1f}s from the worker's kill, {time.time() - cue.fired_at():.1f}s from "
-              "the server's")
-        assert np.isfinite(stats["loss"])
-        assert "worker 1 is dead" in warnings_seen.text
-        assert "parameter server 0 is dead" in warnings_seen.text
-        assert sgd.failures == {"build": 1, "feed": 2}[at]
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+    sgd, start = shared.fresh()
+    cue, failures = shared.cues[at], sgd.failures
+    sgd.step()
+    sgd.get_weights()
+    cue.arm(actor_pids(ps_actors(sgd)[0])[0])
+    fault = time.monotonic()
+    kill(sgd.workers[1])
+    stats = sgd.step(fetch_stats=True)  # step 1: recovery starts a new worker 1, which kills server 0
+    print(f"time to recover, a parameter server killed while recovering from a dead worker ({at}): "
+          f"{time.monotonic() - fault:.1f}s from the worker's kill, {time.time() - cue.fired_at():.1f}s from "
+          "the server's")
+    assert np.isfinite(stats["loss"])
+    assert "worker 1 is dead" in warnings_seen.text
+    assert "parameter server 0 is dead" in warnings_seen.text
+    assert sgd.failures - failures == {"build": 1, "feed": 2}[at]
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
 
 
 @pytest.mark.parametrize("call", ["save", "set_weights"])
-def test_parameter_server_killed_while_the_driver_saves_or_sets_weights(ray_session, warnings_seen, tmp_path, call,
+def test_parameter_server_killed_while_the_driver_saves_or_sets_weights(shared, warnings_seen, tmp_path, call,
                                                                       monkeypatch):
     """Step 1 is in flight, worker 1 held before its batch, when the driver calls ``call``; once the driver is
     inside the call (its wait for the steps in flight), server 0 is killed and worker 1 let on.
 
     The call meets the failure, recovers, re-runs step 1, then saves or sets the weights.
     """
-    gate = Gate(str(tmp_path / "gate"))
     path = str(tmp_path / "run.ckpt")
-    with dsgd.DistributedSGD(functools.partial(GatedWorker1Net, gate=gate), num_workers=2, strategy="ps",
-                             grad_shard_bytes=40) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        assert steps_applied(sgd) == [1, 1]
-        server_0 = ps_actors(sgd)[0]
-        pids = actor_pids(server_0)
-        gate.close()
-        sgd.step()
-        gate.wait_arrived()
-        drain, faults = sgd._ledger.drain, []
+    sgd, start = shared.fresh()
+    gate, failures = shared.gate, sgd.failures
+    sgd.step()
+    assert steps_applied(sgd) == [1, 1]
+    server_0 = ps_actors(sgd)[0]
+    pids = actor_pids(server_0)
+    gate.close()
+    sgd.step()
+    gate.wait_arrived()
+    drain, faults = sgd._ledger.drain, []
 
-        def fault_then_drain(*args, **kwargs):
-            if not faults:  # the call's first wait: step 1 is in flight, worker 1 still held
-                kill(server_0, pids=pids)
-                faults.append(time.monotonic())
-                gate.open()
-            return drain(*args, **kwargs)
+    def fault_then_drain(*args, **kwargs):
+        if not faults:  # the call's first wait: step 1 is in flight, worker 1 still held
+            kill(server_0, pids=pids)
+            faults.append(time.monotonic())
+            gate.open()
+        return drain(*args, **kwargs)
 
-        monkeypatch.setattr(sgd._ledger, "drain", fault_then_drain)
-        shifted = {k: v + 1 for k, v in start.items()}
-        if call == "save":
-            sgd.save(path)
-        else:
-            sgd.set_weights(shifted)
-        print(f"time to recover, a parameter server killed while the driver is in {call}: "
-              f"{time.monotonic() - faults[0]:.1f}s")
-        monkeypatch.undo()
-        assert "parameter server 0 is dead" in warnings_seen.text
-        assert sgd.failures == 1
-        assert_replicas_identical(sgd, 2)
-        if call == "save":  # the checkpoint holds step 1, re-run
-            sgd.step()
-            sgd.restore(path)
-            assert sgd.num_steps == 2
-            assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
-        else:
-            got = sgd.get_weights()
-            assert all(np.array_equal(got[k], shifted[k]) for k in shifted)
+    monkeypatch.setattr(sgd._ledger, "drain", fault_then_drain)
+    shifted = {k: v + 1 for k, v in start.items()}
+    if call == "save":
+        sgd.save(path)
+    else:
+        sgd.set_weights(shifted)
+    print(f"time to recover, a parameter server killed while the driver is in {call}: "
+          f"{time.monotonic() - faults[0]:.1f}s")
+    monkeypatch.undo()
+    assert "parameter server 0 is dead" in warnings_seen.text
+    assert sgd.failures - failures == 1
+    assert_replicas_identical(sgd, 2)
+    if call == "save":  # the checkpoint holds step 1, re-run
         sgd.step()
-        assert_replicas_identical(sgd, 2)
+        sgd.restore(path)
+        assert sgd.num_steps == 2
+        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+    else:
+        got = sgd.get_weights()
+        assert all(np.array_equal(got[k], shifted[k]) for k in shifted)
+    sgd.step()
+    assert_replicas_identical(sgd, 2)
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
