@@ -285,7 +285,7 @@ def test_a_creator_that_raises_in_the_graph_is_reported_with_what_it_raised_eage
 
 
 def test_an_engine_reports_a_creator_that_raised_in_the_graph_and_eagerly_with_both_errors(ray_session):
-    with pytest.raises(dsgd.ModelCreatorError, match="model_creator raised on worker 0, device 0: ValueError: "
+    with pytest.raises(dsgd.ModelCreatorError, match="(?s)model_creator raised on worker 0, device 0: ValueError: "
                                                      "graph-only bug.*Built eagerly .*ValueError: eager-only bug"):
         dsgd.DistributedSGD(m.raises_in_graph_and_eagerly, num_workers=1, strategy="simple")
 
