@@ -8,6 +8,7 @@ import tf_keras
 import dsgd
 import keras_test_models as km
 from dsgd_test_models import assert_replicas_identical, modules_a_user_imports
+from test_ray06_compat import local_worker
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]
@@ -134,9 +135,10 @@ def test_plain_model_with_a_one_shot_tf_data_iterator_trains_and_replicas_stay_i
         assert_replicas_identical(sgd, WORKERS)
 
 
-def test_keras3_model_with_a_tf1_optimizer_is_refused_naming_the_keras3_one(ray_session):
+def test_keras3_model_with_a_tf1_optimizer_is_refused_naming_the_keras3_one():
+    """In a worker built in this process (``SGDWorker.setup``); test_tf2 sends this refusal through an engine."""
     with pytest.raises(dsgd.ModelCreatorError, match="needs a Keras 3 optimizer.*use keras.optimizers.SGD"):
-        dsgd.DistributedSGD(km.keras3_creator, num_workers=1)
+        local_worker(km.keras3_creator)
 
 
 # ---- in-process: KerasModel built in a graph like a dsgd worker builds it, no Ray --------------

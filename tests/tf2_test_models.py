@@ -122,15 +122,16 @@ class FixedRegression(Regression):
 
 
 def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray], replicas: list[tuple[int, int]],
-                  steps: int) -> tuple[dict[str, np.ndarray], list[float]]:
+                  steps: int, first_step: int = 0) -> tuple[dict[str, np.ndarray], list[float]]:
     """The weights after ``steps`` synchronous steps from ``weights`` (keyed as the engine keys them, by
-    position), and each step's mean replica loss: eager, one process."""
-    return reference_stages(net_name, optimizer_name, weights, [(steps, replicas)])
+    position) and a new optimizer, the replicas reading the batches of steps ``first_step`` on, and each step's
+    mean replica loss: eager, one process."""
+    return reference_stages(net_name, optimizer_name, weights, [(steps, replicas)], first_step=first_step)
 
 
 def reference_stages(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray],
-                     stages: list[tuple[int, list[tuple[int, int]]]],
-                     fixed: bool = False) -> tuple[dict[str, np.ndarray], list[float]]:
+                     stages: list[tuple[int, list[tuple[int, int]]]], fixed: bool = False,
+                     first_step: int = 0) -> tuple[dict[str, np.ndarray], list[float]]:
     """``reference_run`` in stages of (steps, the replicas each step averages), the optimizer's state carried from
     stage to stage (a resized engine); ``fixed``: every replica reads its first batch every step."""
     net = NETS[net_name]()
@@ -150,7 +151,7 @@ def reference_stages(net_name: str, optimizer_name: str, weights: dict[str, np.n
         for w, d in replicas:
             for v, value in zip(state, old):
                 v.assign(value)
-            x, y = batch(w, d, 0 if fixed else step)
+            x, y = batch(w, d, 0 if fixed else first_step + step)
             with tf.GradientTape() as tape:
                 out = net(x, training=True)
                 targets = labels_of(net_name, y)
@@ -167,18 +168,17 @@ def reference_stages(net_name: str, optimizer_name: str, weights: dict[str, np.n
     return dict(zip(weights, (v.numpy() for v in net.weights))), losses
 
 
-class NaNOnWorker1AtStep1(FixedRegression):
-    """``FixedRegression`` whose worker 1 reads a NaN target in its second batch."""
+class NaNOnCue(FixedRegression):
+    """``FixedRegression`` whose next batch has a NaN target once ``nan_next`` is set (by a test, between steps,
+    on the replicas it picks); the batches after it are finite again."""
 
-    def __init__(self, worker_index: int, device_index: int):
-        super().__init__(worker_index, device_index)
-        self.read = 0
+    nan_next = False
 
     def get_batch(self):
         b = super().get_batch()
-        if self.worker_index == 1 and self.read == 1:
+        if self.nan_next:
             b["y"] = np.full_like(b["y"], np.nan)
-        self.read += 1
+            self.nan_next = False
         return b
 
 
