@@ -117,7 +117,7 @@ def test_devices_per_worker_2_grows_from_one_worker_and_shrinks_back(ray_session
 @pytest.fixture(scope="module")
 def no_model_flag(tmp_path_factory) -> Path:
     """While this file exists, ``shared_engine``'s new workers cannot build their models."""
-    return tmp_path_factory.mktemp("two_workers") / "no-model"
+    return tmp_path_factory.mktemp("no_model") / "no-model"
 
 
 @pytest.fixture(scope="module")
