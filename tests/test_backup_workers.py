@@ -109,7 +109,7 @@ def _slow_worker_1_too(model) -> None:
 
 
 def test_a_straggler_is_left_out_and_catches_up_without_computing(ray_session, tmp_path):
-    """Through the op library (test_a_worker_killed_... takes the Python path).
+    """Through the op library (``backup_engine``'s tests take the Python path).
 
     The straggler is held at a gate in its first batch, not slowed by a sleep. A step closes only once every
     worker has begun the one before, so the held worker lets the others take two steps without it; let go, it
@@ -166,43 +166,52 @@ def _trace_of_step(sgd, path) -> tuple[tuple[int, ...], set[int]]:
     return tuple(json.loads(averaged.split("workers ")[1])), pushed
 
 
-def test_without_a_straggler_each_step_averages_the_workers_it_kept(ray_session, tmp_path):
-    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0) as sgd:
-        weights = set_start_weights(sgd)
-        batches = [0, 0, 0]  # per worker: the batches it has asked (a worker that catches up asks none)
-        for step in range(3):
-            averaged, pushed = _trace_of_step(sgd, tmp_path / f"step{step}.json")
-            assert len(averaged) == 2 and set(averaged) <= pushed
-            grads = [numpy_gradients(weights, *batch(w, 0, batches[w])) for w in averaged]
-            weights = {k: weights[k] - LR * np.mean([g[k] for g in grads], axis=0) for k in weights}
-            for w in pushed:
-                batches[w] += 1
-        assert_weights_close(sgd.get_weights(), weights)
-        assert_replicas_identical(sgd, 3)
-        stats = sgd.step(fetch_stats=True)
-        assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
-
-
-def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced_more_than_b_are_recovered(ray_session):
-    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=40,
+@pytest.fixture(scope="module")
+def backup_engine(ray_session):
+    """3 workers of TanhNet, one a backup, one partition (so each step averages the same workers everywhere), the
+    Python path (the straggler test above takes the op library's), for the tests below that start from it."""
+    with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0,
                              use_ops=False) as sgd:
-        set_start_weights(sgd)
+        yield sgd
+
+
+def test_without_a_straggler_each_step_averages_the_workers_it_kept(backup_engine, tmp_path):
+    sgd = backup_engine
+    weights = set_start_weights(sgd)
+    batches = [0, 0, 0]  # per worker: the batches it has asked (a worker that catches up asks none)
+    for step in range(3):
+        averaged, pushed = _trace_of_step(sgd, tmp_path / f"step{step}.json")
+        assert len(averaged) == 2 and set(averaged) <= pushed
+        grads = [numpy_gradients(weights, *batch(w, 0, batches[w])) for w in averaged]
+        weights = {k: weights[k] - LR * np.mean([g[k] for g in grads], axis=0) for k in weights}
+        for w in pushed:
+            batches[w] += 1
+    assert_weights_close(sgd.get_weights(), weights)
+    assert_replicas_identical(sgd, 3)
+    stats = sgd.step(fetch_stats=True)
+    assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
+
+
+def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced_more_than_b_are_recovered(backup_engine):
+    sgd = backup_engine
+    set_start_weights(sgd)
+    sgd.step(fetch_stats=True)
+    steps, failures = sgd.num_steps, sgd.failures
+    dead = sgd.workers[2]
+    kill(dead)
+    stats = sgd.step(fetch_stats=True)  # closes with workers 0 and 1
+    assert np.isfinite(stats["loss"]) and stats["dropped_gradients"] == 1
+    assert sgd.failures == failures  # no step was aborted or re-run for it
+    for _ in range(2):
         sgd.step(fetch_stats=True)
-        dead = sgd.workers[2]
-        kill(dead)
-        stats = sgd.step(fetch_stats=True)  # closes with workers 0 and 1
-        assert np.isfinite(stats["loss"]) and stats["dropped_gradients"] == 1
-        assert sgd.failures == 0  # no step was aborted or re-run for it
-        for _ in range(2):
-            sgd.step(fetch_stats=True)
-        assert sgd.failures == 1 and sgd.workers[2] is not dead  # replaced, before the next step
-        assert_replicas_identical(sgd, 3)
-        assert sgd.num_steps == 4
-        kill(sgd.workers[1], sgd.workers[2])  # more dead workers than backups: the step cannot close
-        stats = sgd.step(fetch_stats=True)  # recovered as without backup workers: replaced, the step run again
-        assert sgd.failures == 2 and np.isfinite(stats["loss"])
-        assert_replicas_identical(sgd, 3)
-        assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [5] * 3
+    assert sgd.failures == failures + 1 and sgd.workers[2] is not dead  # replaced, before the next step
+    assert_replicas_identical(sgd, 3)
+    assert sgd.num_steps == steps + 3
+    kill(sgd.workers[1], sgd.workers[2])  # more dead workers than backups: the step cannot close
+    stats = sgd.step(fetch_stats=True)  # recovered as without backup workers: replaced, the step run again
+    assert sgd.failures == failures + 2 and np.isfinite(stats["loss"])
+    assert_replicas_identical(sgd, 3)
+    assert ray.get([w.applied_steps_count.remote() for w in sgd.workers], timeout=30) == [steps + 4] * 3
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

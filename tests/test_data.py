@@ -12,11 +12,13 @@ import ray
 
 import dsgd
 import data_test_models as dm
-from dsgd_test_models import Gate, assert_replicas_identical, kill, modules_a_user_imports
+from dsgd.integrations.data import ShardedModelCreator
+from dsgd_test_models import Gate, actor_pids, assert_replicas_identical, kill, modules_a_user_imports
 
 ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
 
 ROWS = 203  # not a multiple of the replicas: equal splits leave some rows out
+STEPS_PER_EPOCH = ROWS // 4 // dm.BATCH  # row_ids' 2 x 2 replicas: 50 rows each, batches of 10
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,6 +31,39 @@ def engine(creator, datasets, **kwargs):
     return dsgd.DistributedSGD(creator, datasets=datasets, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def die_flag(tmp_path_factory) -> Path:
+    """Worker 1 of ``row_ids``'s engine dies at its next epoch's start while this file is missing (and makes it)."""
+    return tmp_path_factory.mktemp("row_ids") / "died"
+
+
+@pytest.fixture(scope="module")
+def row_id_engine(ray_session, die_flag):
+    die_flag.touch()
+    with engine(dm.row_id_creator(ROWS, die_flag=str(die_flag)), {"train": ray_data.range(ROWS)}, num_workers=2,
+                devices_per_worker=2) as sgd:
+        yield sgd
+
+
+@pytest.fixture
+def row_ids(row_id_engine, die_flag) -> dsgd.DistributedSGD:
+    """The module's engine of RowIdRegression replicas over ``range(ROWS)``: 2 workers x 2 devices, none set to die.
+    Its splits are where the tests before left them (``finish_epoch``)."""
+    die_flag.touch()
+    if row_id_engine.num_workers != 2:
+        row_id_engine.resize(2)
+    return row_id_engine
+
+
+def finish_epoch(sgd) -> int:
+    """Step ``row_ids``' engine until its replicas have read their splits' current epoch to its end (none if none
+    begun): the next step begins a new one. How many epochs the replicas have begun."""
+    seen = sgd.for_model(lambda model: model.seen)
+    for _ in range(STEPS_PER_EPOCH - len(seen[-1]) // dm.BATCH if seen else 0):
+        sgd.step()
+    return len(seen)
+
+
 def assert_disjoint_equal_cover(epoch_rows: list[list[int]], rows: int):
     """One epoch of every replica: equal counts, no row twice, all rows but fewer than `replicas` read."""
     replicas = len(epoch_rows)
@@ -39,18 +74,18 @@ def assert_disjoint_equal_cover(epoch_rows: list[list[int]], rows: int):
     assert rows - len(read) < replicas
 
 
-def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(ray_session):
-    steps_per_epoch = ROWS // 4 // dm.BATCH  # 2 x 2 replicas, 50 rows each, batches of 10
-    with engine(dm.row_id_creator(ROWS), {"train": ray_data.range(ROWS)}, num_workers=2, devices_per_worker=2) as sgd:
-        for _ in range(2 * steps_per_epoch + 1):
-            sgd.step()
-        seen = sgd.foreach_model(lambda model: model.seen)
-        assert [len(s) for s in seen] == [3] * 4  # two whole epochs read, the third begun
-        for epoch in range(2):
-            assert_disjoint_equal_cover([s[epoch] for s in seen], ROWS)
-            assert all(len(s[epoch]) == steps_per_epoch * dm.BATCH for s in seen)
-        assert all(len(s[2]) == dm.BATCH for s in seen)
-        assert_replicas_identical(sgd, 4)
+def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(row_ids):
+    sgd = row_ids
+    begun = finish_epoch(sgd)
+    for _ in range(2 * STEPS_PER_EPOCH + 1):
+        sgd.step()
+    seen = [s[begun:] for s in sgd.foreach_model(lambda model: model.seen)]
+    assert [len(s) for s in seen] == [3] * 4  # two whole epochs read, the third begun
+    for epoch in range(2):
+        assert_disjoint_equal_cover([s[epoch] for s in seen], ROWS)
+        assert all(len(s[epoch]) == STEPS_PER_EPOCH * dm.BATCH for s in seen)
+    assert all(len(s[2]) == dm.BATCH for s in seen)
+    assert_replicas_identical(sgd, 4)
 
 
 def test_a_model_that_reads_its_first_batch_at_build_gets_every_replicas_own_rows_on_two_devices(ray_session):
@@ -83,43 +118,65 @@ def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session
         assert_replicas_identical(sgd, 2)
 
 
-def test_after_a_worker_is_replaced_every_replica_reads_a_new_split_from_the_state_it_had(ray_session, caplog):
+def test_after_a_worker_is_replaced_every_replica_reads_a_new_split_from_the_state_it_had(row_ids, caplog):
     caplog.set_level(logging.WARNING, logger="dsgd")
-    rows = 400  # 2 replicas x 200 rows: 20 steps an epoch
-    with engine(dm.row_id_creator(rows), {"train": ray_data.range(rows)}, num_workers=2) as sgd:
-        for _ in range(5):
-            sgd.step()
-        before = sgd.get_weights()["w"]
-        kill(sgd.workers[1])
-        sgd.step(fetch_stats=True)  # fails, recovers, and is run again on the replicas' new splits
-        assert "worker 1 is dead" in caplog.text
-        first_batches = [seen[0] for seen in sgd.foreach_model(lambda model: model.seen)]
-        assert [len(ids) for ids in first_batches] == [dm.BATCH, dm.BATCH]  # both replicas were rebuilt
-        # The survivor kept its weights through its rebuild: one step from them.
-        np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, first_batches, rows), rtol=1e-5)
-        for _ in range(25):  # through the end of the new epoch and into the next
-            sgd.step()
-        seen = sgd.foreach_model(lambda model: model.seen)
-        assert_disjoint_equal_cover([s[0] for s in seen], rows)
-        assert [len(s[0]) for s in seen] == [rows // 2] * 2
-        assert [len(s[1]) for s in seen] == [6 * dm.BATCH] * 2
-        assert_replicas_identical(sgd, 2)
+    sgd = row_ids
+    sgd.step()
+    before = sgd.get_weights()["w"]
+    kill(sgd.workers[1])
+    sgd.step(fetch_stats=True)  # fails, recovers, and is run again on the replicas' new splits
+    assert "worker 1 is dead" in caplog.text
+    seen = sgd.foreach_model(lambda model: model.seen)
+    assert [[len(ids) for ids in s] for s in seen] == [[dm.BATCH]] * 4  # every replica was rebuilt
+    # The survivor kept its weights through its rebuild: one step from them.
+    np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, [s[0] for s in seen], ROWS), rtol=1e-5)
+    for _ in range(STEPS_PER_EPOCH + 1):  # through the end of the new epoch and into the next
+        sgd.step()
+    seen = sgd.foreach_model(lambda model: model.seen)
+    assert_disjoint_equal_cover([s[0] for s in seen], ROWS)
+    assert [len(s[0]) for s in seen] == [STEPS_PER_EPOCH * dm.BATCH] * 4
+    assert [len(s[1]) for s in seen] == [2 * dm.BATCH] * 4
+    assert_replicas_identical(sgd, 4)
 
 
-def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_for_it(ray_session, tmp_path):
-    """Worker 1 dies before asking for its second epoch; worker 0 waits in Ray's epoch barrier until recovery."""
-    rows = 80  # 4 steps an epoch
-    creator = dm.row_id_creator(rows, die_flag=str(tmp_path / "died"))
-    with engine(creator, {"train": ray_data.range(rows)}, num_workers=2, timeout_s=30) as sgd:
-        for _ in range(4):
-            sgd.step()
-        stats = sgd.step(fetch_stats=True)  # worker 1 dies here
-        assert (tmp_path / "died").exists() and np.isfinite(stats["loss"]) and sgd.failures == 1
-        for _ in range(4):
-            sgd.step()
-        seen = sgd.foreach_model(lambda model: model.seen)
-        assert_disjoint_equal_cover([s[0] for s in seen], rows)
-        assert_replicas_identical(sgd, 2)
+def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_for_it(row_ids, die_flag):
+    """Worker 1 dies before asking for its next epoch; worker 0 waits in Ray's epoch barrier until recovery."""
+    sgd = row_ids
+    sgd.step()  # an epoch begun
+    finish_epoch(sgd)
+    failures = sgd.failures
+    die_flag.unlink()
+    stats = sgd.step(fetch_stats=True)  # worker 1 dies here
+    assert die_flag.exists() and np.isfinite(stats["loss"]) and sgd.failures == failures + 1
+    for _ in range(STEPS_PER_EPOCH):
+        sgd.step()
+    seen = sgd.foreach_model(lambda model: model.seen)
+    assert_disjoint_equal_cover([s[0] for s in seen], ROWS)
+    assert_replicas_identical(sgd, 4)
+
+
+def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_ids):
+    """2 -> 3 -> 1 workers of 2 devices."""
+    sgd = row_ids
+    sgd.step()
+    pids = actor_pids(*sgd.workers)
+    sgd.resize(3)
+    assert actor_pids(*sgd.workers[:2]) == pids
+    before = sgd.get_weights()["w"]
+    sgd.step()
+    first_batches = [seen[0] for seen in sgd.foreach_model(lambda model: model.seen)]
+    assert [len(ids) for ids in first_batches] == [dm.BATCH] * 6  # every replica started a new split
+    np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, first_batches, ROWS), rtol=1e-5)
+    for _ in range(3):  # the rest of the epoch: 33 rows, in batches of 10, 10, 10 and 3
+        sgd.step()
+    seen = [s[0] for s in sgd.foreach_model(lambda model: model.seen)]
+    assert [len(s) for s in seen] == [ROWS // 6] * 6
+    assert_disjoint_equal_cover(seen, ROWS)
+    sgd.resize(1)
+    for _ in range(2):
+        stats = sgd.step(fetch_stats=True)
+    assert stats["num_replicas"] == 2
+    assert [len(s[0]) for s in sgd.foreach_model(lambda model: model.seen)] == [2 * dm.BATCH] * 2
 
 
 def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_not_wait_for_it(ray_session,
@@ -151,9 +208,12 @@ def test_unknown_name_says_which_datasets_there_are(ray_session):
         engine(dm.asks_for("test"), {"train": ray_data.range(8)}, num_workers=1)
 
 
-def test_missing_datasets_says_to_pass_them(ray_session):
-    with pytest.raises(dsgd.ModelCreatorError, match=r"given no datasets; pass DistributedSGD\(\.\.\., datasets="):
-        engine(dm.asks_for("train"), None, num_workers=1)
+def test_missing_datasets_says_to_pass_them():
+    """On the creator a worker is given without datasets=, in this process (the error reaches the driver as the
+    test above's does)."""
+    create = ShardedModelCreator(dm.asks_for("train"), None)
+    with pytest.raises(ValueError, match=r"given no datasets; pass DistributedSGD\(\.\.\., datasets="):
+        create(0, 0)
 
 
 def test_outside_model_creator_is_refused():

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 
-import data_test_models as dm
 import dsgd
 import tensorflow as tf
 from dsgd.config import WorkerConfig
 from dsgd.sgd_worker import SGDWorker
 from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
-                              assert_replicas_identical, assert_weights_close, fails_to_build_from_worker_2, is_dead,
-                              kill, known_actors, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
+                              assert_replicas_identical, assert_weights_close, is_dead, kill, known_actors,
+                              numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
                               weights_from_json)
 
 
@@ -41,9 +41,19 @@ def _count_prepared_runs(worker) -> None:
         prepared.runs, prepared.call = 0, counted
 
 
-def engine(num_workers=2, strategy="ps", **kwargs) -> dsgd.DistributedSGD:
+def engine(num_workers=2, strategy="ps", creator=FixedDataMomentumNet, **kwargs) -> dsgd.DistributedSGD:
     kwargs = {"timeout_s": 60, "startup_timeout_s": 60, **kwargs}
-    return dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=num_workers, strategy=strategy, **kwargs)
+    return dsgd.DistributedSGD(creator, num_workers=num_workers, strategy=strategy, **kwargs)
+
+
+def no_model_for_new_workers_while(flag: str):
+    """A model creator of FixedDataMomentumNet replicas; while the file ``flag`` exists, workers from index 2 on
+    (those a resize of two workers adds) cannot build theirs."""
+    def create(worker_index: int, device_index: int) -> FixedDataMomentumNet:
+        if worker_index >= 2 and os.path.exists(flag):
+            raise RuntimeError(f"no model for worker {worker_index}")
+        return FixedDataMomentumNet(worker_index, device_index)
+    return create
 
 
 def run_steps(sgd, steps: int) -> dict:
@@ -104,24 +114,47 @@ def test_devices_per_worker_2_grows_from_one_worker_and_shrinks_back(ray_session
         (0, 2.0), (1, 4.0), (2, 4.0), (3, 2.0)]
 
 
+@pytest.fixture(scope="module")
+def no_model_flag(tmp_path_factory) -> Path:
+    """While this file exists, ``shared_engine``'s new workers cannot build their models."""
+    return tmp_path_factory.mktemp("no_model") / "no-model"
+
+
+@pytest.fixture(scope="module")
+def two_workers(ray_session, tmp_path_factory, no_model_flag):
+    """One engine(2, "ps") for the tests below that start from two workers; and its checkpoint as built."""
+    built = str(tmp_path_factory.mktemp("two_workers") / "built.npz")
+    with engine(2, "ps", creator=no_model_for_new_workers_while(str(no_model_flag))) as sgd:
+        sgd.save(built)
+        yield sgd, built
+
+
+@pytest.fixture
+def shared_engine(two_workers, no_model_flag) -> dsgd.DistributedSGD:
+    """The module's engine(2, "ps") as built: two workers, step 0, no momentum, whatever the tests before did to it
+    (resized it, replaced its workers, stepped it); its workers are the ones it has, its new ones build."""
+    sgd, built = two_workers
+    no_model_flag.unlink(missing_ok=True)
+    if sgd.num_workers != 2:
+        sgd.resize(2)
+    sgd.restore(built)
+    return sgd
+
+
 @pytest.mark.parametrize("bad, error", [("3", TypeError), (2.0, TypeError), (True, TypeError), (None, TypeError),
                                         (0, ValueError), (-1, ValueError)])
-def test_bad_sizes_are_refused_and_the_engine_keeps_stepping(ray_session, shared_engine, bad, error):
-    sgd, pids = shared_engine
+def test_bad_sizes_are_refused_and_the_engine_keeps_stepping(shared_engine, bad, error):
+    sgd = shared_engine
+    pids = actor_pids(*sgd.workers)
     with pytest.raises(error, match="resize"):
         sgd.resize(bad)
     assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
     sgd.step(fetch_stats=True)
 
 
-@pytest.fixture(scope="module")
-def shared_engine(ray_session):
-    with engine(2, "ps") as sgd:
-        yield sgd, actor_pids(*sgd.workers)
-
-
-def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothing(ray_session, shared_engine):
-    sgd, pids = shared_engine
+def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothing(shared_engine):
+    sgd = shared_engine
+    pids = actor_pids(*sgd.workers)
     start = set_start_weights(sgd)
     steps = sgd.num_steps
     before = known_actors()
@@ -134,13 +167,12 @@ def test_a_size_the_cluster_cannot_hold_names_what_is_missing_and_changes_nothin
     assert sgd.num_steps == steps + 1 and sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps + 1] * 2
 
 
-def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(ray_session, shared_engine):
+def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(shared_engine, monkeypatch):
     """Growing 2 -> 3: once the new worker is built, survivor 1 is killed as the workers take up the exchange of 3
     (the servers planned anew), then the new worker while the survivor's replacement builds (found dead as the
     workers connect to the servers started for it); the resize goes on, replaces both from the other survivor's
-    state and steps on.
-    (After the other tests of ``shared_engine``, which expect its first workers.)"""
-    sgd, _ = shared_engine
+    state and steps on."""
+    sgd = shared_engine
     run_steps(sgd, 1)
     weights, steps, failures = sgd.get_weights(), sgd.num_steps, sgd.failures
     survivor, grown, cluster = sgd.workers[1], [], sgd._cluster
@@ -152,11 +184,11 @@ def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(ray_s
 
     def replace_dead_killing_the_new_worker():  # once: the new worker dies while the survivor's replacement builds
         cluster.replace_dead = replace_dead
-        before_first_wait(sgd, "build their models", kill_the_new_worker)
+        before_first_wait(sgd, "build their models", kill_the_new_worker, monkeypatch)
         return replace_dead()
 
-    cluster.replace_dead = replace_dead_killing_the_new_worker
-    before_first_wait(sgd, "change their exchange", lambda: kill(survivor))
+    monkeypatch.setattr(cluster, "replace_dead", replace_dead_killing_the_new_worker)
+    before_first_wait(sgd, "change their exchange", lambda: kill(survivor), monkeypatch)
     sgd.resize(3)
     assert is_dead(survivor) and sgd.workers[1] is not survivor
     assert is_dead(grown[0]) and sgd.workers[2] is not grown[0]
@@ -168,78 +200,54 @@ def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(ray_s
     assert_replicas_identical(sgd, 3)
 
 
-def test_worker_0_killed_before_a_grow_reads_its_state_is_replaced_and_the_grow_tried_again(ray_session,
+def test_worker_0_killed_before_a_grow_reads_its_state_is_replaced_and_the_grow_tried_again(shared_engine,
                                                                                             monkeypatch):
     """Growing 2 -> 3, worker 0 dies as the resize starts: the new worker cannot read its state, so the grow fails
     and leaves the engine at 2; worker 0 is then replaced from worker 1's state and the grow tried again."""
-    with engine() as sgd:
-        run_steps(sgd, 1)
-        weights, steps = sgd.get_weights(), sgd.num_steps
-        worker_0, drain = sgd.workers[0], sgd._ledger.drain
+    sgd = shared_engine
+    run_steps(sgd, 1)
+    weights, steps, failures = sgd.get_weights(), sgd.num_steps, sgd.failures
+    worker_0, drain = sgd.workers[0], sgd._ledger.drain
 
-        def drain_then_kill(*args, **kwargs):
-            monkeypatch.undo()
-            result = drain(*args, **kwargs)
-            kill(worker_0)
-            return result
+    def drain_then_kill(*args, **kwargs):
+        monkeypatch.undo()
+        result = drain(*args, **kwargs)
+        kill(worker_0)
+        return result
 
-        monkeypatch.setattr(sgd._ledger, "drain", drain_then_kill)
-        sgd.resize(3)
-        assert is_dead(worker_0) and sgd.workers[0] is not worker_0
-        assert sgd.num_workers == 3 and sgd.failures == 1
-        assert sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps] * 3
-        assert_weights_close(sgd.get_weights(), weights)
-        assert run_steps(sgd, 1)["num_replicas"] == 3
-        assert_replicas_identical(sgd, 3)
+    monkeypatch.setattr(sgd._ledger, "drain", drain_then_kill)
+    sgd.resize(3)
+    assert is_dead(worker_0) and sgd.workers[0] is not worker_0
+    assert sgd.num_workers == 3 and sgd.failures == failures + 1
+    assert sgd.foreach_worker(lambda w: w.runtime.applied_steps) == [steps] * 3
+    assert_weights_close(sgd.get_weights(), weights)
+    assert run_steps(sgd, 1)["num_replicas"] == 3
+    assert_replicas_identical(sgd, 3)
 
 
-def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(ray_session):
+def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was(shared_engine, no_model_flag):
     """The defined state after a fault while growing: the new workers stopped, the error raised, the old size.
     (Building new workers does not depend on the strategy; "simple" grows in the first test.)"""
-    with dsgd.DistributedSGD(fails_to_build_from_worker_2, num_workers=2, strategy="ps",
-                             timeout_s=60, startup_timeout_s=60) as sgd:
-        start = set_start_weights(sgd)
-        pids = actor_pids(*sgd.workers)
-        run_steps(sgd, 1)
-        exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
-        servers = actor_pids(*ps_actors(sgd))
-        before = known_actors()
-        with pytest.raises(dsgd.DSGDError, match="no model for worker 2"):
-            sgd.resize(3)
-        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
-        started = actors_started_since(before)  # the new worker, and the servers of 3 started meanwhile
-        assert [a[0] for a in started if a[0] == "SGDWorker"] == ["SGDWorker"]
-        assert any(a[0] == "ParameterServer" for a in started)
-        wait_until(lambda: all(state == "DEAD" for _, state in actors_started_since(before)))
-        assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges  # still the exchange of 2
-        assert actor_pids(*ps_actors(sgd)) == servers
-        assert run_steps(sgd, 2)["num_replicas"] == 2
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
-
-
-def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(ray_session):
-    ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
-    ray_data.DataContext.get_current().enable_progress_bars = False
-    rows = 300  # 3 replicas x 100 rows: 10 steps an epoch
-    with dsgd.DistributedSGD(dm.row_id_creator(rows), num_workers=2, strategy="ps", datasets={"train": ray_data.range(rows)},
-                             timeout_s=120, startup_timeout_s=120) as sgd:
-        run_steps(sgd, 3)
-        pids = actor_pids(*sgd.workers)
+    sgd = shared_engine
+    no_model_flag.touch()
+    start = set_start_weights(sgd)
+    pids = actor_pids(*sgd.workers)
+    run_steps(sgd, 1)
+    exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
+    servers = actor_pids(*ps_actors(sgd))
+    before = known_actors()
+    with pytest.raises(dsgd.DSGDError, match="no model for worker 2"):
         sgd.resize(3)
-        assert actor_pids(*sgd.workers[:2]) == pids
-        before = sgd.get_weights()["w"]
-        sgd.step()
-        first_batches = [seen[0] for seen in sgd.foreach_model(lambda model: model.seen)]
-        assert [len(ids) for ids in first_batches] == [dm.BATCH] * 3  # every replica started a new split
-        np.testing.assert_allclose(sgd.get_weights()["w"], dm.numpy_step(before, first_batches, rows), rtol=1e-5)
-        run_steps(sgd, 9)
-        seen = [s[0] for s in sgd.foreach_model(lambda model: model.seen)]
-        assert [len(s) for s in seen] == [rows // 3] * 3
-        assert len({i for s in seen for i in s}) == rows  # disjoint: every row read once
-        sgd.resize(1)
-        assert run_steps(sgd, 2)["num_replicas"] == 1
-        assert [len(s[0]) for s in sgd.foreach_model(lambda model: model.seen)] == [2 * dm.BATCH]
+    assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+    started = actors_started_since(before)  # the new worker, and the servers of 3 started meanwhile
+    assert [a[0] for a in started if a[0] == "SGDWorker"] == ["SGDWorker"]
+    assert any(a[0] == "ParameterServer" for a in started)
+    wait_until(lambda: all(state == "DEAD" for _, state in actors_started_since(before)))
+    assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges  # still the exchange of 2
+    assert actor_pids(*ps_actors(sgd)) == servers
+    assert run_steps(sgd, 2)["num_replicas"] == 2
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +280,9 @@ def test_elastic_engine_below_its_minimum_raises_the_error_naming_what_is_missin
     assert error is not None and "cannot replace dead worker" in error and "it needs 2 CPU on one node" in error
 
 
-def before_first_wait(sgd, what: str, action) -> None:
+def before_first_wait(sgd, what: str, action, monkeypatch) -> None:
     """``action()`` in the driver the first time it waits for ``what`` while building or connecting, its calls
-    sent."""
+    sent (undone by ``monkeypatch`` at the test's end if it never waits for it)."""
     calls = sgd._cluster.calls
     wait = calls.call_startup
 
@@ -284,40 +292,40 @@ def before_first_wait(sgd, what: str, action) -> None:
             action()
         return wait(refs, waiting_for)
 
-    calls.call_startup = acted
+    monkeypatch.setattr(calls, "call_startup", acted)
 
 
 def _ctrl_c() -> None:
     raise KeyboardInterrupt
 
 
-def interrupt_once(sgd, what: str) -> None:
+def interrupt_once(sgd, what: str, monkeypatch) -> None:
     """Ctrl-C (a KeyboardInterrupt) in the driver the first time it waits for ``what`` while building or connecting."""
-    before_first_wait(sgd, what, _ctrl_c)
+    before_first_wait(sgd, what, _ctrl_c, monkeypatch)
 
 
-def test_ctrl_c_while_new_workers_build_leaves_the_engine_at_its_old_size(ray_session):
-    with engine(2, "ps") as sgd:
-        start = set_start_weights(sgd)
-        pids = actor_pids(*sgd.workers)
-        interrupt_once(sgd, "build their models")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.resize(3)
-        assert run_steps(sgd, 2)["num_replicas"] == 2
-        assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
-        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
+def test_ctrl_c_while_new_workers_build_leaves_the_engine_at_its_old_size(shared_engine, monkeypatch):
+    sgd = shared_engine
+    start = set_start_weights(sgd)
+    pids = actor_pids(*sgd.workers)
+    interrupt_once(sgd, "build their models", monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        sgd.resize(3)
+    assert run_steps(sgd, 2)["num_replicas"] == 2
+    assert sgd.num_workers == 2 and actor_pids(*sgd.workers) == pids
+    assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
 
 
-def test_ctrl_c_after_the_new_workers_are_built_finishes_the_resize_at_the_next_call(ray_session):
-    with engine(2, "ps") as sgd:
-        start = set_start_weights(sgd)
-        run_steps(sgd, 1)
-        interrupt_once(sgd, "change their exchange")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.resize(3)
-        assert run_steps(sgd, 2)["num_replicas"] == 3
-        assert_replicas_identical(sgd, 3)
-        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (2, 3)]))
+def test_ctrl_c_after_the_new_workers_are_built_finishes_the_resize_at_the_next_call(shared_engine, monkeypatch):
+    sgd = shared_engine
+    start = set_start_weights(sgd)
+    run_steps(sgd, 1)
+    interrupt_once(sgd, "change their exchange", monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        sgd.resize(3)
+    assert run_steps(sgd, 2)["num_replicas"] == 3
+    assert_replicas_identical(sgd, 3)
+    assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (2, 3)]))
 
 
 def test_inside_a_placement_group_resize_elastic_engines_and_server_nodes_are_refused(ray_session):
@@ -385,31 +393,31 @@ def _mapped_server_buffers(worker) -> int:
         return sum("memfd:dsgd-ps" in line for line in maps)
 
 
-def test_a_resize_back_reuses_the_exchange_and_the_servers_and_unmaps_the_old_servers_buffers(ray_session):
+def test_a_resize_back_reuses_the_exchange_and_the_servers_and_unmaps_the_old_servers_buffers(shared_engine):
     """The survivors map only the current servers' buffers. Back at a count seen before, each survivor takes up
     the exchange it built for it (graph ops and all), and the servers of that count, kept idle since, are taken
     up again; only the servers of the last count before are kept."""
-    with engine(2, "ps") as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        mapped = sgd.foreach_worker(_mapped_server_buffers)
-        exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
-        servers = ps_actors(sgd)
-        server_pids = actor_pids(*servers)
-        assert mapped[0] > 0
-        sgd.resize(3)
-        servers_of_3 = ps_actors(sgd)
-        sgd.step()
-        sgd.resize(2)
-        sgd.step()
-        assert sgd.foreach_worker(_mapped_server_buffers) == mapped
-        assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges
-        assert actor_pids(*ps_actors(sgd)) == server_pids
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (1, 3), (1, 2)]))
-        sgd.resize(1)  # now 2 is the last count before: the servers of 3 go
-        wait_until(lambda: all(map(is_dead, servers_of_3)))
-        assert not any(map(is_dead, servers))
+    sgd = shared_engine
+    start = set_start_weights(sgd)
+    sgd.step()
+    mapped = sgd.foreach_worker(_mapped_server_buffers)
+    exchanges = sgd.foreach_worker(lambda worker: id(worker.exchange))
+    servers = ps_actors(sgd)
+    server_pids = actor_pids(*servers)
+    assert mapped[0] > 0
+    sgd.resize(3)
+    servers_of_3 = ps_actors(sgd)
+    sgd.step()
+    sgd.resize(2)
+    sgd.step()
+    assert sgd.foreach_worker(_mapped_server_buffers) == mapped
+    assert sgd.foreach_worker(lambda worker: id(worker.exchange)) == exchanges
+    assert actor_pids(*ps_actors(sgd)) == server_pids
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), momentum_reference(start, [(1, 2), (1, 3), (1, 2)]))
+    sgd.resize(1)  # now 2 is the last count before: the servers of 3 go
+    wait_until(lambda: all(map(is_dead, servers_of_3)))
+    assert not any(map(is_dead, servers))
 
 
 class SharedInitialValueNet(dsgd.Model):
