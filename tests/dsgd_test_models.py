@@ -588,3 +588,22 @@ def kill(*actors, pids: list[int] | None = None) -> None:
         os.kill(pid, signal.SIGKILL)
     for actor in actors:
         wait_until(lambda: is_dead(actor))
+
+
+def local_worker(model_creator: Callable, devices_per_worker: int = 1, state: dict | None = None):
+    """A dsgd worker built in this process (no Ray) as a worker actor builds it (``SGDWorker.setup``), from
+    ``state`` if given: exchange "alone", so a step applies its replicas' mean. ``setup`` freezes the heap for a
+    worker process's life; this process's heap is unfrozen again (its graphs can be freed)."""
+    import gc
+
+    from dsgd.config import WorkerConfig
+    from dsgd.sgd_worker import SGDWorker
+
+    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=devices_per_worker, gpu=False,
+                                       all_reduce_alg="simple", cpus_per_worker=1, step_timeout_s=60.0,
+                                       startup_timeout_s=60.0))
+    try:
+        worker.setup(model_creator, state)
+    finally:
+        gc.unfreeze()
+    return worker

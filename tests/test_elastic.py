@@ -12,11 +12,9 @@ import ray
 
 import dsgd
 import tensorflow as tf
-from dsgd.config import WorkerConfig
-from dsgd.sgd_worker import SGDWorker
 from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
                               assert_replicas_identical, assert_weights_close, is_dead, kill, known_actors,
-                              numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
+                              local_worker, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
                               weights_from_json)
 
 
@@ -437,23 +435,14 @@ class SharedInitialValueNet(dsgd.Model):
         return tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
 
 
-def local_worker(state=None, devices_per_worker=1) -> SGDWorker:
-    """A worker built in this process (no Ray), from ``state`` if given."""
-    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=devices_per_worker, gpu=False,
-                                       all_reduce_alg="simple", cpus_per_worker=1, step_timeout_s=60.0,
-                                       startup_timeout_s=60.0))
-    worker.setup(SharedInitialValueNet, state)
-    return worker
-
-
 def test_a_worker_built_from_a_state_starts_from_it_on_every_replica():
-    source = local_worker()
+    source = local_worker(SharedInitialValueNet)
     for step in range(3):
         source.step(step, fetch_stats=False)
     state = source.get_state()
     assert state["applied_steps"] == 3 and not np.array_equal(state["weights"]["a"], state["weights"]["b"])
 
-    joined = local_worker(state, devices_per_worker=2)
+    joined = local_worker(SharedInitialValueNet, devices_per_worker=2, state=state)
     assert joined.runtime.applied_steps == 3
     for group in ("weights", "optimizer"):
         for replica in joined.sess.run([dict(v) for v in joined.runtime.worker_graph.state_vars[group]]):
@@ -465,7 +454,7 @@ def test_a_worker_built_from_a_state_starts_from_it_on_every_replica():
 
 
 def test_a_state_of_another_model_is_refused_by_name():
-    state = local_worker().get_state()
+    state = local_worker(SharedInitialValueNet).get_state()
     state["weights"]["d"] = state["weights"].pop("c")
     with pytest.raises(dsgd.DSGDError, match=r"of another model: its weights lack \['c'\] and have \['d'\], "):
-        local_worker(state)
+        local_worker(SharedInitialValueNet, state=state)

@@ -7,8 +7,7 @@ import tf_keras
 
 import dsgd
 import keras_test_models as km
-from dsgd_test_models import assert_replicas_identical, modules_a_user_imports
-from test_ray06_compat import local_worker
+from dsgd_test_models import assert_replicas_identical, local_worker, modules_a_user_imports
 
 WORKERS, DEVICES = 2, 2
 REPLICAS = [(w, d) for w in range(WORKERS) for d in range(DEVICES)]

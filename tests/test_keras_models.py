@@ -4,7 +4,6 @@ and tf_keras.applications models."""
 
 import contextlib
 import functools
-import gc
 import logging
 from typing import Iterator
 
@@ -15,9 +14,8 @@ import tf_keras
 
 import dsgd
 import keras_test_models as km
-from dsgd.config import WorkerConfig
 from dsgd.sgd_worker import SGDWorker
-from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_replicas_identical,
+from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_replicas_identical, local_worker,
                               assert_warmup_and_a_skipped_step_change_nothing, assert_weights_close)
 
 WORKERS = 2
@@ -33,27 +31,22 @@ def start_weights(sgd, seed: int = 5) -> dict:
 
 
 @contextlib.contextmanager
-def local_worker(kind: str, devices: int) -> Iterator[SGDWorker]:
-    """A dsgd worker of ``kind`` built in this process (no Ray) as a worker actor builds it: ``devices`` replicas,
-    whose mean gradient the worker's own graph takes (exchange "alone"). Closed on exit."""
+def kind_worker(kind: str, devices: int) -> Iterator[SGDWorker]:
+    """A dsgd worker of ``kind`` built in this process (``local_worker``): ``devices`` replicas, whose mean gradient
+    the worker's own graph takes. Its session closed on exit."""
     tf_keras.backend.reset_uids()  # Keras's layer counters, at zero in a new worker process
-    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=devices, gpu=False,
-                                       all_reduce_alg="simple", cpus_per_worker=1, step_timeout_s=60.0,
-                                       startup_timeout_s=60.0))
+    worker = local_worker(functools.partial(km.kind_creator, kind), devices_per_worker=devices)
     try:
-        worker.setup(functools.partial(km.kind_creator, kind))
         yield worker
     finally:
-        if worker.sess is not None:
-            worker.sess.close()
-        gc.unfreeze()  # setup froze the heap for a worker process's life; this worker's ends here
+        worker.sess.close()
 
 
 @pytest.mark.parametrize("kind", km.DETERMINISTIC)
 def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(kind):
     """Each kind on a worker built in this process with two replicas (the worker code is the same; the mean
     across worker processes: the next test)."""
-    with local_worker(kind, devices=2) as worker:
+    with kind_worker(kind, devices=2) as worker:
         start = start_weights(worker)
         stats = [worker.step(step, fetch_stats=True) for step in range(km.STEPS)]
         got, replicas = worker.get_weights(), worker.runtime.replica_weights()

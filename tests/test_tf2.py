@@ -16,8 +16,7 @@ import dsgd
 import tf2_test_models as m
 from dsgd.cluster import room
 from dsgd_test_models import (actor_pids, assert_replicas_identical, assert_warmup_and_a_skipped_step_change_nothing, kill,
-                              ps_actors)
-from test_ray06_compat import local_worker
+                              local_worker, ps_actors)
 
 STEPS = 3
 SHARED_KERAS3 = ("sequential", "adam", "ps", 2)  # (net, optimizer, strategy, devices) of the engine keras3_engine holds
