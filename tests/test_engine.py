@@ -174,7 +174,11 @@ def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
 
 @pytest.fixture(scope="module")
 def one_server_engine(ray_session):
-    """A 2x2 "ps" engine on one parameter server, with dsgd's default partitions and exchange (use_ops unset)."""
+    """A 2x2 "ps" engine on one parameter server, with dsgd's default partitions and exchange (use_ops unset).
+
+    Its two tests run in file order: the second shuts it down, giving its
+    CPUs back to the engines built after it (``engines`` holds six of eight).
+    """
     with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
                              num_parameter_servers=1) as sgd:
         yield sgd
@@ -260,9 +264,11 @@ def test_ps_exchange_runs_through_the_ops_unless_told_not_to(request, use_ops, p
              "python": ("PsWorkerPython", False, True, ["gradients"])}[path]
     if use_ops is None:  # the default: the ops whenever the library builds and loads, as `make install` ensures
         assert ops.is_available()
-        sgd = request.getfixturevalue("one_server_engine")  # built with use_ops unset
-    else:
-        sgd = request.getfixturevalue("engines")["ps" if use_ops else "ps-python"]
+        with request.getfixturevalue("one_server_engine") as sgd:  # built with use_ops unset
+            assert exchange_path(sgd.step(fetch_stats=True)) == path
+            assert sgd.foreach_worker(_exchange_and_its_ops) == [built] * WORKERS
+        return
+    sgd = request.getfixturevalue("engines")["ps" if use_ops else "ps-python"]
     assert exchange_path(sgd.step(fetch_stats=True)) == path
     assert sgd.foreach_worker(_exchange_and_its_ops) == [built] * WORKERS
 
