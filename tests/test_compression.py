@@ -14,8 +14,8 @@ import dsgd
 from compression_runs import FLOAT32, check_lockstep, lockstep
 from dsgd.wire import arrays, codec, kernels
 from dsgd.wire.partitions import VarSpec, pack, plan_partitions, segments, unpack
-from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, HugeTargetsAtStep1, TanhNet, assert_replicas_identical,
-                              kill, server_group, set_start_weights)
+from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, TanhNet, assert_replicas_identical, batch, kill,
+                              numpy_gradients, server_group, set_start_weights)
 
 PARTITION_BYTES = 40  # TanhNet's 112 bytes of float32 gradients -> 3 partitions, variables split
 
@@ -164,71 +164,6 @@ def test_server_sums_16_bit_pushes_in_float32_and_rounds_the_mean_once(compressi
     np.testing.assert_array_equal(decoded, codec.to_float32(once))
 
 
-# ---- the engine on one node ---------------------------------------------------
-
-COMPRESSED = {"bf16": dict(compression="bf16", use_ops=True), "bf16-python": dict(compression="bf16", use_ops=False),
-              "fp16": dict(compression="fp16", use_ops=True), "fp16-python": dict(compression="fp16", use_ops=False)}
-
-
-@pytest.fixture(scope="module")
-def float32_engine(ray_session):
-    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES) as sgd:
-        yield sgd
-
-
-@pytest.mark.parametrize("compression", ["bf16", "fp16"])
-def test_compressed_steps_against_float32_through_shared_memory_op_and_python_paths(float32_engine, compression):
-    names = [n for n, kwargs in COMPRESSED.items() if kwargs["compression"] == compression]
-    engines = {FLOAT32: float32_engine}
-    try:
-        for name in names:
-            engines[name] = dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES,
-                                                **COMPRESSED[name])
-        for name in names:  # one node: every partition through shared memory, in 16-bit form
-            ends = engines[name].foreach_worker(lambda w: [(type(e).__name__, str(next(iter(e.means[0].values())).dtype))
-                                                           for e in w.client.ends])
-            assert {end for worker in ends for end in worker} == {
-                ("SharedMemoryWorkerEnd", "uint16" if compression == "bf16" else "float16")}
-        check_lockstep(lockstep(engines), {name: compression for name in names}, REPLICAS_2x1)
-    finally:
-        for name in names:
-            if name in engines:
-                engines[name].shutdown()
-
-
-def test_sent_bytes_for_every_strategy(ray_session, float32_engine, caplog):
-    caplog.set_level(logging.WARNING, logger="dsgd")
-    layout = server_group(float32_engine).layout
-    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == sum(partition.nbytes for partition in layout)
-    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
-        assert sgd.step(fetch_stats=True)["sent_bytes"] == 4 * (5 * 4 + 4 + 4)  # the float32 gradients, to the driver
-    with dsgd.DistributedSGD(TanhNet, num_workers=1, strategy="ps", compression="bf16") as sgd:
-        assert "compression='bf16' has nothing to send" in caplog.text
-        assert sgd.step(fetch_stats=True)["sent_bytes"] == 0
-
-
-@pytest.mark.parametrize("compression", [None, "bf16", "fp16"])
-def test_fp16_overflow_is_a_non_finite_mean_for_nan_policy(ray_session, caplog, compression):
-    """Gradients of about 1e5 at the second step: finite in float32 and bf16 (the control: that step applies),
-    inf in fp16 (skipped on every replica under nan_policy='skip')."""
-    caplog.set_level(logging.WARNING, logger="dsgd")
-    with dsgd.DistributedSGD(HugeTargetsAtStep1, num_workers=2, strategy="ps", compression=compression,
-                             nan_policy="skip") as sgd:
-        sgd.step()
-        before = sgd.get_weights()
-        stats = sgd.step(fetch_stats=True)
-        after = sgd.get_weights()
-        skipped = "skipped a step (nan_policy='skip'): non-finite gradient of variable" in caplog.text
-        if compression == "fp16":
-            assert skipped
-            assert all(np.array_equal(before[k], after[k]) for k in before)
-        else:
-            assert not skipped and np.isfinite(stats["loss"])
-            assert not all(np.array_equal(before[k], after[k]) for k in before)
-        assert_replicas_identical(sgd, 2)
-        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])  # training goes on
-
-
 # ---- bad values ------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["bfloat16", "fp8", 16, True, "BF16"])
@@ -242,7 +177,49 @@ def test_compression_with_simple_is_refused_naming_the_argument():
         dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple", compression="fp16")
 
 
-# ---- recovery and checkpoints ------------------------------------------------------
+# ---- the engine on one node ---------------------------------------------------
+
+COMPRESSED = {"bf16": dict(compression="bf16", use_ops=True), "bf16-python": dict(compression="bf16", use_ops=False),
+              "fp16": dict(compression="fp16", use_ops=True), "fp16-python": dict(compression="fp16", use_ops=False)}
+ENGINE = dict(num_workers=2, strategy="ps", grad_shard_bytes=PARTITION_BYTES, nan_policy="skip")
+FP16_MAX = 65504
+
+
+@pytest.fixture(scope="module")
+def float32_engine(ray_session):
+    with dsgd.DistributedSGD(TanhNet, **ENGINE) as sgd:
+        yield sgd
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp16"])
+def compressed_engines(request, ray_session):
+    """(compression, {name: engine}): the op path's and the Python path's engine of one compression.
+
+    The tests using them run after the module's other engine tests (file
+    order): pytest keeps one compression's engines until the next is asked
+    for, or the module ends.
+    """
+    names = [name for name, kwargs in COMPRESSED.items() if kwargs["compression"] == request.param]
+    engines = {}
+    try:
+        for name in names:
+            engines[name] = dsgd.DistributedSGD(TanhNet, **ENGINE, **COMPRESSED[name])
+        yield request.param, engines
+    finally:
+        for sgd in engines.values():
+            sgd.shutdown()
+
+
+def test_sent_bytes_for_every_strategy(ray_session, float32_engine, caplog):
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    layout = server_group(float32_engine).layout
+    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == sum(partition.nbytes for partition in layout)
+    with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="simple") as sgd:
+        assert sgd.step(fetch_stats=True)["sent_bytes"] == 4 * (5 * 4 + 4 + 4)  # the float32 gradients, to the driver
+    with dsgd.DistributedSGD(TanhNet, num_workers=1, strategy="ps", compression="bf16") as sgd:
+        assert "compression='bf16' has nothing to send" in caplog.text
+        assert sgd.step(fetch_stats=True)["sent_bytes"] == 0
+
 
 def test_recovery_and_checkpoints_with_compression(ray_session, tmp_path, caplog):
     """From a checkpoint, a run whose worker is killed equals the uninterrupted one bit for bit."""
@@ -264,3 +241,53 @@ def test_recovery_and_checkpoints_with_compression(ray_session, tmp_path, caplog
         assert "worker 1 is dead" in caplog.text and sgd.failures == 1
         got = sgd.get_weights()
         assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+def test_compressed_steps_against_float32_through_shared_memory_op_and_python_paths(float32_engine,
+                                                                                     compressed_engines):
+    compression, compressed = compressed_engines
+    for name, sgd in compressed.items():  # one node: every partition through shared memory, in 16-bit form
+        ends = sgd.foreach_worker(lambda w: [(type(e).__name__, str(next(iter(e.means[0].values())).dtype))
+                                             for e in w.client.ends])
+        assert {end for worker in ends for end in worker} == {
+            ("SharedMemoryWorkerEnd", "uint16" if compression == "bf16" else "float16")}
+    check_lockstep(lockstep({FLOAT32: float32_engine, **compressed}), {name: compression for name in compressed},
+                   REPLICAS_2x1)
+
+
+def huge_gradient_weights(sgd) -> dict[str, np.ndarray]:
+    """Set ``sgd``'s start weights with the output weights 1000 times larger; those weights.
+
+    Every replica's first gradients then reach about 1e6 (numpy's reference
+    says so below): finite in float32 and bf16, beyond fp16's largest value.
+    """
+    start = set_start_weights(sgd)
+    huge = {**start, "out/v": start["out/v"] * 1000}
+    sgd.set_weights(huge)
+    grads = [numpy_gradients({k: v.astype(np.float64) for k, v in huge.items()}, *batch(w, d, 0))
+             for w, d in REPLICAS_2x1]
+    largest = max(np.abs(g[name]).max() for g in grads for name in g)
+    assert FP16_MAX < largest < 1e30, largest
+    return huge
+
+
+def test_fp16_overflow_is_a_non_finite_mean_for_nan_policy(float32_engine, compressed_engines, caplog):
+    """Gradients of about 1e6: finite in float32 and bf16 (the control: that step applies), inf in fp16 (skipped
+    on every replica under nan_policy='skip'), through the op path and the Python path."""
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    compression, compressed = compressed_engines
+    for name, sgd in {FLOAT32: float32_engine, **compressed}.items():
+        caplog.clear()
+        before = huge_gradient_weights(sgd)
+        stats = sgd.step(fetch_stats=True)
+        after = sgd.get_weights()
+        skipped = "skipped a step (nan_policy='skip'): non-finite gradient of variable" in caplog.text
+        if name != FLOAT32 and compression == "fp16":
+            assert skipped, name
+            assert all(np.array_equal(before[k], after[k]) for k in before), name
+        else:
+            assert not skipped and np.isfinite(stats["loss"]), name
+            assert not all(np.array_equal(before[k], after[k]) for k in before), name
+        assert_replicas_identical(sgd, 2)
+        set_start_weights(sgd)
+        assert np.isfinite(sgd.step(fetch_stats=True)["loss"]), name  # training goes on

@@ -1,5 +1,6 @@
 """Semantics of DistributedSGD: identical replicas, correct averaged steps."""
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -171,12 +172,23 @@ def steps_against_numpy(sgd, replicas: list, steps: int) -> None:
     assert_weights_close(got, expected)
 
 
-def test_explicit_server_count_is_honoured_and_default_partitions_train_correctly(ray_session):
+@pytest.fixture(scope="module")
+def one_server_engine(ray_session):
+    """A 2x2 "ps" engine on one parameter server, with dsgd's default partitions and exchange (use_ops unset).
+
+    Its two tests run in file order: the second shuts it down, giving its
+    CPUs back to the engines built after it (``engines`` holds six of eight).
+    """
     with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, devices_per_worker=DEVICES, strategy="ps",
                              num_parameter_servers=1) as sgd:
-        assert len(ps_actors(sgd)) == 1
-        assert len(server_group(sgd).layout) == 1  # 112 bytes: one partition (dsgd's default is at least 1 MiB)
-        steps_against_numpy(sgd, REPLICAS, 2)
+        yield sgd
+
+
+def test_explicit_server_count_is_honoured_and_default_partitions_train_correctly(one_server_engine):
+    sgd = one_server_engine
+    assert len(ps_actors(sgd)) == 1
+    assert len(server_group(sgd).layout) == 1  # 112 bytes: one partition (dsgd's default is at least 1 MiB)
+    steps_against_numpy(sgd, REPLICAS, 2)
 
 
 def test_foreach_model_is_flat_in_worker_then_device_order(engines):
@@ -245,20 +257,18 @@ def exchange_path(stats: dict) -> str:
 
 @pytest.mark.parametrize("use_ops, path", [(True, "ops"), (False, "python"), (None, "ops")],
                          ids=["use_ops=True", "use_ops=False", "use_ops=None"])
-def test_ps_exchange_runs_through_the_ops_unless_told_not_to(engines, use_ops, path):
+def test_ps_exchange_runs_through_the_ops_unless_told_not_to(request, use_ops, path):
     """Through the ops a worker checks each received partition and keeps no fed apply (it is built unchecked, for
     the optimizer's slots alone); through Python it applies fed means, checked per variable."""
     built = {"ops": ("PsWorkerOps", True, False, ["partitions"]),
              "python": ("PsWorkerPython", False, True, ["gradients"])}[path]
     if use_ops is None:  # the default: the ops whenever the library builds and loads, as `make install` ensures
-        from dsgd import ops
-
         assert ops.is_available()
-        with dsgd.DistributedSGD(TanhNet, num_workers=WORKERS, strategy="ps") as sgd:
+        with request.getfixturevalue("one_server_engine") as sgd:  # built with use_ops unset
             assert exchange_path(sgd.step(fetch_stats=True)) == path
             assert sgd.foreach_worker(_exchange_and_its_ops) == [built] * WORKERS
         return
-    sgd = engines["ps" if use_ops else "ps-python"]
+    sgd = request.getfixturevalue("engines")["ps" if use_ops else "ps-python"]
     assert exchange_path(sgd.step(fetch_stats=True)) == path
     assert sgd.foreach_worker(_exchange_and_its_ops) == [built] * WORKERS
 
@@ -378,17 +388,51 @@ def test_workers_import_tensorflow_without_keras_and_a_model_can_still_import_it
     assert sys.modules["tf_keras.src.optimizers"] is already
 
 
+class LoggedMessages(logging.Handler):
+    """Keeps the message of every record it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def single_worker_ps(ray_session):
+    """A 1-worker "ps" engine of two devices, and the warnings dsgd logged while building it.
+
+    Shared by the two tests below, in file order: the second shuts it down.
+    """
+    logged = LoggedMessages()
+    logger = logging.getLogger("dsgd")
+    logger.addHandler(logged)
+    try:
+        sgd = dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=DEVICES, strategy="ps")
+    finally:
+        logger.removeHandler(logged)
+    yield sgd, logged.messages
+    sgd.shutdown()
+
+
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
-def test_single_worker_steps_equal_numpy_reference(ray_session, strategy):
-    with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=DEVICES, strategy=strategy) as sgd:
+def test_single_worker_steps_equal_numpy_reference(request, strategy):
+    with contextlib.ExitStack() as own:
+        if strategy == "ps":
+            sgd, _ = request.getfixturevalue("single_worker_ps")
+        else:
+            sgd = own.enter_context(dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=DEVICES,
+                                                        strategy=strategy))
         steps_against_numpy(sgd, [(0, d) for d in range(DEVICES)], 3)
 
 
-def test_single_worker_ps_says_it_runs_like_simple_and_closes(ray_session, caplog):
-    with caplog.at_level(logging.WARNING, logger="dsgd"):
-        with dsgd.DistributedSGD(TanhNet, num_workers=1, devices_per_worker=2, strategy="ps") as sgd:
-            assert ps_actors(sgd) == []
-            assert sgd.step(fetch_stats=True)["loss"] > 0
-    assert "num_workers=1" in caplog.text
+def test_single_worker_ps_says_it_runs_like_simple_and_closes(single_worker_ps):
+    sgd, warnings = single_worker_ps
+    assert ps_actors(sgd) == []
+    assert sgd.step(fetch_stats=True)["loss"] > 0
+    assert any("num_workers=1" in message for message in warnings)
+    with sgd:  # leaving the with block shuts it down
+        pass
     with pytest.raises(dsgd.DSGDError, match="shut down"):
         sgd.step()

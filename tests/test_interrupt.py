@@ -52,6 +52,23 @@ def test_after_ctrl_c_the_next_engine_steps_on_with_identical_replicas_and_is_fr
     assert result["alive_after"] == []
 
 
+@pytest.fixture(scope="module")
+def engine(ray_session, tmp_path_factory):
+    """The in-process tests' engine and a checkpoint of it as built: each test restores it (no step, no momentum)."""
+    path = str(tmp_path_factory.mktemp("interrupt") / "built.ckpt")
+    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
+                             timeout_s=20) as sgd:
+        sgd.save(path)
+        yield sgd, path
+
+
+def fresh(engine) -> tuple[dsgd.DistributedSGD, dict[str, np.ndarray]]:
+    """``engine``'s engine as built (no step, no momentum) from known start weights; those weights."""
+    sgd, built = engine
+    sgd.restore(built)
+    return sgd, set_start_weights(sgd)
+
+
 def submit_to_worker_0_then_interrupt(workers, step_id, fetch_stats):
     """What Ctrl-C between the two workers' calls of a "ps" step leaves: worker 0's call sent, worker 1's not."""
     workers[0].step.remote(step_id, fetch_stats)
@@ -59,30 +76,29 @@ def submit_to_worker_0_then_interrupt(workers, step_id, fetch_stats):
 
 
 @pytest.mark.parametrize("worker_1_dies_meanwhile", [False, True], ids=["settled", "recovered"])
-def test_interrupt_between_two_workers_calls_is_settled_by_the_next_call(ray_session, monkeypatch,
+def test_interrupt_between_two_workers_calls_is_settled_by_the_next_call(engine, monkeypatch,
                                                                          worker_1_dies_meanwhile):
     # The window is a few microseconds, too short to hit with a real signal: the strategy's submit is
     # replaced for one step. timeout_s bounds the hang this would be without settling.
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
-                             timeout_s=20) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        with monkeypatch.context() as patch:
-            patch.setattr(sgd._ledger.driver_half, "submit", submit_to_worker_0_then_interrupt)
-            with pytest.raises(KeyboardInterrupt):
-                sgd.step()
-        if worker_1_dies_meanwhile:
-            actor_id = ray.get(sgd.workers[1].identity.remote(), timeout=30).actor_id
-            ray.kill(sgd.workers[1])
-            wait_until(lambda: known_actors()[actor_id][1] == "DEAD")
-        stats = sgd.step(fetch_stats=True)
-        assert np.isfinite(stats["loss"])
-        assert_replicas_identical(sgd, 2)
-        # Step 0 completes. Worker 0's half of the interrupted step waits for worker 1's: settled, it is
-        # aborted and counts nowhere; recovered (worker 1 replaced), it is run again and counts everywhere.
-        assert sgd.num_steps == (3 if worker_1_dies_meanwhile else 2)
-        assert sgd.failures == int(worker_1_dies_meanwhile)
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, sgd.num_steps))
+    sgd, start = fresh(engine)
+    failures = sgd.failures
+    sgd.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(sgd._ledger.driver_half, "submit", submit_to_worker_0_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            sgd.step()
+    if worker_1_dies_meanwhile:
+        actor_id = ray.get(sgd.workers[1].identity.remote(), timeout=30).actor_id
+        ray.kill(sgd.workers[1])
+        wait_until(lambda: known_actors()[actor_id][1] == "DEAD")
+    stats = sgd.step(fetch_stats=True)
+    assert np.isfinite(stats["loss"])
+    assert_replicas_identical(sgd, 2)
+    # Step 0 completes. Worker 0's half of the interrupted step waits for worker 1's: settled, it is
+    # aborted and counts nowhere; recovered (worker 1 replaced), it is run again and counts everywhere.
+    assert sgd.num_steps == (3 if worker_1_dies_meanwhile else 2)
+    assert sgd.failures - failures == int(worker_1_dies_meanwhile)
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, sgd.num_steps))
 
 
 def interrupt_once(patch, obj, name: str) -> None:
@@ -96,29 +112,28 @@ def interrupt_once(patch, obj, name: str) -> None:
     patch.setattr(obj, name, interrupted)
 
 
-def test_interrupt_during_a_recovery_or_a_restore_is_settled_by_the_next_call(ray_session, monkeypatch, tmp_path):
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
-                             timeout_s=20) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        sgd.save(str(tmp_path / "one_step.ckpt"))
-        ray.kill(sgd.workers[1])
-        # Ctrl-C while the recovery from worker 1's death replaces it.
-        interrupt_once(monkeypatch, sgd._cluster, "replace_dead")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.step(fetch_stats=True)
-        # The next call finishes the recovery, and the interrupted step counts on every replica.
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
-        assert sgd.num_steps == 2 and sgd.failures == 2
-        assert_replicas_identical(sgd, 2)
-        # Ctrl-C in restore after the workers loaded the checkpoint: the next call counts its step.
-        interrupt_once(monkeypatch, sgd._cluster, "reset_servers")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.restore(str(tmp_path / "one_step.ckpt"))
-        sgd.step()
-        assert sgd.num_steps == 2
-        assert_replicas_identical(sgd, 2)
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+def test_interrupt_during_a_recovery_or_a_restore_is_settled_by_the_next_call(engine, monkeypatch, tmp_path):
+    sgd, start = fresh(engine)
+    failures = sgd.failures
+    sgd.step()
+    sgd.save(str(tmp_path / "one_step.ckpt"))
+    ray.kill(sgd.workers[1])
+    # Ctrl-C while the recovery from worker 1's death replaces it.
+    interrupt_once(monkeypatch, sgd._cluster, "replace_dead")
+    with pytest.raises(KeyboardInterrupt):
+        sgd.step(fetch_stats=True)
+    # The next call finishes the recovery, and the interrupted step counts on every replica.
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
+    assert sgd.num_steps == 2 and sgd.failures - failures == 2
+    assert_replicas_identical(sgd, 2)
+    # Ctrl-C in restore after the workers loaded the checkpoint: the next call counts its step.
+    interrupt_once(monkeypatch, sgd._cluster, "reset_servers")
+    with pytest.raises(KeyboardInterrupt):
+        sgd.restore(str(tmp_path / "one_step.ckpt"))
+    sgd.step()
+    assert sgd.num_steps == 2
+    assert_replicas_identical(sgd, 2)
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 2))
 
 
 def applied_steps_saved(path: str) -> int:
@@ -141,57 +156,55 @@ def test_ctrl_c_while_a_set_of_calls_is_sent_raises_once_the_last_is_sent():
         signal.signal(signal.SIGINT, handler)
 
 
-def test_ctrl_c_while_a_call_between_steps_waits_for_the_workers_leaves_the_engine_usable(ray_session, monkeypatch,
+def test_ctrl_c_while_a_call_between_steps_waits_for_the_workers_leaves_the_engine_usable(engine, monkeypatch,
                                                                                           tmp_path):
     """get_weights, set_weights, save and foreach_worker, each interrupted once its calls are sent; then
     set_weights interrupted between its calls to the two workers (``dsgd.common.calls.sending``)."""
     path = str(tmp_path / "run.ckpt")
-    with dsgd.DistributedSGD(FixedDataMomentumNet, num_workers=2, strategy="ps", grad_shard_bytes=40,
-                             timeout_s=20) as sgd:
-        start = set_start_weights(sgd)
-        sgd.step()
-        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.get_weights()
-        assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
+    sgd, start = fresh(engine)
+    sgd.step()
+    interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+    with pytest.raises(KeyboardInterrupt):
+        sgd.get_weights()
+    assert_weights_close(sgd.get_weights(), numpy_momentum_run(start, REPLICAS_2x1, 1))
 
+    sgd.save(path)
+    sgd.step()
+    interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+    with pytest.raises(KeyboardInterrupt):
         sgd.save(path)
-        sgd.step()
-        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.save(path)
-        assert applied_steps_saved(path) == 1  # the interrupted save wrote nothing
-        sgd.save(path)
-        assert applied_steps_saved(path) == 2
+    assert applied_steps_saved(path) == 1  # the interrupted save wrote nothing
+    sgd.save(path)
+    assert applied_steps_saved(path) == 2
 
-        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.foreach_worker(lambda worker: worker.runtime.applied_steps)
-        assert sgd.foreach_worker(lambda worker: worker.runtime.applied_steps) == [2, 2]
+    interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+    with pytest.raises(KeyboardInterrupt):
+        sgd.foreach_worker(lambda worker: worker.runtime.applied_steps)
+    assert sgd.foreach_worker(lambda worker: worker.runtime.applied_steps) == [2, 2]
 
-        new = {k: np.full_like(v, 0.5) for k, v in start.items()}
-        interrupt_once(monkeypatch, sgd._cluster.calls, "call")
-        with pytest.raises(KeyboardInterrupt):
-            sgd.set_weights(new)
-        assert_weights_close(sgd.get_weights(), new)  # sent to every worker, so set on every replica
-        assert_replicas_identical(sgd, 2)
+    new = {k: np.full_like(v, 0.5) for k, v in start.items()}
+    interrupt_once(monkeypatch, sgd._cluster.calls, "call")
+    with pytest.raises(KeyboardInterrupt):
+        sgd.set_weights(new)
+    assert_weights_close(sgd.get_weights(), new)  # sent to every worker, so set on every replica
+    assert_replicas_identical(sgd, 2)
 
-        # Ctrl-C (a real SIGINT) between the two workers' submissions: it takes effect once both are sent.
-        newer = {k: np.full_like(v, 0.25) for k, v in start.items()}
-        handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI shell may have SIGINT ignored
-        try:
-            with monkeypatch.context() as patch:
-                first, *others = sgd._cluster.workers
-                patch.setattr(sgd._cluster, "workers", [CtrlCOnceSubmitted(first), *others])
-                with pytest.raises(KeyboardInterrupt):
-                    sgd.set_weights(newer)
-        finally:
-            signal.signal(signal.SIGINT, handler)
-        for replica in replica_weights(sgd):  # on both workers, read from their graphs
-            assert_weights_close(replica, newer)
-        assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
-        assert sgd.num_steps == 3
-        assert_replicas_identical(sgd, 2)
+    # Ctrl-C (a real SIGINT) between the two workers' submissions: it takes effect once both are sent.
+    newer = {k: np.full_like(v, 0.25) for k, v in start.items()}
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI shell may have SIGINT ignored
+    try:
+        with monkeypatch.context() as patch:
+            first, *others = sgd._cluster.workers
+            patch.setattr(sgd._cluster, "workers", [CtrlCOnceSubmitted(first), *others])
+            with pytest.raises(KeyboardInterrupt):
+                sgd.set_weights(newer)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    for replica in replica_weights(sgd):  # on both workers, read from their graphs
+        assert_weights_close(replica, newer)
+    assert np.isfinite(sgd.step(fetch_stats=True)["loss"])
+    assert sgd.num_steps == 3
+    assert_replicas_identical(sgd, 2)
 
 
 class CtrlCOnceSubmitted:

@@ -8,6 +8,10 @@ the model evaluated itself; save_checkpoint/restore_checkpoint are the Ray
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -27,9 +31,24 @@ def flat(weights: dict) -> np.ndarray:
     return np.concatenate([np.ravel(weights["dense/w"]), np.ravel(weights["dense/b"])])
 
 
+def cached_batch_engine(strategy: str) -> dsgd.DistributedSGD:
+    return dsgd.DistributedSGD(CachedBatchNet, num_workers=2, devices_per_worker=1, strategy=strategy)
+
+
+@pytest.fixture(scope="module")
+def simple_cached_batch_engine(ray_session):
+    """A "simple" engine of CachedBatchNet, shared with the checkpoint-directory test, which does not step it."""
+    with cached_batch_engine("simple") as sgd:
+        yield sgd
+
+
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
-def test_cached_batch_model_trains_and_checkpoints(ray_session, tmp_path, strategy):
-    with dsgd.DistributedSGD(CachedBatchNet, num_workers=2, devices_per_worker=1, strategy=strategy) as sgd:
+def test_cached_batch_model_trains_and_checkpoints(request, tmp_path, strategy):
+    with contextlib.ExitStack() as own:
+        if strategy == "simple":
+            sgd = request.getfixturevalue("simple_cached_batch_engine")
+        else:
+            sgd = own.enter_context(cached_batch_engine(strategy))
         first = sgd.step(fetch_stats=True)
         for _ in range(STEPS - 2):
             sgd.step()
@@ -80,35 +99,43 @@ def test_get_metrics_that_evaluates_returns_numbers(ray_session):
         assert sgd.for_model(lambda m: m.get_metrics()) == metrics[0]
 
 
-def local_worker(model_creator) -> SGDWorker:
-    """A worker built in this process, no Ray: enough to see what setup accepts."""
+@contextlib.contextmanager
+def local_worker(model_creator) -> Iterator[SGDWorker]:
+    """A worker built in this process, no Ray: enough to see what setup accepts. Closed on exit."""
     worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=1, gpu=False, all_reduce_alg="simple",
                                        cpus_per_worker=1, step_timeout_s=60.0, startup_timeout_s=60.0))
-    worker.setup(model_creator)
-    return worker
+    try:
+        worker.setup(model_creator)
+        yield worker
+    finally:
+        if worker.sess is not None:
+            worker.sess.close()
+        gc.unfreeze()  # setup froze the heap for a worker process's life; this worker's ends here
 
 
 def test_metric_tensors_are_stats_and_numbers_are_not():
-    worker = local_worker(MixedMetricsNet)
-    assert worker.runtime.signature.metrics == ("accuracy",)
-    stats = worker.step(0, fetch_stats=True)
-    assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
-    assert set(worker.get_weights()) == WEIGHT_NAMES
+    with local_worker(MixedMetricsNet) as worker:
+        assert worker.runtime.signature.metrics == ("accuracy",)
+        stats = worker.step(0, fetch_stats=True)
+        assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
+        assert set(worker.get_weights()) == WEIGHT_NAMES
 
 
 def test_metrics_neither_tensors_nor_numbers_are_refused_by_name():
     with pytest.raises(dsgd.ModelCreatorError,
                        match=r"get_metrics\(\) entry 'accuracy' must be a scalar tensor .* or a number .*got str \('high'\)"):
-        local_worker(StringMetricNet)
+        with local_worker(StringMetricNet):
+            pass
     with pytest.raises(dsgd.ModelCreatorError, match=r"get_metrics\(\) must return a dict .*got list"):
-        local_worker(ListMetricsNet)
+        with local_worker(ListMetricsNet):
+            pass
 
 
-def test_save_checkpoint_needs_a_directory(ray_session, tmp_path):
+def test_save_checkpoint_needs_a_directory(simple_cached_batch_engine, tmp_path):
+    sgd = simple_cached_batch_engine
     file = tmp_path / "a_file"
     file.write_text("not a directory")
-    with dsgd.DistributedSGD(CachedBatchNet, num_workers=1, strategy="simple") as sgd:
-        with pytest.raises(NotADirectoryError, match="save_checkpoint expects a directory, got the file"):
-            sgd.save_checkpoint(str(file))
-        with pytest.raises(FileNotFoundError, match="restore_checkpoint expects a directory"):
-            sgd.restore_checkpoint(str(tmp_path / "missing"))
+    with pytest.raises(NotADirectoryError, match="save_checkpoint expects a directory, got the file"):
+        sgd.save_checkpoint(str(file))
+    with pytest.raises(FileNotFoundError, match="restore_checkpoint expects a directory"):
+        sgd.restore_checkpoint(str(tmp_path / "missing"))
