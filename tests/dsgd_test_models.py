@@ -452,19 +452,6 @@ class NaNOnWorker1AtStep1(TanhNet):
         return feed
 
 
-class HugeTargetsAtStep1(TanhNet):
-    """Every replica's targets are 1e6 times larger at its second step: float32 gradients of about 1e5.
-
-    They are finite in float32 and bf16 but beyond fp16's largest value (65504).
-    """
-
-    def get_feed_dict(self):
-        feed = super().get_feed_dict()
-        if self.step == 2:
-            feed[self.y] = feed[self.y] * 1e6
-        return feed
-
-
 def known_actors() -> dict[str, tuple[str, str]]:
     """Every actor the Ray cluster has registered, alive or dead: actor id -> (class name, state).
 

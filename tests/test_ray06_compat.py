@@ -9,16 +9,12 @@ the model evaluated itself; save_checkpoint/restore_checkpoint are the Ray
 from __future__ import annotations
 
 import contextlib
-import gc
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import dsgd
-from dsgd.config import WorkerConfig
-from dsgd.sgd_worker import SGDWorker
-from dsgd_test_models import assert_replicas_identical
+from dsgd_test_models import assert_replicas_identical, local_worker
 from ray06_test_models import (BATCH, CachedBatchNet, EvaluatedMetricsNet, ListMetricsNet, MixedMetricsNet,
                                StringMetricNet)
 
@@ -99,36 +95,20 @@ def test_get_metrics_that_evaluates_returns_numbers(ray_session):
         assert sgd.for_model(lambda m: m.get_metrics()) == metrics[0]
 
 
-@contextlib.contextmanager
-def local_worker(model_creator) -> Iterator[SGDWorker]:
-    """A worker built in this process, no Ray: enough to see what setup accepts. Closed on exit."""
-    worker = SGDWorker(0, WorkerConfig(exchange="alone", devices_per_worker=1, gpu=False, all_reduce_alg="simple",
-                                       cpus_per_worker=1, step_timeout_s=60.0, startup_timeout_s=60.0))
-    try:
-        worker.setup(model_creator)
-        yield worker
-    finally:
-        if worker.sess is not None:
-            worker.sess.close()
-        gc.unfreeze()  # setup froze the heap for a worker process's life; this worker's ends here
-
-
 def test_metric_tensors_are_stats_and_numbers_are_not():
-    with local_worker(MixedMetricsNet) as worker:
-        assert worker.runtime.signature.metrics == ("accuracy",)
-        stats = worker.step(0, fetch_stats=True)
-        assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
-        assert set(worker.get_weights()) == WEIGHT_NAMES
+    worker = local_worker(MixedMetricsNet)
+    assert worker.runtime.signature.metrics == ("accuracy",)
+    stats = worker.step(0, fetch_stats=True)
+    assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
+    assert set(worker.get_weights()) == WEIGHT_NAMES
 
 
 def test_metrics_neither_tensors_nor_numbers_are_refused_by_name():
     with pytest.raises(dsgd.ModelCreatorError,
                        match=r"get_metrics\(\) entry 'accuracy' must be a scalar tensor .* or a number .*got str \('high'\)"):
-        with local_worker(StringMetricNet):
-            pass
+        local_worker(StringMetricNet)
     with pytest.raises(dsgd.ModelCreatorError, match=r"get_metrics\(\) must return a dict .*got list"):
-        with local_worker(ListMetricsNet):
-            pass
+        local_worker(ListMetricsNet)
 
 
 def test_save_checkpoint_needs_a_directory(simple_cached_batch_engine, tmp_path):
