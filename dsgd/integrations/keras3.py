@@ -140,7 +140,8 @@ class Keras3Model(TF2Model):
 
     @property
     def batches_read(self) -> int:
-        """Batches given to steps so far."""
+        """Batches taken from ``batches`` so far: the first at build (read for the step's input signature; the
+        first step trains on it), then one per step after the first."""
         return self._batches.read
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
