@@ -13,6 +13,8 @@ NUM_CPUS = 8
 # Set when the tests are collected, before any test module (benchmarks' package among them) picks its own.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import background_jobs  # noqa: E402 (imports TensorFlow, after the line above)
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -27,3 +29,19 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Queue the background jobs of the selected tests' fixtures (``background_jobs``), in the order first used."""
+    if session.config.option.collectonly:
+        return
+    jobs: dict[background_jobs.Job, None] = {}
+    for item in session.items:
+        for fixture, job in getattr(item.module, "BACKGROUND_JOBS", {}).items():
+            if fixture in item.fixturenames:
+                jobs.setdefault(job)
+    background_jobs.QUEUE.start(list(jobs))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background_jobs.QUEUE.close()

@@ -504,6 +504,10 @@ def wait_until(condition, timeout_s: float = 30.0, poll_s: float = 0.05) -> None
 RESULT_PREFIX = "RESULT "
 
 
+# The jobs running now (in any thread): ``kill_running_jobs`` ends them when the session does.
+_running: set[subprocess.Popen] = set()
+
+
 def kill_process_group(proc: subprocess.Popen) -> None:
     """Kill whatever is left of a job's session: the job, and its raylets, GCS and Ray workers."""
     try:
@@ -525,9 +529,15 @@ def run_job(script: str, timeout_s: float, *args: str) -> dict:
     return _run_job(script, timeout_s, args, stderr=subprocess.PIPE)[0]
 
 
-def run_job_with_output(script: str, timeout_s: float) -> tuple[dict, str]:
+def run_job_with_output(script: str, timeout_s: float, *args: str) -> tuple[dict, str]:
     """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
-    return _run_job(script, timeout_s, (), stderr=subprocess.STDOUT)
+    return _run_job(script, timeout_s, args, stderr=subprocess.STDOUT)
+
+
+def kill_running_jobs() -> None:
+    """Kill every job still running, whichever thread waits for it (which then fails)."""
+    for proc in list(_running):
+        kill_process_group(proc)
 
 
 def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int) -> tuple[dict, str]:
@@ -536,6 +546,7 @@ def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int) ->
         env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
         proc = subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, start_new_session=True)
+        _running.add(proc)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -544,6 +555,7 @@ def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int) ->
             raise AssertionError(f"{script} timed out after {timeout_s}s; stderr tail:\n{(err or out)[-4000:]}") from None
         finally:
             kill_process_group(proc)
+            _running.discard(proc)
     # A progress bar drawn on the same stream may put its cursor codes before the line: find the prefix anywhere.
     results = [line.split(RESULT_PREFIX, 1)[1] for line in out.splitlines() if RESULT_PREFIX in line]
     if proc.returncode != 0 or not results:

@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import pytest
 
+from background_jobs import QUEUE, Job
 from benchmarks import faults
-from dsgd_test_models import run_job
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chaos_job.py")
 SEED = int(os.environ.get("DSGD_CHAOS_SEED", random.SystemRandom().randrange(1 << 31)))
@@ -92,15 +92,27 @@ def test_random_kills_on_one_node_lose_nothing(ray_session, name):
     check(one_node(name, **SHORT), SHORT["steps"], SHORT["count"], name)
 
 
+def two_nodes_job(steps: int, count: int) -> Job:
+    return Job(JOB, JOB_TIMEOUT_S[steps], (str(SEED), str(steps), str(count)))
+
+
+BACKGROUND_JOBS = {"short_two_node_run": two_nodes_job(**SHORT)}
+
+
 def two_nodes(steps: int, count: int) -> dict:
     try:
-        return run_job(JOB, JOB_TIMEOUT_S[steps], str(SEED), str(steps), str(count))
+        return QUEUE.result(two_nodes_job(steps, count))
     except AssertionError as e:
         raise AssertionError(f"chaos run across two nodes failed, {replay('two_nodes')}: {e}") from e
 
 
-def test_random_kills_across_two_nodes_with_relays_and_bf16_lose_nothing():
-    record = two_nodes(**SHORT)
+@pytest.fixture(scope="module")
+def short_two_node_run() -> dict:
+    return two_nodes(**SHORT)
+
+
+def test_random_kills_across_two_nodes_with_relays_and_bf16_lose_nothing(short_two_node_run):
+    record = short_two_node_run
     assert len(set(record["worker_nodes"])) == 2 and record["relayed_partitions"] > 0
     check(record, SHORT["steps"], SHORT["count"], "two_nodes")
 

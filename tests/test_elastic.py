@@ -12,9 +12,10 @@ import ray
 
 import dsgd
 import tensorflow as tf
+from background_jobs import QUEUE, Job
 from dsgd_test_models import (FixedDataMomentumNet, actor_pids, actors_started_since, assert_all_identical,
                               assert_replicas_identical, assert_weights_close, is_dead, kill, known_actors,
-                              local_worker, numpy_momentum_stages, ps_actors, run_job, set_start_weights, wait_until,
+                              local_worker, numpy_momentum_stages, ps_actors, set_start_weights, wait_until,
                               weights_from_json)
 
 
@@ -248,9 +249,12 @@ def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was
     assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
 
 
+BACKGROUND_JOBS = {"elastic_job": Job(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py"), 300)}
+
+
 @pytest.fixture(scope="module")
 def elastic_job() -> dict:
-    return run_job(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py"), 300)
+    return QUEUE.result(BACKGROUND_JOBS["elastic_job"])
 
 
 def test_elastic_engine_starts_with_the_room_there_is_and_goes_on_without_a_lost_node(elastic_job):

@@ -19,17 +19,19 @@ import numpy as np
 import pytest
 
 from compression_runs import check_lockstep, tolerance
+from background_jobs import QUEUE, Job
 from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_job_replicas_identical_and_numpy_like,
-                              assert_weights_close, numpy_momentum_run, numpy_step, run_job, weights_from_json)
+                              assert_weights_close, numpy_momentum_run, numpy_step, weights_from_json)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "multinode_job.py")
 TIMEOUT_S = 360  # the job took up to 216 s on this 2-core machine under other tests
+BACKGROUND_JOBS = {"job": Job(JOB, TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
 def job() -> dict:
-    return run_job(JOB, TIMEOUT_S)
+    return QUEUE.result(BACKGROUND_JOBS["job"])
 
 
 def test_workers_run_on_both_nodes(job):

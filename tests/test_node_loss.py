@@ -11,15 +11,17 @@ import os
 import numpy as np
 import pytest
 
-from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_momentum_run, run_job, weights_from_json
+from background_jobs import QUEUE, Job
+from dsgd_test_models import REPLICAS_2x1, assert_weights_close, numpy_momentum_run, weights_from_json
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_loss_job.py")
 TIMEOUT_S = 480  # three scenarios, the last with 4 workers; under load the job took 4 min
+BACKGROUND_JOBS = {"job": Job(JOB, TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
 def job() -> dict:
-    return run_job(JOB, TIMEOUT_S)
+    return QUEUE.result(BACKGROUND_JOBS["job"])
 
 
 def test_lost_node_is_replaced_on_the_live_node_and_training_goes_on_exactly(job):

@@ -11,6 +11,7 @@ checkpoint, faults).
 """
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import pytest
 import data_test_models as dm
 import keras_test_models as km
 import tf2_test_models as m
+from background_jobs import QUEUE, Job
 from dsgd_test_models import assert_weights_close, identical_job_replicas, run_job, weights_from_json
 from test_data import assert_disjoint_equal_cover
 from test_multinode import assert_relays_push_down_streams
@@ -31,14 +33,18 @@ TIMEOUT_S = 480
 DEVICES, STAGE_STEPS = 2, 2
 
 
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    return tmp_path_factory.mktemp("relays")
+BACKGROUND_JOBS = {"job": Job(JOB, TIMEOUT_S, ("keras3", "tf_keras", "tf2"), scratch=True)}
 
 
 @pytest.fixture(scope="module")
-def job(scratch) -> dict:
-    return run_job(JOB, TIMEOUT_S, str(scratch), "keras3", "tf_keras", "tf2")
+def scratch() -> Path:
+    """The job's directory (its timeline and logdir), which the slow jobs share."""
+    return Path(QUEUE.scratch(BACKGROUND_JOBS["job"]))
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    return QUEUE.result(BACKGROUND_JOBS["job"])
 
 
 def replicas(workers: int) -> list[tuple[int, int]]:

@@ -9,18 +9,19 @@ import os
 
 import pytest
 
-from dsgd_test_models import run_job_with_output
+from background_jobs import QUEUE, Job
 
 pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
 pytest.importorskip("aiohttp", reason="Ray's state API needs its dashboard: ray[default] (the test extra)")
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shutdown_job.py")
 JOB_TIMEOUT_S = 600
+BACKGROUND_JOBS = {"job": Job(JOB, JOB_TIMEOUT_S, with_output=True)}
 
 
 @pytest.fixture(scope="module")
 def job():
-    return run_job_with_output(JOB, JOB_TIMEOUT_S)
+    return QUEUE.result(BACKGROUND_JOBS["job"])
 
 
 def test_no_actor_or_task_of_a_stopped_engine_is_alive_in_rays_state(job):
