@@ -35,7 +35,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Queue the background jobs of the selected tests' fixtures (``background_jobs``), in the order first used."""
     if session.config.option.collectonly:
         return
-    jobs: dict[background_jobs.Job, None] = {}
+    jobs: dict[background_jobs.Job | background_jobs.Call, None] = {}
     for item in session.items:
         for fixture, job in getattr(item.module, "BACKGROUND_JOBS", {}).items():
             if fixture in item.fixturenames:

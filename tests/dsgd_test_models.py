@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -504,8 +505,18 @@ def wait_until(condition, timeout_s: float = 30.0, poll_s: float = 0.05) -> None
 RESULT_PREFIX = "RESULT "
 
 
-# The jobs running now (in any thread): ``kill_running_jobs`` ends them when the session does.
-_running: set[subprocess.Popen] = set()
+# The processes of jobs running now, each with how to stop it and the thread that started it.
+_running: dict[subprocess.Popen, tuple[Callable[[subprocess.Popen], None], threading.Thread]] = {}
+
+
+@contextlib.contextmanager
+def stopped_at_session_end(proc: subprocess.Popen, stop: Callable[[subprocess.Popen], None]) -> Iterator[None]:
+    """While in the block, ``kill_running_jobs`` (at the session's end, or a Ctrl-C) calls ``stop(proc)``."""
+    _running[proc] = (stop, threading.current_thread())
+    try:
+        yield
+    finally:
+        _running.pop(proc, None)
 
 
 def kill_process_group(proc: subprocess.Popen) -> None:
@@ -516,7 +527,7 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_job(script: str, timeout_s: float, *args: str) -> dict:
+def run_job(script: str, timeout_s: float, *args: str, environ: Mapping[str, str] | None = None) -> dict:
     """Run ``script`` (with ``args``) in its own process, session and Ray temp dir; the JSON of its last ``RESULT``
     line.
 
@@ -524,38 +535,61 @@ def run_job(script: str, timeout_s: float, *args: str) -> dict:
     session's is taken), or joins the session's as another driver when
     ``args`` give it the address. Its session is killed when it ends or after
     ``timeout_s``, so nothing it started outlives it; a job that times out,
-    fails or prints no result fails the test with its stderr's tail.
+    fails or prints no result fails the test with its stderr's tail. Its
+    environment is ``environ`` (default: this process's) with its own Ray
+    temp dir.
     """
-    return _run_job(script, timeout_s, args, stderr=subprocess.PIPE)[0]
+    return _run_job(script, timeout_s, args, subprocess.PIPE, environ)[0]
 
 
-def run_job_with_output(script: str, timeout_s: float, *args: str) -> tuple[dict, str]:
+def run_job_with_output(script: str, timeout_s: float, *args: str,
+                        environ: Mapping[str, str] | None = None) -> tuple[dict, str]:
     """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
-    return _run_job(script, timeout_s, args, stderr=subprocess.STDOUT)
+    return _run_job(script, timeout_s, args, subprocess.STDOUT, environ)
 
 
-def kill_running_jobs() -> None:
-    """Kill every job still running, whichever thread waits for it (which then fails)."""
-    for proc in list(_running):
-        kill_process_group(proc)
+def kill_running_jobs(thread: threading.Thread) -> None:
+    """Stop every job ``thread`` started that is still running (the thread's wait for it then fails)."""
+    for proc, (stop, started_by) in list(_running.items()):
+        if started_by is thread:
+            stop(proc)
 
 
-def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int) -> tuple[dict, str]:
-    """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
-    with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
-        env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        proc = subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, start_new_session=True)
-        _running.add(proc)
+def run_command(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int, str]:
+    """Run ``argv`` in a session of its own (``popen``: more ``subprocess.Popen`` arguments); its exit code and
+    everything it wrote, stdout and stderr in one stream. Killed, with whatever it started, when it ends or after
+    ``timeout_s`` (failing the test with its output's tail)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **popen)
+    with stopped_at_session_end(proc, kill_process_group):
         try:
-            out, err = proc.communicate(timeout=timeout_s)
+            out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_process_group(proc)
-            out, err = proc.communicate()
-            raise AssertionError(f"{script} timed out after {timeout_s}s; stderr tail:\n{(err or out)[-4000:]}") from None
+            out, _ = proc.communicate()
+            raise AssertionError(f"{argv} timed out after {timeout_s}s; output tail:\n{out[-4000:]}") from None
         finally:
             kill_process_group(proc)
-            _running.discard(proc)
+    return proc.returncode, out
+
+
+def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int,
+             environ: Mapping[str, str] | None) -> tuple[dict, str]:
+    """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
+    with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
+        env = {**(os.environ if environ is None else environ), "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        proc = subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, start_new_session=True)
+        with stopped_at_session_end(proc, kill_process_group):
+            try:
+                out, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                kill_process_group(proc)
+                out, err = proc.communicate()
+                raise AssertionError(
+                    f"{script} timed out after {timeout_s}s; stderr tail:\n{(err or out)[-4000:]}") from None
+            finally:
+                kill_process_group(proc)
     # A progress bar drawn on the same stream may put its cursor codes before the line: find the prefix anywhere.
     results = [line.split(RESULT_PREFIX, 1)[1] for line in out.splitlines() if RESULT_PREFIX in line]
     if proc.returncode != 0 or not results:

@@ -1,10 +1,10 @@
 """The linked cluster of benchmarks/links.py: nodes in network namespaces behind rate-limited veths.
 
 The script runs in its own process (it starts its own Ray cluster of 4 nodes,
-the scaling benchmark's middle size). The test interrupts it with Ctrl-C
-(SIGINT) once it has measured every link at the first rate, and checks that
-the limit held and that nothing it made is left: namespaces, links,
-processes.
+the scaling benchmark's middle size), in the background (``background_jobs``).
+The run interrupts it with Ctrl-C (SIGINT) once it has measured every link
+at the first rate; the test checks that the limit held and that nothing it
+made is left: namespaces, links, processes.
 """
 
 import os
@@ -16,8 +16,10 @@ import time
 
 import pytest
 
+from background_jobs import QUEUE, Call
 from benchmarks import linked_cluster
 from benchmarks.linked_cluster import PREFIX, missing_requirements, tbf_args
+from dsgd_test_models import stopped_at_session_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_GBIT = 0.2
@@ -49,44 +51,61 @@ def test_token_bucket_burst_fits_an_offloaded_segment_and_one_millisecond():
     assert tbf_args(10.0)[4] == str(int(10e9 / 8 / 1000))
 
 
-@pytest.mark.skipif(missing_requirements() is not None, reason=f"linked cluster: {missing_requirements()}")
-def test_links_hold_their_rate_and_ctrl_c_tears_everything_down():
-    assert not _leftovers(), "a previous linked cluster was left behind"
+def ctrl_c_run(scratch: str, environ: dict[str, str]) -> dict:
+    """Start the script, read each node's measured rate, look at every link's qdisc, Ctrl-C it during its second
+    measurement: what it wrote, its exit code, the qdiscs and what of a linked cluster existed before and after."""
+    before = _leftovers()
     job = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.linked_cluster", "--nodes", str(NODES),
          "--link-gbit", str(LIMIT_GBIT), str(LIMIT_GBIT), "--probe-mb", "8"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
-    output, rates = [], []
+    output, rates, qdiscs = [], [], []
     deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        for line in job.stdout:
-            output.append(line)
-            match = re.match(r"link [\d.]+ Gbit/s, node (169\.254\.77\.\d+): node -> head ([\d.]+) Gbit/s, "
-                             r"head -> node ([\d.]+) Gbit/s", line)
-            if match:
-                rates += [float(match[2]), float(match[3])]
-                if len(rates) == 2 * NODES:  # every node of the first rate measured: interrupt the second
-                    qdiscs = [_qdisc(node) for node in range(1, NODES + 1)]
-                    job.send_signal(signal.SIGINT)
-            if time.monotonic() > deadline:
-                break
-        job.wait(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    text = "".join(output)
+    with stopped_at_session_end(job, subprocess.Popen.terminate):  # SIGTERM: the script tears its cluster down
+        try:
+            for line in job.stdout:
+                output.append(line)
+                match = re.match(r"link [\d.]+ Gbit/s, node (169\.254\.77\.\d+): node -> head ([\d.]+) Gbit/s, "
+                                 r"head -> node ([\d.]+) Gbit/s", line)
+                if match:
+                    rates += [float(match[2]), float(match[3])]
+                    if len(rates) == 2 * NODES:  # every node of the first rate measured: interrupt the second
+                        qdiscs = [_qdisc(node) for node in range(1, NODES + 1)]
+                        job.send_signal(signal.SIGINT)
+                if time.monotonic() > deadline:
+                    break
+            job.wait(timeout=120)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    return {"before": before, "output": "".join(output), "rates": rates, "qdiscs": qdiscs,
+            "returncode": job.returncode, "after": _leftovers()}
+
+
+BACKGROUND_JOBS = {} if missing_requirements() else {"run": Call("linked-cluster", ctrl_c_run, START_TIMEOUT_S + 120)}
+
+
+@pytest.fixture(scope="module")
+def run() -> dict:
+    return QUEUE.result(BACKGROUND_JOBS["run"])
+
+
+@pytest.mark.skipif(missing_requirements() is not None, reason=f"linked cluster: {missing_requirements()}")
+def test_links_hold_their_rate_and_ctrl_c_tears_everything_down(run):
+    assert not run["before"], "a previous linked cluster was left behind"
+    text, rates = run["output"], run["rates"]
     assert len(rates) >= 2 * NODES, text[-3000:]
     # Load on this machine can only lower a measured rate, so the bound below holds even if tc did nothing:
     # the token buckets themselves are asserted, on both ends of every link, at the rate asked for.
-    for head_end, node_end in qdiscs:
+    for head_end, node_end in run["qdiscs"]:
         assert re.search(rf"qdisc tbf .* rate {LIMIT_GBIT * 1000:.0f}Mbit", head_end), head_end
         assert re.search(rf"qdisc tbf .* rate {LIMIT_GBIT * 1000:.0f}Mbit", node_end), node_end
     assert max(rates) <= LIMIT_GBIT * 1.1, f"a link beat its {LIMIT_GBIT} Gbit/s limit: {rates}"
     assert "KeyboardInterrupt" in text, text[-3000:]  # stopped by Ctrl-C, not finished
-    assert job.returncode != 0
-    assert not _leftovers()
+    assert run["returncode"] != 0
+    assert not run["after"]
 
 
 def test_without_root_the_script_says_why_and_starts_nothing(monkeypatch, capsys):

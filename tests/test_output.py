@@ -7,20 +7,24 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
+
+import pytest
 
 import dsgd
+from background_jobs import QUEUE, Call
 from dsgd.common import calls
 from dsgd.worker import tf_logs
-from dsgd_test_models import slow_to_build_on_worker_1
+from dsgd_test_models import run_command, slow_to_build_on_worker_1
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
 # What TensorFlow 2.21 writes to stderr as it is imported on a machine without GPUs.
 START_UP_MARKERS = ("absl::InitializeLog", "oneDNN custom operations", "cudart_stub", "cpu_feature_guard")
 
 
-def user_env(**variables: str) -> dict[str, str]:
-    """This process's environment without the test session's TF_CPP_MIN_LOG_LEVEL, plus ``variables``."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+def user_env(environ: Mapping[str, str] = os.environ, **variables: str) -> dict[str, str]:
+    """``environ`` (this process's) without the test session's TF_CPP_MIN_LOG_LEVEL, plus ``variables``."""
+    env = {k: v for k, v in environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     return {**env, **variables}
 
 
@@ -72,15 +76,27 @@ def test_tensorflows_python_warnings_follow_the_cpp_level_in_workers():
     assert levels == {None: "ERROR", "0": "NOTSET", "1": "NOTSET", "2": "ERROR", "3": "ERROR"}
 
 
-def test_mnist_example_prints_its_own_lines_and_no_tensorflow_start_up_line():
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "20", "--log-every", "10", "--num-cpus", "4"],
-                         env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=600, check=False)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert "built 2 x 1 replicas (ps)" in out.stdout
-    assert re.search(r"^\s*100%.*20/20 .*loss .*accuracy", out.stdout, re.MULTILINE), out.stdout
-    assert re.search(r"^test accuracy [0-9.]+ after 20 steps", out.stdout, re.MULTILINE), out.stdout
-    assert not [m for m in START_UP_MARKERS if m in out.stdout], out.stdout  # driver and workers alike
+def mnist_example(scratch: str, environ: dict[str, str]) -> tuple[int, str]:
+    """The MNIST example as a user runs it, starting its own Ray: its exit code and everything it wrote."""
+    return run_command([sys.executable, str(EXAMPLE), "--steps", "20", "--log-every", "10", "--num-cpus", "4"],
+                       600, env=user_env(environ))
+
+
+BACKGROUND_JOBS = {"mnist_example_run": Call("mnist-example", mnist_example, 600)}
+
+
+@pytest.fixture(scope="module")
+def mnist_example_run() -> tuple[int, str]:
+    return QUEUE.result(BACKGROUND_JOBS["mnist_example_run"])
+
+
+def test_mnist_example_prints_its_own_lines_and_no_tensorflow_start_up_line(mnist_example_run):
+    returncode, out = mnist_example_run
+    assert returncode == 0, out[-3000:]
+    assert "built 2 x 1 replicas (ps)" in out
+    assert re.search(r"^\s*100%.*20/20 .*loss .*accuracy", out, re.MULTILINE), out
+    assert re.search(r"^test accuracy [0-9.]+ after 20 steps", out, re.MULTILINE), out
+    assert not [m for m in START_UP_MARKERS if m in out], out  # driver and workers alike
 
 
 def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, caplog, monkeypatch):

@@ -39,7 +39,7 @@ BACKGROUND_JOBS = {"job": Job(JOB, TIMEOUT_S, ("keras3", "tf_keras", "tf2"), scr
 @pytest.fixture(scope="module")
 def scratch() -> Path:
     """The job's directory (its timeline and logdir), which the slow jobs share."""
-    return Path(QUEUE.scratch(BACKGROUND_JOBS["job"]))
+    return Path(QUEUE.scratch(BACKGROUND_JOBS["job"].name))
 
 
 @pytest.fixture(scope="module")

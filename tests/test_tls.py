@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import ray
 
+from background_jobs import QUEUE, Call
 from benchmarks import tls_files
 from dsgd.exchange.ps_client import ParameterServerClient
 from dsgd.server.layout import BufferLayout
@@ -139,9 +140,22 @@ def test_tls_is_on_as_ray_reads_it(value, on):
     assert tls.ray_uses_tls({}) is False
 
 
-def test_on_a_two_node_cluster_with_rays_tls_the_streams_across_nodes_are_tls(tmp_path):
-    env = tls_files.make(tmp_path, ["127.0.0.1", ray.util.get_node_ip_address()])
-    job = run_job(JOB, TIMEOUT_S, json.dumps(env))
+def two_node_tls_run(scratch: str, environ: dict[str, str]) -> dict:
+    """The job on a two-node cluster whose Ray has TLS on, with a CA and a certificate made in ``scratch``."""
+    env = tls_files.make(scratch, ["127.0.0.1", ray.util.get_node_ip_address()])
+    return run_job(JOB, TIMEOUT_S, json.dumps(env), environ=environ)
+
+
+BACKGROUND_JOBS = {"two_node_job": Call("tls-job", two_node_tls_run, TIMEOUT_S)}
+
+
+@pytest.fixture(scope="module")
+def two_node_job() -> dict:
+    return QUEUE.result(BACKGROUND_JOBS["two_node_job"])
+
+
+def test_on_a_two_node_cluster_with_rays_tls_the_streams_across_nodes_are_tls(two_node_job):
+    job = two_node_job
     assert len(job["nodes"]) == 2 and sorted(job["worker_nodes"]) == job["nodes"]
     # Each worker pushes the partitions summed on the other node down a stream, not through the object store.
     for transports in job["transports"]:
