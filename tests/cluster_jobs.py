@@ -1,7 +1,8 @@
 """For job scripts (see ``dsgd_test_models.run_job``) that run dsgd on a multi-node Ray cluster on this machine.
 
 A ``ray.cluster_utils.Cluster`` gives every node its own raylet and object
-store, as on separate machines.
+store, as on separate machines. The tests check what ``relays_of`` and
+``relay_transports`` report with ``assert_relays_push_down_streams``.
 """
 
 from __future__ import annotations
@@ -67,3 +68,14 @@ def relay_transports(group) -> list:
     ("stream", "object store")."""
     return [{str(home): how for home, how in transports.items()}
             for transports in ray.get([a.relay_transports.remote() for a in group.actors], timeout=60)]
+
+
+def assert_relays_push_down_streams(relays: list, transports: list, placement: list) -> None:
+    """Every relaying server (``relays``: per partition, [server, workers] of each node that relays it) pushes its
+    partial sums to each partition's server down a stream, and no other server relays."""
+    expected: dict[int, dict[str, str]] = {r: {} for r in range(len(transports))}
+    for j, by in enumerate(relays):
+        for r, _ in by:
+            expected[r][str(placement[j])] = "stream"
+    assert transports == [expected[r] for r in range(len(transports))]
+    assert any(transports)

@@ -128,6 +128,16 @@ def numpy_step(w: np.ndarray, replica_ids: list[list[int]], rows: int) -> np.nda
     return w - LR * np.mean(grads, axis=0)
 
 
+def assert_disjoint_equal_cover(epoch_rows: list[list[int]], rows: int):
+    """One epoch of every replica: equal counts, no row twice, all rows but fewer than `replicas` read."""
+    replicas = len(epoch_rows)
+    assert len({len(r) for r in epoch_rows}) == 1, [len(r) for r in epoch_rows]
+    read = [i for r in epoch_rows for i in r]
+    assert len(read) == len(set(read)), "a row was read by two replicas (or twice)"
+    assert set(read) <= set(range(rows))
+    assert rows - len(read) < replicas
+
+
 class FirstBatchNaN:
     """Batches as ``KerasModel`` takes them (iterable again for each epoch): ``batches``'s, the features of the
     very first one NaN."""

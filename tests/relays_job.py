@@ -21,7 +21,7 @@ another:
 - ``tf2_data``: 4 workers of a ``dsgd.TF2Model`` reading a Ray Dataset
   (``data_test_models.row_id_tf2_creator``), ``DATA_STEPS`` steps.
 - ``tune``: a Ray Tune trial (``dsgd.tune.trainable``) of 4 workers of
-  ``test_tune.Regression``, momentum SGD, a checkpoint every report. Its
+  ``tune_test_models.Regression``, momentum SGD, a checkpoint every report. Its
   placement group packs the trial's bundle and two workers' on one node, the
   other two workers' on the other. Worker 1 kills itself at step
   ``TUNE_KILL_AT`` (``max_failures=0``: the trial fails), and Tune restarts
@@ -162,7 +162,7 @@ def tune_trial(scratch: str) -> dict:
     from ray import tune
 
     import dsgd.tune as dsgd_tune
-    import test_tune
+    import tune_test_models
 
     class Reports(tune.Callback):
         """Every report as it arrives (a restarted trial's metrics_dataframe may hold only those after the restart),
@@ -182,14 +182,14 @@ def tune_trial(scratch: str) -> dict:
                               "worker_ids": [actor_id for actor_id, _ in workers]})
 
     marker = os.path.join(scratch, "killed")
-    trainable = dsgd_tune.trainable(test_tune.regression_creator, steps_per_report=TUNE_STEPS_PER_REPORT,
+    trainable = dsgd_tune.trainable(tune_test_models.regression_creator, steps_per_report=TUNE_STEPS_PER_REPORT,
                                     num_workers=4, strategy="ps", grad_shard_bytes=4, max_failures=0, **TIMEOUTS)
     reports = Reports()
-    results = test_tune.run(trainable, {"lr": TUNE_LR, "momentum": TUNE_MOMENTUM, "kill_at": TUNE_KILL_AT,
-                                        "marker": marker}, os.path.join(scratch, "tune"), TUNE_REPORTS,
-                            callbacks=[reports])
+    results = tune_test_models.run(trainable, {"lr": TUNE_LR, "momentum": TUNE_MOMENTUM, "kill_at": TUNE_KILL_AT,
+                                               "marker": marker}, os.path.join(scratch, "tune"), TUNE_REPORTS,
+                                   callbacks=[reports])
     return {"reports": reports.seen, "killed": os.path.exists(marker), "lr": TUNE_LR, "momentum": TUNE_MOMENTUM,
-            "checkpoint": listed(test_tune.final_state(results[0]))}
+            "checkpoint": listed(tune_test_models.final_state(results[0]))}
 
 
 def main(scratch: str, runs: list[str]) -> None:

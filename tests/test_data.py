@@ -64,16 +64,6 @@ def finish_epoch(sgd) -> int:
     return len(seen)
 
 
-def assert_disjoint_equal_cover(epoch_rows: list[list[int]], rows: int):
-    """One epoch of every replica: equal counts, no row twice, all rows but fewer than `replicas` read."""
-    replicas = len(epoch_rows)
-    assert len({len(r) for r in epoch_rows}) == 1, [len(r) for r in epoch_rows]
-    read = [i for r in epoch_rows for i in r]
-    assert len(read) == len(set(read)), "a row was read by two replicas (or twice)"
-    assert set(read) <= set(range(rows))
-    assert rows - len(read) < replicas
-
-
 def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(row_ids):
     sgd = row_ids
     begun = finish_epoch(sgd)
@@ -82,7 +72,7 @@ def test_every_epoch_splits_the_rows_disjoint_and_equal_over_all_replicas(row_id
     seen = [s[begun:] for s in sgd.foreach_model(lambda model: model.seen)]
     assert [len(s) for s in seen] == [3] * 4  # two whole epochs read, the third begun
     for epoch in range(2):
-        assert_disjoint_equal_cover([s[epoch] for s in seen], ROWS)
+        dm.assert_disjoint_equal_cover([s[epoch] for s in seen], ROWS)
         assert all(len(s[epoch]) == STEPS_PER_EPOCH * dm.BATCH for s in seen)
     assert all(len(s[2]) == dm.BATCH for s in seen)
     assert_replicas_identical(sgd, 4)
@@ -99,7 +89,7 @@ def test_a_model_that_reads_its_first_batch_at_build_gets_every_replicas_own_row
             sgd.step()
         seen = sgd.foreach_model(lambda model: model.split.seen)
         assert [[len(ids) for ids in s] for s in seen] == [[2 * dm.BATCH, dm.BATCH]] * 4
-        assert_disjoint_equal_cover([s[0] for s in seen], rows)
+        dm.assert_disjoint_equal_cover([s[0] for s in seen], rows)
         w = np.zeros(2)
         for step in range(3):  # step k: each replica's k-th batch
             w = dm.numpy_step(w, [(s[0] + s[1])[step * dm.BATCH:(step + 1) * dm.BATCH] for s in seen], rows)
@@ -133,7 +123,7 @@ def test_after_a_worker_is_replaced_every_replica_reads_a_new_split_from_the_sta
     for _ in range(STEPS_PER_EPOCH + 1):  # through the end of the new epoch and into the next
         sgd.step()
     seen = sgd.foreach_model(lambda model: model.seen)
-    assert_disjoint_equal_cover([s[0] for s in seen], ROWS)
+    dm.assert_disjoint_equal_cover([s[0] for s in seen], ROWS)
     assert [len(s[0]) for s in seen] == [STEPS_PER_EPOCH * dm.BATCH] * 4
     assert [len(s[1]) for s in seen] == [2 * dm.BATCH] * 4
     assert_replicas_identical(sgd, 4)
@@ -151,7 +141,7 @@ def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_fo
     for _ in range(STEPS_PER_EPOCH):
         sgd.step()
     seen = sgd.foreach_model(lambda model: model.seen)
-    assert_disjoint_equal_cover([s[0] for s in seen], ROWS)
+    dm.assert_disjoint_equal_cover([s[0] for s in seen], ROWS)
     assert_replicas_identical(sgd, 4)
 
 
@@ -171,7 +161,7 @@ def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_i
         sgd.step()
     seen = [s[0] for s in sgd.foreach_model(lambda model: model.seen)]
     assert [len(s) for s in seen] == [ROWS // 6] * 6
-    assert_disjoint_equal_cover(seen, ROWS)
+    dm.assert_disjoint_equal_cover(seen, ROWS)
     sgd.resize(1)
     for _ in range(2):
         stats = sgd.step(fetch_stats=True)
@@ -199,7 +189,7 @@ def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_
         seen = sgd.foreach_model(lambda model: model.seen)
         assert [len(s) for s in seen] == [3] * 3
         for epoch in range(3):
-            assert_disjoint_equal_cover([s[epoch] for s in seen], rows)
+            dm.assert_disjoint_equal_cover([s[epoch] for s in seen], rows)
         assert_replicas_identical(sgd, 3)
 
 

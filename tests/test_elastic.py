@@ -97,7 +97,7 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
 def test_devices_per_worker_2_grows_from_one_worker_and_shrinks_back(ray_session, tmp_path):
     """1 -> 2 -> 1 workers of 2 devices; "ps" through Python (the op library's path is in the test above); the
     replica count is a TensorBoard scalar."""
-    from test_tensorboard import read_scalars
+    from readers import read_scalars
 
     with engine(1, "ps", devices_per_worker=2, use_ops=False, logdir=str(tmp_path)) as sgd:
         start = set_start_weights(sgd)

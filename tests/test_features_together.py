@@ -25,9 +25,8 @@ import dsgd
 import keras_test_models as km
 import tf2_test_models as m
 from dsgd_test_models import assert_replicas_identical, kill, ps_actors, server_group
-from test_tensorboard import read_scalars
-from test_timeline import load_trace
-from test_tune import final_state, run
+from readers import load_trace, read_scalars
+from tune_test_models import final_state, run
 
 ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
 

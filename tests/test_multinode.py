@@ -18,6 +18,7 @@ import os
 import numpy as np
 import pytest
 
+from cluster_jobs import assert_relays_push_down_streams
 from compression_runs import check_lockstep, tolerance
 from background_jobs import QUEUE, Job
 from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_job_replicas_identical_and_numpy_like,
@@ -162,17 +163,6 @@ def test_two_workers_per_node_send_one_partial_sum_per_partition_and_step_across
             assert np.array_equal(replica[name], replicas[0][name]), name
     expected = numpy_momentum_run(weights_from_json(run["start"]), [(w, 0) for w in range(4)], 3 * job["steps"])
     assert_weights_close(replicas[0], expected)
-
-
-def assert_relays_push_down_streams(relays: list, transports: list, placement: list) -> None:
-    """Every relaying server (``relays``: per partition, [server, workers] of each node that relays it) pushes its
-    partial sums to each partition's server down a stream, and no other server relays."""
-    expected: dict[int, dict[str, str]] = {r: {} for r in range(len(transports))}
-    for j, by in enumerate(relays):
-        for r, _ in by:
-            expected[r][str(placement[j])] = "stream"
-    assert transports == [expected[r] for r in range(len(transports))]
-    assert any(transports)
 
 
 REPLICAS_4x1 = [(w, 0) for w in range(4)]

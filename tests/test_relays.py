@@ -20,13 +20,10 @@ import data_test_models as dm
 import keras_test_models as km
 import tf2_test_models as m
 from background_jobs import QUEUE, Job
+from cluster_jobs import assert_relays_push_down_streams
 from dsgd_test_models import assert_weights_close, identical_job_replicas, run_job, weights_from_json
-from test_data import assert_disjoint_equal_cover
-from test_multinode import assert_relays_push_down_streams
-from test_tensorboard import read_scalars
-from test_tf2 import regression_reference
-from test_timeline import load_trace
-from test_tune import numpy_descent
+from readers import load_trace, read_scalars
+from tune_test_models import numpy_descent
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relays_job.py")
 TIMEOUT_S = 480
@@ -145,8 +142,8 @@ def test_tf2_model_with_relays_trains_like_the_reference(job):
     run = job["tf2"]
     assert_relayed(run["plan"])
     got = identical_job_replicas(run["replicas"], 4)
-    expected = regression_reference(weights_from_json(run["start"]), [(w, 0) for w in range(4)], run["steps"],
-                                    fixed=True)
+    expected = m.regression_reference(weights_from_json(run["start"]), [(w, 0) for w in range(4)], run["steps"],
+                                      fixed=True)
     assert_weights_close(got, expected)
 
 
@@ -158,7 +155,7 @@ def test_tf2_model_reading_ray_data_with_relays_trains_on_every_replicas_own_row
     assert_relayed(run["plan"])
     seen, rows = run["seen"], run["rows"]
     assert [[len(ids) for ids in s] for s in seen] == [[2 * dm.BATCH, dm.BATCH]] * 4
-    assert_disjoint_equal_cover([s[0] for s in seen], rows)
+    dm.assert_disjoint_equal_cover([s[0] for s in seen], rows)
     w = np.zeros(2)
     for step in range(run["steps"]):  # step k: each replica's k-th batch
         w = dm.numpy_step(w, [(s[0] + s[1])[step * dm.BATCH:(step + 1) * dm.BATCH] for s in seen], rows)

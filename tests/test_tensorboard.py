@@ -2,21 +2,9 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from dsgd.integrations.tensorboard import ScalarLogger
-
-
-def read_scalars(logdir) -> dict[str, list[tuple[int, float, str]]]:
-    """tag -> [(step, value, plugin name)] from every event file under logdir."""
-    scalars: dict[str, list[tuple[int, float, str]]] = {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = tf.compat.v1.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append(
-                    (event.step, float(tf.make_ndarray(value.tensor)), value.metadata.plugin_data.plugin_name))
-    return scalars
+from readers import read_scalars
 
 
 def test_logged_steps_read_back_as_scalars(tmp_path):

@@ -124,26 +124,11 @@ def test_tf2_model_reports_its_metrics_and_trains_like_the_reference(ray_session
         assert list(sgd.get_weights()) == ["w", "b"]
         start = sgd.get_weights()
         stats = [sgd.step(fetch_stats=True) for _ in range(STEPS)]
-        expected = regression_reference(start, replicas(2, 2), STEPS)
+        expected = m.regression_reference(start, replicas(2, 2), STEPS)
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
         assert stats[0]["mae"] > 0 and stats[0]["num_replicas"] == 4
         assert sgd.foreach_worker(lambda w: w.sess) == [None, None]
-
-
-def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int, fixed: bool = False) -> dict:
-    """``Regression`` (``FixedRegression`` if ``fixed``) trained by plain SGD on the mean of the replicas'
-    gradients, in numpy (float64)."""
-    w, b = weights["w"].astype(np.float64), float(weights["b"])
-    for step in range(steps):
-        gw, gb = np.zeros_like(w), 0.0
-        for wi, d in reps:
-            x, y = m.batch(wi, d, 0 if fixed else step)
-            err = x @ w + b - y
-            gw += 2 * x.T @ err / len(err)
-            gb += 2 * err.mean()
-        w, b = w - 0.05 * gw / len(reps), b - 0.05 * gb / len(reps)
-    return {"w": w, "b": np.float64(b)}
 
 
 def test_tf2_model_with_bf16_compression_is_within_16_bit_rounding_of_float32(ray_session):
@@ -151,7 +136,7 @@ def test_tf2_model_with_bf16_compression_is_within_16_bit_rounding_of_float32(ra
         start = sgd.get_weights()
         for _ in range(STEPS):
             sgd.step()
-        expected = regression_reference(start, replicas(2, 1), STEPS)
+        expected = m.regression_reference(start, replicas(2, 1), STEPS)
         got = sgd.get_weights()
         np.testing.assert_allclose(got["w"], expected["w"], rtol=2e-2, atol=2e-3)
         assert not np.allclose(got["w"], expected["w"], rtol=1e-6, atol=1e-7)  # it did round
@@ -183,7 +168,7 @@ def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_refe
     kill(ps_actors(sgd)[0])
     sgd.step()
     assert set(actor_pids(sgd.workers[1], ps_actors(sgd)[0])).isdisjoint(old)  # both were replaced
-    expected = regression_reference(start, replicas(2, 1), 3, fixed=True)
+    expected = m.regression_reference(start, replicas(2, 1), 3, fixed=True)
     for name, value in sgd.get_weights().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
     assert_replicas_identical(sgd, 2)
@@ -203,7 +188,7 @@ def test_tf2_non_finite_mean_is_skipped_on_every_worker_under_nan_policy_skip(ra
         sgd.foreach_model(lambda mm: setattr(mm, "nan_next", mm.worker_index == 1))
         sgd.step()  # worker 1's gradient is NaN: skipped on both workers
         sgd.step()
-        expected = regression_reference(start, replicas(2, 1), 2, fixed=True)  # the NaN step applied nowhere
+        expected = m.regression_reference(start, replicas(2, 1), 2, fixed=True)  # the NaN step applied nowhere
         for name, value in sgd.get_weights().items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
         assert sgd.foreach_worker(lambda w: w.applied_steps_count()) == [n + 3 for n in applied]  # skipped counted
@@ -217,9 +202,9 @@ def test_tf2_engine_resizes_and_trains_on_like_the_reference(fixed_regression_en
     sgd.step()
     sgd.resize(1)
     sgd.step()
-    expected = regression_reference(start, replicas(2, 1), 1, fixed=True)
-    expected = regression_reference(expected, replicas(3, 1), 1, fixed=True)
-    expected = regression_reference(expected, replicas(1, 1), 1, fixed=True)
+    expected = m.regression_reference(start, replicas(2, 1), 1, fixed=True)
+    expected = m.regression_reference(expected, replicas(3, 1), 1, fixed=True)
+    expected = m.regression_reference(expected, replicas(1, 1), 1, fixed=True)
     for name, value in sgd.get_weights().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
 
@@ -236,7 +221,7 @@ def test_tf2_elastic_engine_starts_at_max_goes_on_without_a_lost_worker_and_grow
                              timeout_s=60, startup_timeout_s=60) as sgd:
         assert sgd.num_workers == 2
         start = sgd.get_weights()
-        expected = regression_reference(start, replicas(2, 1), 1, fixed=True)
+        expected = m.regression_reference(start, replicas(2, 1), 1, fixed=True)
         assert sgd.step(fetch_stats=True)["num_replicas"] == 2
         survivor = actor_pids(sgd.workers[1])
         with monkeypatch.context() as patch:
@@ -249,10 +234,10 @@ def test_tf2_elastic_engine_starts_at_max_goes_on_without_a_lost_worker_and_grow
         assert sgd.num_workers == 1 and actor_pids(*sgd.workers) == survivor
         assert sgd.foreach_model(lambda model: model.worker_index) == [1]  # worker 1's batches, as worker 0
         sgd.step()
-        expected = regression_reference(expected, [(1, 0)], 2, fixed=True)
+        expected = m.regression_reference(expected, [(1, 0)], 2, fixed=True)
         sgd._ledger.resizer._last_look -= interval  # resize_interval_s has passed since the engine last looked
         assert sgd.step(fetch_stats=True)["num_replicas"] == 2 and sgd.num_workers == 2
-        expected = regression_reference(expected, [(1, 0), (1, 0)], 1, fixed=True)  # the new worker 1 reads 1's
+        expected = m.regression_reference(expected, [(1, 0), (1, 0)], 1, fixed=True)  # the new worker 1 reads 1's
         assert sgd.foreach_model(lambda model: model.worker_index) == [1, 1]
         assert_replicas_identical(sgd, 2)
         for name, value in sgd.get_weights().items():
@@ -354,8 +339,7 @@ def backend_check() -> str:
 
 
 def test_tf2_backup_workers_timeline_and_logdir_work_together(ray_session, tmp_path):
-    from test_tensorboard import read_scalars
-    from test_timeline import load_trace, names
+    from readers import load_trace, names, read_scalars
 
     # One partition: the 2 workers it averages are the step's kept ones (with several, each may keep others).
     with dsgd.DistributedSGD(m.Regression, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0,
@@ -382,10 +366,10 @@ def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_
 
 
 def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path):
-    from test_tune import run
     from ray import tune
 
     import dsgd.tune as dsgd_tune
+    from tune_test_models import run
 
     trainable = dsgd_tune.trainable(m.regression_creator, num_workers=2, steps_per_report=2, checkpoint_every=1,
                                     strategy="simple", startup_timeout_s=120, timeout_s=60)  # "ps": test_tune's

@@ -1,26 +1,10 @@
 """step(write_timeline=...) writes a Chrome trace of the driver, workers and parameter servers."""
 
-import json
-from collections import defaultdict
-
 import pytest
 
 import dsgd
 from dsgd_test_models import TanhNet, ps_actors, server_group
-
-
-def load_trace(path):
-    events = json.loads(path.read_text())["traceEvents"]
-    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    spans = defaultdict(list)
-    for e in events:
-        if e["ph"] == "X":
-            spans[processes[e["pid"]]].append(e)
-    return processes, spans
-
-
-def names(events):
-    return {e["name"] for e in events}
+from readers import load_trace, names
 
 
 @pytest.mark.parametrize("use_ops", [True, False])

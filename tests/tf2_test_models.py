@@ -121,6 +121,21 @@ class FixedRegression(Regression):
         return {"x": x, "y": y.astype(np.float32)}
 
 
+def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int, fixed: bool = False) -> dict:
+    """``Regression`` (``FixedRegression`` if ``fixed``) trained by plain SGD on the mean of the replicas'
+    gradients, in numpy (float64)."""
+    w, b = weights["w"].astype(np.float64), float(weights["b"])
+    for step in range(steps):
+        gw, gb = np.zeros_like(w), 0.0
+        for wi, d in reps:
+            x, y = batch(wi, d, 0 if fixed else step)
+            err = x @ w + b - y
+            gw += 2 * x.T @ err / len(err)
+            gb += 2 * err.mean()
+        w, b = w - 0.05 * gw / len(reps), b - 0.05 * gb / len(reps)
+    return {"w": w, "b": np.float64(b)}
+
+
 def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray], replicas: list[tuple[int, int]],
                   steps: int, first_step: int = 0) -> tuple[dict[str, np.ndarray], list[float]]:
     """The weights after ``steps`` synchronous steps from ``weights`` (keyed as the engine keys them, by
