@@ -18,9 +18,9 @@ import os
 import numpy as np
 import pytest
 
+from background_jobs import QUEUE, Job
 from cluster_jobs import assert_relays_push_down_streams
 from compression_runs import check_lockstep, tolerance
-from background_jobs import QUEUE, Job
 from dsgd_test_models import (REPLICAS_2x1, assert_all_identical, assert_job_replicas_identical_and_numpy_like,
                               assert_weights_close, numpy_momentum_run, numpy_step, weights_from_json)
 
