@@ -559,18 +559,24 @@ def run_command(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[in
     """Run ``argv`` in a session of its own (``popen``: more ``subprocess.Popen`` arguments); its exit code and
     everything it wrote, stdout and stderr in one stream. Killed, with whatever it started, when it ends or after
     ``timeout_s`` (failing the test with its output's tail)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            **popen)
+    returncode, out, _ = _bounded_run(argv, timeout_s, stderr=subprocess.STDOUT, **popen)
+    return returncode, out
+
+
+def _bounded_run(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int, str, str | None]:
+    """``argv``'s exit code, stdout and stderr (None unless ``popen`` pipes it), run as ``run_command`` says."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, **popen)
     with stopped_at_session_end(proc, kill_process_group):
         try:
-            out, _ = proc.communicate(timeout=timeout_s)
+            out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_process_group(proc)
-            out, _ = proc.communicate()
-            raise AssertionError(f"{argv} timed out after {timeout_s}s; output tail:\n{out[-4000:]}") from None
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(argv)} timed out after {timeout_s}s; output tail:\n"
+                                 f"{(err or out)[-4000:]}") from None
         finally:
             kill_process_group(proc)
-    return proc.returncode, out
+    return proc.returncode, out, err
 
 
 def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int,
@@ -578,22 +584,11 @@ def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int,
     """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
     with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
         env = {**(os.environ if environ is None else environ), "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        proc = subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, start_new_session=True)
-        with stopped_at_session_end(proc, kill_process_group):
-            try:
-                out, err = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                kill_process_group(proc)
-                out, err = proc.communicate()
-                raise AssertionError(
-                    f"{script} timed out after {timeout_s}s; stderr tail:\n{(err or out)[-4000:]}") from None
-            finally:
-                kill_process_group(proc)
+        returncode, out, err = _bounded_run([sys.executable, script, *args], timeout_s, env=env, stderr=stderr)
     # A progress bar drawn on the same stream may put its cursor codes before the line: find the prefix anywhere.
     results = [line.split(RESULT_PREFIX, 1)[1] for line in out.splitlines() if RESULT_PREFIX in line]
-    if proc.returncode != 0 or not results:
-        raise AssertionError(f"{script} exited with {proc.returncode}; stderr tail:\n{(err or out)[-4000:]}")
+    if returncode != 0 or not results:
+        raise AssertionError(f"{script} exited with {returncode}; stderr tail:\n{(err or out)[-4000:]}")
     return json.loads(results[-1]), out
 
 
