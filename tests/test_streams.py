@@ -13,11 +13,8 @@ import numpy as np
 import pytest
 
 from benchmarks import tls_files
-from dsgd.exchange.ps_client import ParameterServerClient
 from dsgd.transport import streams, tls
 from dsgd.transport.answers import Answers, Forgotten
-from dsgd.transport.ends import SharedMemoryWorkerEnd, StreamWorkerEnd
-from dsgd.wire.partitions import VarSpec, plan_partitions
 
 SIZE = 10  # float32 elements of the one partition (0) in these tests
 # "At once" against "at the timeout": waits that should end at once get LONG_S to run out and must end
@@ -311,75 +308,3 @@ def test_an_answer_decrypted_ahead_of_its_wait_is_read_without_waiting_for_the_s
         assert stream.wait(1, 0, 20) == ("averaged", 1)  # else TimeoutError: no more bytes come
         stream.close()
         server.close()
-
-
-class HeldServer(Server):
-    """A server that reads no push's bytes until ``take`` is set."""
-
-    def __init__(self, contexts, size):
-        self.take = threading.Event()
-        super().__init__(contexts, size=size)
-
-    def _target(self, partition, nbytes):
-        self.take.wait(LONG_S)
-        return super()._target(partition, nbytes)
-
-
-def test_wait_sent_runs_out_while_the_server_reads_nothing_and_returns_once_it_took_the_push(contexts):
-    size = 4 << 20  # 16 MiB: more than the sockets' buffers hold, so bytes stay unsent while the server reads none
-    server = HeldServer(contexts, size)
-    stream, means = _connect(server)
-    data = np.arange(size, dtype=np.float32)
-    sending = threading.Thread(target=stream.send, args=(0, 0, [data]), daemon=True)
-    sending.start()
-    deadline = time.monotonic() + AT_ONCE_S
-    while stream.unsent == 0:
-        assert time.monotonic() < deadline, "the push never filled the socket"
-        time.sleep(0.01)
-    with pytest.raises(TimeoutError, match="not sent within 0 s: the server stopped reading"):
-        stream.wait_sent(0.2)
-    server.take.set()
-    sending.join(AT_ONCE_S)
-    assert not sending.is_alive()
-    stream.wait_sent(LONG_S)
-    assert stream.unsent == 0
-    assert stream.wait(0, 0, LONG_S) == ("averaged", 0)
-    np.testing.assert_array_equal(means, 2 * data)
-    stream.close()
-
-
-class Recording:
-    """A worker's transport end that records its pushes and its waits for their bytes to leave, in one log with
-    the other ends'."""
-
-    def __init__(self, name: str, log: list):
-        self.name, self.log, self.stream = name, log, self
-
-    def write(self, partition, parts, arrays):
-        return arrays
-
-    def push(self, server, worker_index, partition, step_id, stored):
-        self.log.append(f"push {partition.index} to {self.name}")
-
-    def wait_sent(self, timeout_s):
-        self.log.append(f"{self.name} sent")
-
-
-class RecordingStreamEnd(Recording, StreamWorkerEnd):
-    pass
-
-
-class RecordingSharedMemoryEnd(Recording, SharedMemoryWorkerEnd):
-    """A worker never waits for one to send: its pushes are in the server's buffers when made."""
-
-
-def test_a_workers_round_waits_for_the_streams_of_the_round_before_to_send_their_pushes():
-    layout = plan_partitions([VarSpec("x", (40,), np.dtype(np.float32))], 32)  # 5 partitions of 8 floats
-    client = ParameterServerClient(0, layout, [0, 1, 2, 0, 1], step_timeout_s=30, startup_timeout_s=30,
-                                   rounds=[[1, 0, 2], [4, 3]])
-    log: list[str] = []
-    a, b, local = RecordingStreamEnd("a", log), RecordingStreamEnd("b", log), RecordingSharedMemoryEnd("c", log)
-    client.servers, client.ends = [None] * 3, [a, b, local, a, b]
-    for j in itertools.chain(*client.rounds):
-        client.send(layout[j], 0, [np.zeros(8, np.float32)])
-    assert log == ["push 1 to b", "push 0 to a", "push 2 to c", "b sent", "a sent", "push 4 to b", "push 3 to a"]

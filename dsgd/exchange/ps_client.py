@@ -57,8 +57,6 @@ class ParameterServerClient:
         if sorted(j for r in self.rounds for j in r) != list(range(len(self.layout))) or not all(self.rounds):
             raise ValueError(f"worker {worker_index}'s send rounds {self.rounds} must hold every partition index "
                              f"0..{len(self.layout) - 1} once, in non-empty rounds")
-        # A round's first partition -> the round before it: its pushes leave first (``_push``).
-        self._after = {r[0]: previous for previous, r in zip(self.rounds, self.rounds[1:])}
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.segments = [segments(partition) for partition in self.layout]
@@ -133,30 +131,10 @@ class ParameterServerClient:
     def _push(self, partition: Partition, step_id: int, stored: ray.ObjectRef | None,
               trace: timeline.Recorder | None) -> None:
         server = self.routes[partition.index]
-        previous = self._after.get(partition.index)
-        if previous is not None:
-            self._wait_sent(previous, trace)
         with timeline.maybe_span(trace, f"push partition {partition.index}", EXCHANGE_TRACK), \
                 self._bounded(f"parameter server {server} to take partition {partition.index}, step {step_id}",
                               self.step_timeout_s):
             self.ends[partition.index].push(self.servers[server], self.worker_index, partition, step_id, stored)
-
-    def _wait_sent(self, in_round: Sequence[int], trace: timeline.Recorder | None) -> None:
-        """Wait until the streams of ``in_round``'s partitions have sent every byte pushed to them.
-
-        A worker's pushes share its link: a round whose pushes joined the
-        previous round's, still in the sockets' buffers, would slow them, and
-        every worker's means of that round would wait for the slowest push.
-        Rounds one after another on the wire, each round's pushes together,
-        keep every server's link in taking one push per worker at a time, and
-        the means of each round come back while the next is pushed.
-        """
-        pending = {id(end): end for end in (self.ends[j] for j in in_round) if isinstance(end, StreamWorkerEnd)}
-        if pending:
-            with timeline.maybe_span(trace, "wait for the round's pushes to leave", EXCHANGE_TRACK), \
-                    self._bounded("the previous round's pushes to leave", self.step_timeout_s):
-                for end in pending.values():
-                    end.stream.wait_sent(self.step_timeout_s)
 
     def receive(self, partition: Partition, step_id: int, trace: timeline.Recorder | None = None) -> np.ndarray:
         """The mean of ``partition`` for ``step_id`` (read-only; valid until the next step's push); ``trace`` as

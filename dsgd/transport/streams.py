@@ -47,7 +47,6 @@ No TensorFlow here: the parameter servers import it.
 
 from __future__ import annotations
 
-import fcntl
 import hmac
 import pickle
 import secrets
@@ -182,19 +181,6 @@ class StreamListener(Listener):
         self._server.close()
 
 
-# Linux's ioctl for the bytes a TCP socket holds that it has not sent yet (SIOCOUTQNSD, linux/sockios.h).
-_SIOCOUTQNSD = 0x894B
-
-
-def unsent_bytes(connection: Any) -> int:
-    """The bytes ``connection`` (a socket, or ``tls.TlsSocket``) holds not yet sent; 0 where the kernel cannot say
-    (not Linux) or the socket is closed."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(connection.fileno(), _SIOCOUTQNSD, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
-
-
 class Stream:
     """The pushing end (a worker, or a relaying server): sends pushes, and waits, from any thread, for each
     answer, its mean read into ``means(step, j)`` (j: the partition's index)."""
@@ -250,36 +236,6 @@ class Stream:
                 self._answers.end()
                 raise
         return epoch
-
-    @property
-    def unsent(self) -> int:
-        """The bytes pushed that this end's socket has not sent yet."""
-        return unsent_bytes(self._socket)
-
-    def wait_sent(self, timeout_s: float) -> None:
-        """Return once every byte pushed so far has left this end's socket buffer (on its way, not yet answered);
-        TimeoutError after ``timeout_s`` (the server stopped reading).
-
-        The socket is writable, for ``poll``, once it holds fewer unsent
-        bytes than its ``TCP_NOTSENT_LOWAT``: set to 1 for the wait, it wakes
-        the wait when the last byte is sent, with no polling.
-        """
-        deadline = time.monotonic() + timeout_s
-        if self.unsent == 0:
-            return
-        lowat = self._socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
-        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 1)
-        try:
-            poller = select.poll()
-            poller.register(self._socket.fileno(), select.POLLOUT)
-            while self.unsent > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the stream's pushes were not sent within {timeout_s:.0f} s: the server "
-                                       "stopped reading")
-                poller.poll(left * 1000)
-        finally:
-            self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, lowat)
 
     @property
     def broken(self) -> bool:
