@@ -519,6 +519,13 @@ def stopped_at_session_end(proc: subprocess.Popen, stop: Callable[[subprocess.Po
         _running.pop(proc, None)
 
 
+def kill_running_jobs(thread: threading.Thread) -> None:
+    """Stop every job ``thread`` started that is still running (the thread's wait for it then fails)."""
+    for proc, (stop, started_by) in list(_running.items()):
+        if started_by is thread:
+            stop(proc)
+
+
 def kill_process_group(proc: subprocess.Popen) -> None:
     """Kill whatever is left of a job's session: the job, and its raylets, GCS and Ray workers."""
     try:
@@ -546,13 +553,6 @@ def run_job_with_output(script: str, timeout_s: float, *args: str,
                         environ: Mapping[str, str] | None = None) -> tuple[dict, str]:
     """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
     return _run_job(script, timeout_s, args, subprocess.STDOUT, environ)
-
-
-def kill_running_jobs(thread: threading.Thread) -> None:
-    """Stop every job ``thread`` started that is still running (the thread's wait for it then fails)."""
-    for proc, (stop, started_by) in list(_running.items()):
-        if started_by is thread:
-            stop(proc)
 
 
 def run_command(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int, str]:

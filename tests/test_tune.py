@@ -17,6 +17,7 @@ from dsgd.driver import checkpoint
 from dsgd_test_models import actors_started_since, known_actors, modules_a_user_imports
 from tune_test_models import W_TRUE, calls_file, final_state, numpy_descent, regression_creator, run
 
+
 def test_import_dsgd_does_not_import_ray_tune():
     assert "ray.tune" not in modules_a_user_imports()
 
