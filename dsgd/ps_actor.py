@@ -353,9 +353,12 @@ class ParameterServer:
             self.begun[worker_index] = step_id
             self.changed.notify_all()
 
-    def excuse(self, worker_index: int) -> None:
-        """Close steps without waiting for ``worker_index`` to begin them (it died) until ``reset``."""
+    def excuse(self, worker_index: int, generation: int) -> None:
+        """Close steps without waiting for ``worker_index`` to begin them (it died) until ``reset``; ignored if
+        sent before a reset this server already took (``_is_late``)."""
         with self.changed:
+            if self._is_late(generation):
+                return
             self.begun[worker_index] = float("inf")
             self.changed.notify_all()
 
@@ -363,11 +366,20 @@ class ParameterServer:
         if self.aborted and step_id not in p.done:
             raise StepAborted(f"{self.name}: step {step_id} was aborted")
 
-    def abort(self) -> None:
-        """Fail every waiting and future push until ``reset``."""
+    def abort(self, generation: int) -> None:
+        """Fail every waiting and future push until ``reset``; ignored if sent before a reset this server already
+        took (``_is_late``)."""
         with self.changed:
+            if self._is_late(generation):
+                return
             self.aborted = True
             self.changed.notify_all()
+
+    def _is_late(self, generation: int) -> bool:
+        """Whether a call sent in ``generation`` (the group's resets when the driver sent it) comes after a later
+        reset. The actor is threaded, so Ray does not keep the order of one caller's calls: an abort sent before
+        a reset can run after it, and would otherwise fail the steps the reset made ready."""
+        return generation < self.generation
 
     def reset(self, step_id: int, generation: int) -> None:
         """Forget partial sums and aborted steps; expect ``step_id`` next, in ``generation`` (the group's resets,

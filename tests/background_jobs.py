@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -73,6 +74,7 @@ class JobQueue:
         self._thread: threading.Thread | None = None
         self._runs: dict[Job | Call, tuple[Future, float]] = {}
         self._dir: str | None = None
+        self.seconds: dict[str, float] = {}  # job name -> how long its run took (the suite's time budget)
         # The environment jobs start with: this process's when the session starts, before any test changes it
         # (``monkeypatch.setenv``) while a job starts in the background.
         self.environ = dict(os.environ)
@@ -117,10 +119,12 @@ class JobQueue:
     def _run_all(self) -> None:
         for job, (future, _) in self._runs.items():
             if future.set_running_or_notify_cancel():  # False: cancelled by close
+                start = time.monotonic()
                 try:
                     future.set_result(job.run(self))
                 except BaseException as e:  # the fixture that takes the result raises it
                     future.set_exception(e)
+                self.seconds[job.name] = time.monotonic() - start
 
 
 QUEUE = JobQueue()

@@ -45,3 +45,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     background_jobs.QUEUE.close()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How long each background job ran, beside ``--durations`` (the suite's time budget)."""
+    if background_jobs.QUEUE.seconds:
+        terminalreporter.write_sep("=", "background jobs")
+        for name, seconds in background_jobs.QUEUE.seconds.items():
+            terminalreporter.write_line(f"{seconds:7.2f}s {name}")

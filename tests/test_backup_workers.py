@@ -190,6 +190,9 @@ def test_without_a_straggler_each_step_averages_the_workers_it_kept(backup_engin
     assert_replicas_identical(sgd, 3)
     stats = sgd.step(fetch_stats=True)
     assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1
+    with pytest.raises(ValueError, match="n must be > backup_workers=1"):  # a step of one would close on no worker
+        sgd.resize(1)
+    assert sgd.num_workers == 3 and sgd.step(fetch_stats=True)["num_replicas"] == 2
 
 
 def test_a_worker_killed_does_not_stop_the_steps_and_is_replaced_more_than_b_are_recovered(backup_engine):
@@ -228,6 +231,8 @@ def test_bad_backup_workers_are_refused(kwargs, error, message):
         dsgd.DistributedSGD(TanhNet, **kwargs)
 
 
+@pytest.mark.slow  # the suite's time budget (50 s): backup workers, bf16 and a resize together are
+# test_features_together's "ps" runs; the refusal of a size not above backup_workers is the test above
 def test_backup_workers_with_bf16_partitions_through_a_resize(ray_session):
     """The three together: one backup worker, 16-bit partitions, 3 -> 4 -> 3 workers; replicas stay identical."""
     with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="ps", backup_workers=1, compression="bf16",

@@ -369,6 +369,7 @@ def test_benchmarks_start_as_scripts_and_modules(command, tmp_path):
     assert out.stdout.startswith("usage:")
 
 
+@pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget: 80 s); its pieces are tested by default
 def test_exchange_benchmark_run_as_a_script_from_elsewhere_interleaves_floor_ideal_simple_ps_ps_bf16_and_bound(
         ray_session, tmp_path):
     """exchange.py end to end as a user runs it (the other tests call each benchmark's main in this process): from

@@ -226,6 +226,8 @@ def test_importing_dsgd_does_not_import_ray_data():
     assert "ray.data" not in modules_a_user_imports()
 
 
+@pytest.mark.slow  # a full run of an example (the suite's time budget: 70 s); Keras 3 on Ray Data is
+# test_features_together's Tune trial, the example's model test_tf2's README model
 def test_keras_example_trains_on_its_ray_dataset_at_reduced_steps(ray_session):
     """examples/mnist_keras.py as a user runs it on a running cluster (this session's), on the offline digits,
     60 steps. (test_output runs examples/mnist.py, which starts its own Ray as the Keras example does.)"""

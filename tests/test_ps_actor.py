@@ -224,13 +224,32 @@ def test_abort_and_reset_release_a_waiting_push(ray_session, release):
     flat = _data(np.random.default_rng(5))[1]
     waiting = server.push.remote(0, 0, 1, _stored(partition, flat))
     wait_until(lambda: pushes_waiting(server) == {1: [1]})  # the push waits
-    ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0, 1), timeout=30)
+    ray.get(server.abort.remote(0) if release == "abort" else server.reset.remote(0, 1), timeout=30)
     with pytest.raises(StepAborted):
         ray.get(waiting, timeout=30)
     ray.get(server.reset.remote(0, 2), timeout=30)
     pushes = [server.push.remote(0, w, 1, _stored(partition, flat)) for w in range(2)]  # usable again
     [ref], _ = ray.get(pushes[1], timeout=30)
     np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], flat)
+    ray.kill(server)
+
+
+def test_an_abort_sent_before_a_reset_the_server_already_took_is_ignored(ray_session):
+    """The server is a threaded actor, so Ray may run the driver's abort after the reset sent behind it; that late
+    abort must not fail the step the reset made ready (it did: an engine's next step after a Ctrl-C in a resize
+    raised StepAborted). An abort of the server's own generation still aborts."""
+    server = _server(2)
+    partition = LAYOUT[1]
+    flat = _data(np.random.default_rng(6))[1]
+    ray.get(server.reset.remote(0, 1), timeout=30)
+    ray.get(server.abort.remote(0), timeout=30)  # sent in generation 0, taken after the reset to generation 1
+    pushes = [server.push.remote(0, w, 1, _stored(partition, flat)) for w in range(2)]
+    [ref], averaged = ray.get(pushes[1], timeout=30)
+    assert averaged == (0, 1)
+    np.testing.assert_array_equal(object_store.join(ray.get(ref), [partition.size])[0], flat)
+    ray.get(server.abort.remote(1), timeout=30)
+    with pytest.raises(StepAborted, match="step 1 was aborted"):
+        ray.get(server.push.remote(1, 0, 1, _stored(partition, flat)), timeout=30)
     ray.kill(server)
 
 
@@ -245,7 +264,7 @@ def test_abort_and_reset_reach_a_local_worker_blocked_on_its_signal(ray_session,
         receiving = pool.submit(local.receive, partition, 0)
         wait_until(lambda: pushes_waiting(server) == {1: [0]})  # the push waits for worker 0
         assert not receiving.done()
-        ray.get(server.abort.remote() if release == "abort" else server.reset.remote(0, 1), timeout=30)
+        ray.get(server.abort.remote(0) if release == "abort" else server.reset.remote(0, 1), timeout=30)
         with pytest.raises(StepAborted, match=f"step 0 was {release}"):
             receiving.result(timeout=30)
     ray.kill(server)
@@ -259,7 +278,7 @@ def test_a_local_worker_drops_the_answers_of_a_failed_step(ray_session):
     for partition in LAYOUT:  # step 0, both partitions: worker 0 never comes
         local.send(partition, 0, _segments_of(partition, parts[1][partition.index]))
     wait_until(lambda: pushes_waiting(server) == {0: [0]})  # partition 1 is announced behind partition 0
-    ray.get(server.abort.remote(), timeout=30)
+    ray.get(server.abort.remote(0), timeout=30)
     with pytest.raises(StepAborted):
         local.receive(LAYOUT[0], 0)  # the step fails at its first partition; partition 1's abort is still to come
     local.forget_pushes()
@@ -516,7 +535,7 @@ def test_a_relays_partial_sum_read_before_a_reset_and_taken_after_it_does_not_co
     try:
         relay.send(0, 0, _segments_of(partition, _data(rng)[0]))  # the partial sum of the step that fails
         gate.wait_arrived()  # read off the stream, not taken
-        ray.get(home.abort.remote(), timeout=30)  # the recovery: abort, then reset to run step 0 again
+        ray.get(home.abort.remote(0), timeout=30)  # the recovery: abort, then reset to run step 0 again
         ray.get(home.reset.remote(0, 1), timeout=30)  # the group's generation 1
         relay.forget(1)  # as the relaying server's own reset to generation 1 does
         gate.open()
@@ -546,7 +565,7 @@ def test_a_relay_whose_server_is_aborted_fails_its_workers_pushes(ray_session):
     home, relay = _relayed_pair()
     partition = LAYOUT[0]
     flat = _data(np.random.default_rng(9))[0]
-    ray.get(home.abort.remote(), timeout=30)
+    ray.get(home.abort.remote(0), timeout=30)
     pushes = [relay.push.remote(0, w, 0, _stored(partition, flat)) for w in (2, 3)]
     for push in pushes:
         with pytest.raises(StepAborted):

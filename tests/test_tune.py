@@ -153,6 +153,8 @@ def test_save_and_restore_a_directory_round_trip_exactly(ray_session, tmp_path):
             sgd.restore(str(tmp_path / "empty"))
 
 
+@pytest.mark.slow  # a full run of an example (the suite's time budget: 50 s); a trial's checkpoints and their
+# restore are the tests above
 def test_tune_mnist_example_trains_a_trial_and_restores_its_best_checkpoint(ray_session, tmp_path):
     """examples/tune_mnist.py as a user runs it on a running cluster (this session's), one learning rate, 10 steps."""
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tune_mnist.py")

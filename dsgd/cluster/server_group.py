@@ -339,12 +339,12 @@ class ServerGroup:
     def abort(self) -> None:
         """Fail every waiting and future push until ``reset`` (fire and forget)."""
         for actor in self.actors:
-            actor.abort.remote()
+            actor.abort.remote(self.generation)
 
     def excuse(self, worker_index: int) -> None:
         """Close steps without waiting for the dead worker ``worker_index`` until ``reset`` (fire and forget)."""
         for actor in self.actors:
-            actor.excuse.remote(worker_index)
+            actor.excuse.remote(worker_index, self.generation)
 
     def reset(self, step_id: int) -> list:
         """Refs of every server's reset to expect ``step_id`` next, in the group's next generation (a relay's
