@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from dsgd_test_models import kill_running_jobs, run_job, run_job_with_output
+from job_processes import kill_running_jobs, run_job, run_job_with_output
 
 # The wait for a queued job beyond the timeouts of the jobs up to it: the thread's hand-over, a killed job's reaping.
 SLACK_S = 60.0

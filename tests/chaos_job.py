@@ -14,7 +14,7 @@ import os
 import sys
 
 from cluster_jobs import TESTS_DIR, local_cluster
-from dsgd_test_models import RESULT_PREFIX
+from job_processes import RESULT_PREFIX
 
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, REPO_ROOT)

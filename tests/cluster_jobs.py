@@ -1,4 +1,4 @@
-"""For job scripts (see ``dsgd_test_models.run_job``) that run dsgd on a multi-node Ray cluster on this machine.
+"""For job scripts (see ``job_processes.run_job``) that run dsgd on a multi-node Ray cluster on this machine.
 
 A ``ray.cluster_utils.Cluster`` gives every node its own raylet and object
 store, as on separate machines. The tests check what ``relays_of`` and

@@ -13,7 +13,7 @@ NUM_CPUS = 8
 # Set when the tests are collected, before any test module (benchmarks' package among them) picks its own.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import background_jobs  # noqa: E402 (imports TensorFlow, after the line above)
+import background_jobs  # noqa: E402 (its jobs start with the environment above)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,8 @@ import ray
 
 import dsgd
 from cluster_jobs import local_cluster
-from dsgd_test_models import RESULT_PREFIX, FixedDataMomentumNet, actor_pids, replica_weights, set_start_weights
+from dsgd_test_models import FixedDataMomentumNet, actor_pids, replica_weights, set_start_weights
+from job_processes import RESULT_PREFIX
 from node_loss_job import HEAD, NODE, as_lists, crash_node, engine_actors
 
 TIMEOUT_S = 60.0

@@ -37,7 +37,8 @@ from typing import Iterator
 import ray
 
 import dsgd
-from dsgd_test_models import RESULT_PREFIX, Gate, GatedWorker1Net, known_actors, replica_weights, set_start_weights
+from dsgd_test_models import Gate, GatedWorker1Net, known_actors, replica_weights, set_start_weights
+from job_processes import RESULT_PREFIX
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Worker 1 is held before its batch while this gate is closed (the creator, with the gate's

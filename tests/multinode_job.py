@@ -38,8 +38,9 @@ import dsgd
 from dsgd.transport.listener import shut_down
 from cluster_jobs import actor_node, local_cluster, objects_created, relay_transports, relays_of
 from compression_runs import FLOAT32, STEPS, lockstep
-from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedStragglerNet, TanhNet, kill,
-                              replica_weights, set_start_weights, ps_actors, server_group)
+from dsgd_test_models import (FixedDataMomentumNet, Gate, GatedStragglerNet, TanhNet, kill, replica_weights,
+                              set_start_weights, ps_actors, server_group)
+from job_processes import RESULT_PREFIX
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions, on 1 parameter server per node

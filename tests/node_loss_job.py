@@ -43,9 +43,9 @@ from ray._private import ray_constants
 
 import dsgd
 from cluster_jobs import actor_node, local_cluster
-from dsgd_test_models import (RESULT_PREFIX, FixedDataMomentumNet, Gate, GatedWorker1Net, known_actors,
-                              pushes_waiting, replica_weights, server_group, set_start_weights, steps_applied, wait_until,
-                              ps_actors)
+from dsgd_test_models import (FixedDataMomentumNet, Gate, GatedWorker1Net, known_actors, pushes_waiting,
+                              replica_weights, server_group, set_start_weights, steps_applied, wait_until, ps_actors)
+from job_processes import RESULT_PREFIX
 
 MIB = 1024 * 1024
 HEAD = {"num_cpus": 0, "object_store_memory": 100 * MIB,

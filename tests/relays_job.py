@@ -53,7 +53,8 @@ import data_test_models as dm
 import keras_test_models as km
 import tf2_test_models as m
 from cluster_jobs import actor_node, live_actors, local_cluster, relay_transports, relays_of
-from dsgd_test_models import RESULT_PREFIX, replica_weights, server_group
+from dsgd_test_models import replica_weights, server_group
+from job_processes import RESULT_PREFIX
 
 NODE_ARGS = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 STAGE_STEPS = 2

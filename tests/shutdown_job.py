@@ -30,7 +30,8 @@ from ray.util.state import list_actors, list_tasks
 
 import dsgd
 import data_test_models as dm
-from dsgd_test_models import RESULT_PREFIX, TanhNet
+from dsgd_test_models import TanhNet
+from job_processes import RESULT_PREFIX
 
 ROWS = 2000  # 2 replicas x 1000 rows, batches of 10: an epoch is 100 steps, still running when stopped
 STEPS = 15

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from background_jobs import Call, JobQueue
-from dsgd_test_models import stopped_at_session_end
+from job_processes import stopped_at_session_end
 
 
 def test_queued_calls_run_one_at_a_time_in_order_each_in_its_own_scratch_and_the_session_start_environment(

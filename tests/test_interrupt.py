@@ -12,8 +12,9 @@ import dsgd
 from dsgd.common import calls
 from dsgd.driver import checkpoint
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, assert_replicas_identical, assert_weights_close,
-                              known_actors, numpy_momentum_run, replica_weights, run_job, set_start_weights,
-                              wait_until, weights_from_json)
+                              known_actors, numpy_momentum_run, replica_weights, set_start_weights, wait_until,
+                              weights_from_json)
+from job_processes import run_job
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "interrupt_job.py")

@@ -19,7 +19,7 @@ import pytest
 from background_jobs import QUEUE, Call
 from benchmarks import linked_cluster
 from benchmarks.linked_cluster import PREFIX, missing_requirements, tbf_args
-from dsgd_test_models import stopped_at_session_end
+from job_processes import stopped_at_session_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_GBIT = 0.2

@@ -15,7 +15,8 @@ import dsgd
 from background_jobs import QUEUE, Call
 from dsgd.common import calls
 from dsgd.worker import tf_logs
-from dsgd_test_models import run_command, slow_to_build_on_worker_1
+from dsgd_test_models import slow_to_build_on_worker_1
+from job_processes import run_command
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
 # What TensorFlow 2.21 writes to stderr as it is imported on a machine without GPUs.

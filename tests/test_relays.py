@@ -21,7 +21,8 @@ import keras_test_models as km
 import tf2_test_models as m
 from background_jobs import QUEUE, Job
 from cluster_jobs import assert_relays_push_down_streams
-from dsgd_test_models import assert_weights_close, identical_job_replicas, run_job, weights_from_json
+from dsgd_test_models import assert_weights_close, identical_job_replicas, weights_from_json
+from job_processes import run_job
 from readers import load_trace, read_scalars
 from tune_test_models import numpy_descent
 

@@ -23,7 +23,8 @@ from dsgd.server.transports import Transports
 from dsgd.transport import ends, tls
 from dsgd.transport.ends import ObjectStoreServerEnd, ObjectStoreWorkerEnd, StreamWorkerEnd
 from dsgd.wire.partitions import VarSpec, plan_partitions, segments
-from dsgd_test_models import REPLICAS_2x1, assert_job_replicas_identical_and_numpy_like, run_job
+from dsgd_test_models import REPLICAS_2x1, assert_job_replicas_identical_and_numpy_like
+from job_processes import run_job
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "tls_job.py")

@@ -28,7 +28,8 @@ import ray  # noqa: E402
 
 import dsgd  # noqa: E402
 from cluster_jobs import local_cluster  # noqa: E402
-from dsgd_test_models import RESULT_PREFIX, TanhNet, replica_weights, server_group, set_start_weights  # noqa: E402
+from dsgd_test_models import TanhNet, replica_weights, server_group, set_start_weights  # noqa: E402
+from job_processes import RESULT_PREFIX  # noqa: E402
 
 NODE_ARGS = {"num_cpus": 2, "object_store_memory": 200 * 1024 * 1024}
 PARTITION_BYTES = 40  # 112 bytes of gradients -> 3 partitions

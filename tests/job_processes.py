@@ -1,0 +1,107 @@
+"""Processes the tests start outside the session's Ray: job scripts, examples, commands; each bounded in time and
+stopped, with whatever it started, when the session ends.
+
+A job script prints its result as one line, ``RESULT_PREFIX`` then JSON; ``run_job`` returns it. This module
+imports only the standard library, so conftest (through ``background_jobs``) does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+RESULT_PREFIX = "RESULT "
+
+
+# The processes of jobs running now, each with how to stop it and the thread that started it.
+_running: dict[subprocess.Popen, tuple[Callable[[subprocess.Popen], None], threading.Thread]] = {}
+
+
+@contextlib.contextmanager
+def stopped_at_session_end(proc: subprocess.Popen, stop: Callable[[subprocess.Popen], None]) -> Iterator[None]:
+    """While in the block, ``kill_running_jobs`` (at the session's end, or a Ctrl-C) calls ``stop(proc)``."""
+    _running[proc] = (stop, threading.current_thread())
+    try:
+        yield
+    finally:
+        _running.pop(proc, None)
+
+
+def kill_running_jobs(thread: threading.Thread) -> None:
+    """Stop every job ``thread`` started that is still running (the thread's wait for it then fails)."""
+    for proc, (stop, started_by) in list(_running.items()):
+        if started_by is thread:
+            stop(proc)
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """Kill whatever is left of a job's session: the job, and its raylets, GCS and Ray workers."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_job(script: str, timeout_s: float, *args: str, environ: Mapping[str, str] | None = None) -> dict:
+    """Run ``script`` (with ``args``) in its own process, session and Ray temp dir; the JSON of its last ``RESULT``
+    line.
+
+    A job starts its own Ray (a process holds one Ray instance, and the test
+    session's is taken), or joins the session's as another driver when
+    ``args`` give it the address. Its session is killed when it ends or after
+    ``timeout_s``, so nothing it started outlives it; a job that times out,
+    fails or prints no result fails the test with its stderr's tail. Its
+    environment is ``environ`` (default: this process's) with its own Ray
+    temp dir.
+    """
+    return _run_job(script, timeout_s, args, subprocess.PIPE, environ)[0]
+
+
+def run_job_with_output(script: str, timeout_s: float, *args: str,
+                        environ: Mapping[str, str] | None = None) -> tuple[dict, str]:
+    """``run_job``, and everything the job wrote: stdout and stderr in one stream, in the order written."""
+    return _run_job(script, timeout_s, args, subprocess.STDOUT, environ)
+
+
+def run_command(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int, str]:
+    """Run ``argv`` in a session of its own (``popen``: more ``subprocess.Popen`` arguments); its exit code and
+    everything it wrote, stdout and stderr in one stream. Killed, with whatever it started, when it ends or after
+    ``timeout_s`` (failing the test with its output's tail)."""
+    returncode, out, _ = _bounded_run(argv, timeout_s, stderr=subprocess.STDOUT, **popen)
+    return returncode, out
+
+
+def _bounded_run(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int, str, str | None]:
+    """``argv``'s exit code, stdout and stderr (None unless ``popen`` pipes it), run as ``run_command`` says."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, **popen)
+    with stopped_at_session_end(proc, kill_process_group):
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_process_group(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(argv)} timed out after {timeout_s}s; output tail:\n"
+                                 f"{(err or out)[-4000:]}") from None
+        finally:
+            kill_process_group(proc)
+    return proc.returncode, out, err
+
+
+def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int,
+             environ: Mapping[str, str] | None) -> tuple[dict, str]:
+    """The job's result and its stdout (with ``stderr=subprocess.STDOUT``, its stderr too)."""
+    with tempfile.TemporaryDirectory(prefix="dsgd-job-", ignore_cleanup_errors=True) as ray_tmp:
+        env = {**(os.environ if environ is None else environ), "RAY_TMPDIR": ray_tmp, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        returncode, out, err = _bounded_run([sys.executable, script, *args], timeout_s, env=env, stderr=stderr)
+    # A progress bar drawn on the same stream may put its cursor codes before the line: find the prefix anywhere.
+    results = [line.split(RESULT_PREFIX, 1)[1] for line in out.splitlines() if RESULT_PREFIX in line]
+    if returncode != 0 or not results:
+        raise AssertionError(f"{script} exited with {returncode}; stderr tail:\n{(err or out)[-4000:]}")
+    return json.loads(results[-1]), out
