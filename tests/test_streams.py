@@ -5,7 +5,6 @@ import itertools
 import pickle
 import socket
 import ssl
-import sys
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 
 from benchmarks import tls_files
 from dsgd.transport import streams, tls
-from dsgd.transport.answers import Answers, Forgotten
+from dsgd.transport.answers import Forgotten
 
 SIZE = 10  # float32 elements of the one partition (0) in these tests
 # "At once" against "at the timeout": waits that should end at once get LONG_S to run out and must end
@@ -76,19 +75,20 @@ def _connect(server, means=None, contexts=None):
                           tls_context=contexts and contexts.client), means
 
 
-def _blocked_in_wait(thread: threading.Thread) -> bool:
-    """Whether ``thread`` is inside ``Answers.wait`` now: waiting for its answer."""
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        if frame.f_code is Answers.wait.__code__:
-            return True
-        frame = frame.f_back
-    return False
+def _reading(stream: streams.Stream) -> bool:
+    """Whether a thread waiting on ``stream`` is reading its connection now: it passed every check of
+    ``Answers.wait`` and released the lock to block in the read.
+
+    Not ``sys._current_frames()``: on Python 3.11 it can deadlock the process against a thread that exits
+    meanwhile (CPython gh-106883), which hung a whole test session here once."""
+    answers = stream._answers
+    with answers._changed:
+        return answers._reading
 
 
-def _waiting(call) -> tuple[threading.Thread, list]:
-    """``call()`` on a thread of its own, returned once it is provably blocked waiting for its answer; the list
-    receives what it raised or returned."""
+def _waiting(stream: streams.Stream, call) -> tuple[threading.Thread, list]:
+    """``call()`` (a wait on ``stream``) on a thread of its own, returned once it is provably blocked reading
+    for its answer; the list receives what it raised or returned."""
     outcome: list = []
 
     def run():
@@ -100,7 +100,7 @@ def _waiting(call) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + AT_ONCE_S
-    while not _blocked_in_wait(thread):
+    while not _reading(stream):
         assert thread.is_alive() and time.monotonic() < deadline, f"the wait never blocked: {outcome}"
         time.sleep(0.01)
     return thread, outcome
@@ -172,7 +172,7 @@ def test_a_wait_for_a_push_forgotten_meanwhile_fails_at_once(contexts):
     stream, _ = _connect(server)
     server.release.clear()
     epoch = stream.send(0, 0, [np.ones(SIZE, np.float32)])
-    thread, outcome = _waiting(lambda: stream.wait(0, 0, LONG_S, epoch))
+    thread, outcome = _waiting(stream, lambda: stream.wait(0, 0, LONG_S, epoch))
     stream.forget()
     assert isinstance(_ended_at_once(thread, outcome), Forgotten), outcome
     server.release.set()
@@ -185,7 +185,7 @@ def test_the_worker_sees_the_server_close_at_once(contexts):
     stream, _ = _connect(server)
     server.release.clear()
     stream.send(0, 0, [np.ones(SIZE, np.float32)])
-    thread, outcome = _waiting(lambda: stream.wait(0, 0, LONG_S))
+    thread, outcome = _waiting(stream, lambda: stream.wait(0, 0, LONG_S))
     server.listener.close()
     assert isinstance(_ended_at_once(thread, outcome), ConnectionError), outcome
     server.release.set()
