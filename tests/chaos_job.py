@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from cluster_jobs import TESTS_DIR, local_cluster
-from job_processes import RESULT_PREFIX
+from cluster_jobs import local_cluster
+from job_processes import RESULT_PREFIX, TESTS_DIR
 
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, REPO_ROOT)

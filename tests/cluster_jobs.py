@@ -8,14 +8,13 @@ store, as on separate machines. The tests check what ``relays_of`` and
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import ray
 from ray._private import internal_api
 from ray.cluster_utils import Cluster
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+from job_processes import worker_runtime_env
 
 
 @contextlib.contextmanager
@@ -28,7 +27,7 @@ def local_cluster(*nodes: dict) -> Iterator[Cluster]:
         for node in others:
             cluster.add_node(**node)
         ray.init(address=cluster.address, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
+                 runtime_env=worker_runtime_env())
         yield cluster
     finally:
         ray.shutdown()

@@ -5,7 +5,7 @@ import os
 import pytest
 import ray
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+from job_processes import HIDDEN_DIR, worker_runtime_env
 
 # Logical CPUs: enough for two 2-worker engines at once; actors mostly wait.
 NUM_CPUS = 8
@@ -19,6 +19,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # instead of every poll: 13 ms. Worker output still reaches the driver, a new file's up to 0.5 s later.
 os.environ.setdefault("RAY_LOG_MONITOR_MAX_OPEN_FILES", "64")
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "1")
+# Every process the session starts, but not this one, finds no scikit-learn or matplotlib (job_processes says why).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HIDDEN_DIR, os.environ.get("PYTHONPATH")) if p)
 
 import background_jobs  # noqa: E402 (its jobs start with the environment above)
 
@@ -31,8 +33,7 @@ def ray_session():
         object_store_memory=1 << 30,
         include_dashboard=False,
         logging_level="ERROR",
-        # Worker processes import the test models from here by name.
-        runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}},
+        runtime_env=worker_runtime_env(),  # worker processes import the test models by name
     )
     yield ray
     ray.shutdown()

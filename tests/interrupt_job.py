@@ -38,9 +38,8 @@ import ray
 
 import dsgd
 from dsgd_test_models import Gate, GatedWorker1Net, known_actors, replica_weights, set_start_weights
-from job_processes import RESULT_PREFIX
+from job_processes import RESULT_PREFIX, worker_runtime_env
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Worker 1 is held before its batch while this gate is closed (the creator, with the gate's
 # path, is pickled by value: the job runs as __main__).
 GATE = Gate(os.path.join(tempfile.gettempdir(), f"dsgd-interrupt-job-{os.getpid()}"))
@@ -126,7 +125,7 @@ def main() -> None:
     # empty through test_tune, test_data, test_multinode, test_benchmarks and test_interrupt.)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     ray.init(address=sys.argv[1], logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR, "TF_CPP_MIN_LOG_LEVEL": "2"}})
+             runtime_env=worker_runtime_env())
     try:
         result = {"with_block": shut_down_by_with_block(), "next_engine": steps_on_then_dropped()}
     finally:

@@ -19,6 +19,22 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 RESULT_PREFIX = "RESULT "
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# Packages that cannot be imported from here (each raises ImportError), put first on the PYTHONPATH of every
+# process the session starts: its Ray workers, jobs and their clusters, but not the test process itself.
+# `import tensorflow` loads Keras 3, which imports scikit-learn and matplotlib when they are installed (for
+# its scikit-learn wrappers and image plots): about 2.5 of the 7 s of CPU a TensorFlow process takes to
+# start here, and the session starts some 400 of them. No process but the test process uses either (it
+# plots benchmarks' results); a user's example run gets them back (test_output's ``user_env``).
+HIDDEN_DIR = os.path.join(TESTS_DIR, "hidden")
+
+
+def worker_runtime_env() -> dict:
+    """The ``runtime_env`` of a test's Ray: the test models' folder on the workers' path, before this process's
+    PYTHONPATH (``HIDDEN_DIR`` among it), and the session's TensorFlow log level."""
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": {"PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}}
+
 
 # The processes of jobs running now, each with how to stop it and the thread that started it.
 _running: dict[subprocess.Popen, tuple[Callable[[subprocess.Popen], None], threading.Thread]] = {}

@@ -16,7 +16,7 @@ from background_jobs import QUEUE, Call
 from dsgd.common import calls
 from dsgd.worker import tf_logs
 from dsgd_test_models import slow_to_build_on_worker_1
-from job_processes import run_command
+from job_processes import HIDDEN_DIR, run_command
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
 # What TensorFlow 2.21 writes to stderr as it is imported on a machine without GPUs.
@@ -24,8 +24,12 @@ START_UP_MARKERS = ("absl::InitializeLog", "oneDNN custom operations", "cudart_s
 
 
 def user_env(environ: Mapping[str, str] = os.environ, **variables: str) -> dict[str, str]:
-    """``environ`` (this process's) without the test session's TF_CPP_MIN_LOG_LEVEL, plus ``variables``."""
+    """``environ`` (this process's) without the test session's TF_CPP_MIN_LOG_LEVEL and ``HIDDEN_DIR``, plus
+    ``variables``."""
     env = {k: v for k, v in environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    path = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and p != HIDDEN_DIR]
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
     return {**env, **variables}
 
 

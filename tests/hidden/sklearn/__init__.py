@@ -1,0 +1,3 @@
+"""scikit-learn, as the test session's other processes see it: not installed (``job_processes.HIDDEN_DIR`` says why)."""
+
+raise ImportError("scikit-learn is hidden from the test session's Ray workers and jobs (tests/job_processes.py)")
