@@ -593,8 +593,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="after the measured rounds (interleaved configs), one traced step of each dsgd system, "
                         "a Chrome trace per system in DIR")
     p.add_argument("--plot-from", type=Path, nargs="+", default=[],
-                   help="run nothing: plot the configs of these records (a later record's config replaces an "
-                        "earlier one's) into --out's .png")
+                   help="run nothing: plot the configs of these records (a later record's system replaces the "
+                        "same config's system of an earlier one) into --out's .png")
     args = p.parse_args(argv)
     if args.plot_from:
         return args
@@ -606,20 +606,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def plot_records(paths: list[Path], png: Path) -> dict[str, Any]:
-    """``scaling_figure`` of the configs of several runs' records, each config (nodes x workers) from the last
-    record that has it; every record must share the link rate and scale. Returns which record gave each."""
-    chosen: dict[tuple[int, int], tuple[Path, dict[str, Any]]] = {}
+def plot_records(paths: list[Path], png: Path) -> dict[str, dict[str, str]]:
+    """``scaling_figure`` of several runs' records: each system of each config (nodes x workers) from the last
+    record that measured it; every record must share the link rate and scale. Returns, per config, which record
+    gave each system."""
+    merged: dict[tuple[int, int], dict[str, Any]] = {}
+    sources: dict[tuple[int, int], dict[str, str]] = {}
     for path in paths:
         for record in json.loads(path.read_text())["configs"]:
-            chosen[record["nodes"], record["workers"]] = (path, record)
-    records = [record for _, (_, record) in sorted(chosen.items())]
+            key = record["nodes"], record["workers"]
+            earlier = merged.get(key, {"exchange_ms": {}})
+            merged[key] = {**record, "exchange_ms": {**earlier["exchange_ms"], **record["exchange_ms"]}}
+            sources.setdefault(key, {}).update(dict.fromkeys(record["exchange_ms"], str(path)))
+    records = [merged[key] for key in sorted(merged)]
     if len({(r["link_gbit"], r["scale"]) for r in records}) > 1:
         sys.exit("benchmarks.scaling --plot-from: the records differ in link rate or scale; plot them apart")
     scaling_figure(records).savefig(png, dpi=PLOT_DPI, format="png")
-    sources = {f"{nodes}x{workers // nodes}": str(path) for (nodes, workers), (path, _) in sorted(chosen.items())}
-    print(f"plot written to {png} from " + ", ".join(f"{c}: {p}" for c, p in sources.items()))
-    return sources
+    named = {f"{nodes}x{workers // nodes}": sources[nodes, workers] for nodes, workers in sorted(merged)}
+    print(f"plot written to {png} from " + "; ".join(
+        f"{config}: " + ", ".join(f"{system} {path}" for system, path in systems.items())
+        for config, systems in named.items()))
+    return named
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -467,12 +467,20 @@ def test_scaling_verdicts_table_and_plot(tmp_path):
     assert list(lines_drawn["M/B"].get_ydata()) == [1.0, 1.0, 1.0]
 
 
-def test_scaling_plots_several_runs_each_config_from_the_last_record_that_has_it(tmp_path):
-    old, new, other = tmp_path / "old.json", tmp_path / "new.json", tmp_path / "other.json"
-    old.write_text(json.dumps({"configs": [_scaling_record(2, 1, {"ps": 1.1}), _scaling_record(4, 1, {"ps": 2.1})]}))
+def test_scaling_plots_several_runs_each_system_from_the_last_record_that_measured_it(tmp_path, monkeypatch):
+    old, new, bf16, other = (tmp_path / f"{name}.json" for name in ("old", "new", "bf16", "other"))
+    old.write_text(json.dumps({"configs": [_scaling_record(2, 1, {"ps": 1.1, "raytrain": 1.2}),
+                                           _scaling_record(4, 1, {"ps": 2.1, "raytrain": 2.0})]}))
     new.write_text(json.dumps({"configs": [_scaling_record(4, 1, {"ps": 1.9, "ps-servers": 1.7})]}))
-    sources = scaling.main(["--plot-from", str(old), str(new), "--out", str(tmp_path / "plot.json")])
-    assert sources == {"2x1": str(old), "4x1": str(new)}
+    bf16.write_text(json.dumps({"configs": [_scaling_record(4, 1, {"ps-bf16": 1.0})]}))
+    drawn, figure = [], scaling.scaling_figure
+    monkeypatch.setattr(scaling, "scaling_figure", lambda records: drawn.append(records) or figure(records))
+    sources = scaling.main(["--plot-from", str(old), str(new), str(bf16), "--out", str(tmp_path / "plot.json")])
+    assert sources == {"2x1": {"ps": str(old), "raytrain": str(old)},
+                       "4x1": {"ps": str(new), "raytrain": str(old), "ps-servers": str(new), "ps-bf16": str(bf16)}}
+    [(two, four)] = drawn
+    assert two["exchange_ms"] == pytest.approx({"ps": 1100, "raytrain": 1200})
+    assert four["exchange_ms"] == pytest.approx({"ps": 1900, "raytrain": 2000, "ps-servers": 1700, "ps-bf16": 1000})
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     other.write_text(json.dumps({"configs": [{**_scaling_record(8, 1, {"ps": 2.5}), "link_gbit": 1.0}]}))
     with pytest.raises(SystemExit, match="differ in link rate or scale"):
