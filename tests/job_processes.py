@@ -22,10 +22,11 @@ RESULT_PREFIX = "RESULT "
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Packages that cannot be imported from here (each raises ImportError), put first on the PYTHONPATH of every
 # process the session starts: its Ray workers, jobs and their clusters, but not the test process itself.
-# `import tensorflow` loads Keras 3, which imports scikit-learn and matplotlib when they are installed (for
-# its scikit-learn wrappers and image plots): about 2.5 of the 7 s of CPU a TensorFlow process takes to
-# start here, and the session starts some 400 of them. No process but the test process uses either (it
-# plots benchmarks' results); a user's example run gets them back (test_output's ``user_env``).
+# `import tensorflow` loads Keras 3 (a dsgd worker only once its model imports Keras), and Keras 3 imports
+# scikit-learn and matplotlib whenever they are installed, for its scikit-learn wrappers and image plots:
+# about 2.5 s more CPU for each such process here (7.4 s against 5.0), every job driver, Keras 3 worker and
+# Tune trial. No process but the test process uses either (it plots benchmarks' results); a user's example
+# run gets them back (test_output's ``user_env``).
 HIDDEN_DIR = os.path.join(TESTS_DIR, "hidden")
 
 
