@@ -11,13 +11,13 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: install mnist test docs clean
 
-# --no-compile: Python compiles each module the first time a process imports it (about a second for
-# TensorFlow's, Ray's and Keras's at start-up); pip compiling every module installed, thousands never
-# imported, took 47 of the install's 101 s here.
+# pip compiles every installed module (half of the install's time here), and that must stay: where
+# PYTHONDONTWRITEBYTECODE is set, as on our CI machines, Python caches nothing it compiles, so without pip's
+# .pyc files every process would compile TensorFlow's modules anew (a fresh-clone run, tried: far slower).
 $(STAMP): pyproject.toml Makefile $(wildcard dsgd/ops/cc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e ".[test,examples,keras,tune,data,bench]"
+	$(PY) -m pip install --quiet -e ".[test,examples,keras,tune,data,bench]"
 	$(PY) -m dsgd.ops.build
 	touch $(STAMP)
 
@@ -28,7 +28,7 @@ install: $(STAMP)
 $(DOCS_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e ".[docs]"
+	$(PY) -m pip install --quiet -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 mnist: install
