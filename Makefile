@@ -12,7 +12,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 .PHONY: install mnist test docs clean
 
 # pip compiles every installed module (half of the install's time here), and that must stay: where
-# PYTHONDONTWRITEBYTECODE is set, as on our CI machines, Python caches nothing it compiles, so without pip's
+# PYTHONDONTWRITEBYTECODE is set (as on our development machine), Python caches nothing it compiles, so without pip's
 # .pyc files every process would compile TensorFlow's modules anew (a fresh-clone run, tried: far slower).
 $(STAMP): pyproject.toml Makefile $(wildcard dsgd/ops/cc/*)
 	$(PYTHON) -m venv $(VENV)
