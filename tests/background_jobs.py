@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from job_processes import kill_running_jobs, run_job, run_job_with_output
+from job_processes import hidden_environ, kill_running_jobs, run_job, run_job_with_output
 
 # The wait for a queued job beyond the timeouts of the jobs up to it: the thread's hand-over, a killed job's reaping.
 SLACK_S = 60.0
@@ -76,14 +76,14 @@ class JobQueue:
         self._dir: str | None = None
         self.seconds: dict[str, float] = {}  # job name -> how long its run took (the suite's time budget)
         # The environment jobs start with: this process's when the session starts, before any test changes it
-        # (``monkeypatch.setenv``) while a job starts in the background.
-        self.environ = dict(os.environ)
+        # (``monkeypatch.setenv``) while a job starts in the background, with ``HIDDEN_DIR`` on its path.
+        self.environ = hidden_environ()
 
     def start(self, jobs: list[Job | Call]) -> None:
         """Queue ``jobs`` in this order; the first starts at once."""
         if not jobs:
             return
-        self.environ = dict(os.environ)
+        self.environ = hidden_environ()
         bound = SLACK_S
         for job in jobs:
             bound += job.timeout_s

@@ -5,7 +5,7 @@ import os
 import pytest
 import ray
 
-from job_processes import HIDDEN_DIR, worker_runtime_env
+from job_processes import worker_runtime_env
 
 # Logical CPUs: enough for two 2-worker engines at once; actors mostly wait.
 NUM_CPUS = 8
@@ -19,8 +19,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # instead of every poll: 13 ms. Worker output still reaches the driver, a new file's up to 0.5 s later.
 os.environ.setdefault("RAY_LOG_MONITOR_MAX_OPEN_FILES", "64")
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "1")
-# Every process the session starts, but not this one, finds no scikit-learn or matplotlib (job_processes says why).
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HIDDEN_DIR, os.environ.get("PYTHONPATH")) if p)
 
 import background_jobs  # noqa: E402 (its jobs start with the environment above)
 

@@ -1,5 +1,5 @@
-"""Processes the tests start outside the session's Ray: job scripts, examples, commands; each bounded in time and
-stopped, with whatever it started, when the session ends.
+"""Processes the tests start outside the session's Ray (job scripts, examples, commands), each bounded in time and
+stopped, with whatever it started, when the session ends; and the environment the suite's own processes start with.
 
 A job script prints its result as one line, ``RESULT_PREFIX`` then JSON; ``run_job`` returns it. This module
 imports only the standard library, so conftest (through ``background_jobs``) does not import TensorFlow.
@@ -20,21 +20,30 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 RESULT_PREFIX = "RESULT "
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# Packages that cannot be imported from here (each raises ImportError), put first on the PYTHONPATH of every
-# process the session starts: its Ray workers, jobs and their clusters, but not the test process itself.
+# Packages that cannot be imported from here (each raises ImportError), put first on the PYTHONPATH of the
+# suite's own processes: the Ray workers its tests and jobs start (``worker_runtime_env``) and the background
+# jobs with their clusters (``hidden_environ``); not the test process, nor a script run as a user runs it.
 # `import tensorflow` loads Keras 3 (a dsgd worker only once its model imports Keras), and Keras 3 imports
 # scikit-learn and matplotlib whenever they are installed, for its scikit-learn wrappers and image plots:
 # about 2.5 s more CPU for each such process here (7.4 s against 5.0), every job driver, Keras 3 worker and
-# Tune trial. No process but the test process uses either (it plots benchmarks' results); a user's example
-# run gets them back (test_output's ``user_env``).
+# Tune trial. None of them uses either.
 HIDDEN_DIR = os.path.join(TESTS_DIR, "hidden")
 
 
+def _pythonpath(*first: str) -> str:
+    """``first``, then this process's PYTHONPATH."""
+    return os.pathsep.join(p for p in (*first, os.environ.get("PYTHONPATH")) if p)
+
+
+def hidden_environ() -> dict[str, str]:
+    """This process's environment with ``HIDDEN_DIR`` first on the PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": _pythonpath(HIDDEN_DIR)}
+
+
 def worker_runtime_env() -> dict:
-    """The ``runtime_env`` of a test's Ray: the test models' folder on the workers' path, before this process's
-    PYTHONPATH (``HIDDEN_DIR`` among it), and the session's TensorFlow log level."""
-    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    return {"env_vars": {"PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}}
+    """The ``runtime_env`` of a test's Ray: the test models' folder and ``HIDDEN_DIR`` on the workers' path,
+    before this process's PYTHONPATH, and the session's TensorFlow log level."""
+    return {"env_vars": {"PYTHONPATH": _pythonpath(TESTS_DIR, HIDDEN_DIR), "TF_CPP_MIN_LOG_LEVEL": "2"}}
 
 
 # The processes of jobs running now, each with how to stop it and the thread that started it.
