@@ -6,10 +6,11 @@ n steps are known whichever workers averaged them, through a plan of steps,
 saves, a shrink and a grow, while a thread SIGKILLs workers and parameter
 servers (one, two at once, or one more during the recovery) at moments
 drawn from a seed. The seed is printed and named in every failure; set
-``DSGD_CHAOS_SEED`` to run that plan again. The default run is one short
-run across two nodes (relays, bf16, a resize, saves: the suite's time
-budget); the ``slow`` runs add the one-node configurations, short and as a
-longer soak. Every defect a run found has a deterministic test of its own.
+``DSGD_CHAOS_SEED`` to run that plan again. The runs are soaks, all
+``slow`` (the suite's time budget): a short run across two nodes (relays,
+bf16, a resize, saves), the one-node configurations, and each as a longer
+soak. The default run checks the plans and the check itself; every defect
+a run found has a deterministic test of its own, in the default run.
 """
 
 import os
@@ -86,7 +87,7 @@ def test_any_workers_mean_of_the_slopes_is_the_slopes_and_a_step_more_or_less_sh
         assert faults.steps_shown(rounded, trajectory) == steps
 
 
-@pytest.mark.slow  # the suite's time budget: the default run keeps the two-node run, which has the most features
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["simple", "ps-backup"])
 def test_random_kills_on_one_node_lose_nothing(ray_session, name):
     check(one_node(name, **SHORT), SHORT["steps"], SHORT["count"], name)
@@ -111,6 +112,7 @@ def short_two_node_run() -> dict:
     return two_nodes(**SHORT)
 
 
+@pytest.mark.slow
 def test_random_kills_across_two_nodes_with_relays_and_bf16_lose_nothing(short_two_node_run):
     record = short_two_node_run
     assert len(set(record["worker_nodes"])) == 2 and record["relayed_partitions"] > 0
