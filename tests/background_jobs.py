@@ -2,10 +2,8 @@
 
 A multi-node job spends much of its time waiting: nodes starting, a lost node
 being noticed, a worker being replaced. Run in the background, those waits
-overlap the tests in the pytest process, and so does its CPU: the jobs run
-at a lower priority (``NICENESS``), so they take the CPU the tests leave
-idle (a test waiting for one worker to build leaves a core) rather than
-half of it, and conftest runs the tests that take a job's result last.
+overlap the tests in the pytest process, which are bound by CPU, and the job
+is done (or nearly) by the time its tests run.
 
 A test module names its jobs in ``BACKGROUND_JOBS``: fixture name -> ``Job``
 (a job script) or ``Call`` (a function that starts processes of its own and
@@ -33,9 +31,6 @@ from job_processes import hidden_environ, kill_running_jobs, run_job, run_job_wi
 
 # The wait for a queued job beyond the timeouts of the jobs up to it: the thread's hand-over, a killed job's reaping.
 SLACK_S = 60.0
-# The jobs' niceness: under full load they get about a quarter of the CPU (weights 335 to 1024), so they spread over
-# the session; nicer still, a job's workers could miss its startup timeouts while the tests keep both cores busy.
-NICENESS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +117,6 @@ class JobQueue:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def _run_all(self) -> None:
-        os.nice(NICENESS)  # this thread's (Linux: a thread's own), and so every process it starts
         for job, (future, _) in self._runs.items():
             if future.set_running_or_notify_cancel():  # False: cancelled by close
                 start = time.monotonic()

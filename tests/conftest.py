@@ -37,17 +37,6 @@ def ray_session():
     ray.shutdown()
 
 
-def takes_a_background_job(item: pytest.Item) -> bool:
-    return any(fixture in item.fixturenames for fixture in getattr(item.module, "BACKGROUND_JOBS", {}))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that take a background job's result run last, in their order: the jobs, which yield the CPU to
-    the tests, have the session to run in."""
-    last = [item for item in items if takes_a_background_job(item)]
-    items[:] = [item for item in items if not takes_a_background_job(item)] + last
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Queue the background jobs of the selected tests' fixtures (``background_jobs``), in the order first used."""
     if session.config.option.collectonly:

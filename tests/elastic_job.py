@@ -30,7 +30,7 @@ from dsgd_test_models import FixedDataMomentumNet, actor_pids, replica_weights, 
 from job_processes import RESULT_PREFIX
 from node_loss_job import HEAD, NODE, as_lists, crash_node, engine_actors
 
-TIMEOUT_S = 120.0
+TIMEOUT_S = 60.0
 INTERVAL_S = 1.0
 
 

@@ -107,7 +107,6 @@ def run_command(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[in
 def _bounded_run(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int, str, str | None]:
     """``argv``'s exit code, stdout and stderr (None unless ``popen`` pipes it), run as ``run_command`` says."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, **popen)
-    _session_niceness_as_this_threads(proc)
     with stopped_at_session_end(proc, kill_process_group):
         try:
             out, err = proc.communicate(timeout=timeout_s)
@@ -119,23 +118,6 @@ def _bounded_run(argv: Sequence[str], timeout_s: float, **popen: Any) -> tuple[i
         finally:
             kill_process_group(proc)
     return proc.returncode, out, err
-
-
-def _session_niceness_as_this_threads(proc: subprocess.Popen) -> None:
-    """Give the session ``proc`` leads this thread's niceness, if it has one (the background jobs' thread).
-
-    With the kernel's autogroups, the CPU is shared between sessions before
-    the processes in each, so a niced process in a session of its own
-    would still take as much as all the tests together; a session's
-    niceness (``/proc/PID/autogroup``) is what makes it yield.
-    """
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's, on Linux
-    if niceness > 0:
-        try:
-            with open(f"/proc/{proc.pid}/autogroup", "w") as f:
-                f.write(str(niceness))
-        except OSError:  # a kernel without autogroups: the process's own niceness is what counts
-            pass
 
 
 def _run_job(script: str, timeout_s: float, args: Sequence[str], stderr: int,

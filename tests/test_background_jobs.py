@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from background_jobs import NICENESS, Call, JobQueue
-from job_processes import run_command, stopped_at_session_end
+from background_jobs import Call, JobQueue
+from job_processes import stopped_at_session_end
 
 
 def test_queued_calls_run_one_at_a_time_in_order_each_in_its_own_scratch_and_the_session_start_environment(
@@ -73,34 +73,3 @@ def test_closing_the_queue_stops_the_running_job_and_drops_those_not_started():
     assert queue.result(running) == -9  # killed
     with pytest.raises(Exception):  # cancelled, never run
         queue.result(waiting)
-
-
-REPORT_PRIORITY = """
-import os
-print(os.nice(0))
-print(open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup") else "no autogroups")
-"""
-
-
-def test_a_queued_job_and_its_session_run_at_a_lower_priority_than_the_tests():
-    """A process the queue starts has ``NICENESS``, and so has the session it leads (where the kernel groups
-    processes by session); the pytest process keeps its own."""
-    ours = os.nice(0)
-
-    def report(scratch, environ):
-        returncode, out = run_command([sys.executable, "-c", REPORT_PRIORITY], 60)
-        assert returncode == 0, out
-        return out.split()
-
-    queue = JobQueue()
-    job = Call("report", report, 60)
-    queue.start([job])
-    try:
-        niceness, session = queue.result(job)
-    finally:
-        queue.close()
-    lowered = str(min(ours + NICENESS, 19))
-    assert [niceness, session] in ([lowered, lowered], [lowered, "no autogroups"])
-    assert os.nice(0) == ours
-    assert run_command([sys.executable, "-c", REPORT_PRIORITY], 60)[1].split() in (  # a command a test runs
-        [str(ours), "0"], [str(ours), "no autogroups"])

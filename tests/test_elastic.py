@@ -249,7 +249,7 @@ def test_a_new_worker_that_fails_to_build_is_stopped_and_the_engine_is_as_it_was
     assert_weights_close(sgd.get_weights(), momentum_reference(start, [(3, 2)]))
 
 
-BACKGROUND_JOBS = {"elastic_job": Job(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py"), 400)}
+BACKGROUND_JOBS = {"elastic_job": Job(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py"), 300)}
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from job_processes import run_job
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS_DIR, "tls_job.py")
-TIMEOUT_S = 400
+TIMEOUT_S = 300
 LAYOUT = plan_partitions([VarSpec("w", (1000,), np.dtype(np.float32))], 1 << 20)
 FALLBACK = "those pushes go through Ray's object store instead"
 
