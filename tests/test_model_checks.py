@@ -8,10 +8,10 @@ import pytest
 
 import dsgd
 import model_check_models as mc
-from dsgd_test_models import actors_started_since, assert_replicas_identical, known_actors
+from dsgd_test_models import actors_started_since, assert_replicas_identical, known_actors, local_worker
 
 
-@pytest.mark.parametrize("model, devices, error, message", [
+REFUSED = [
     (mc.NonScalarLoss, 1, dsgd.ModelCreatorError,
      r"get_loss\(\) must return a scalar, got shape \(3,\) on worker 0, device 0"),
     (mc.KerasOptimizer, 1, dsgd.ModelCreatorError,
@@ -21,8 +21,24 @@ from dsgd_test_models import actors_started_since, assert_replicas_identical, kn
     (mc.UndefinedShape, 1, dsgd.ModelCreatorError, r"variable 'free' has a shape that is not fully defined: \(None,\)"),
     (mc.MetricsByDevice, 2, dsgd.WorkerMismatchError,
      r"replica 1 on worker 0 reports metric tensors \['abs_error', 'extra'\], replica 0 \['abs_error'\]"),
-], ids=lambda p: p.__name__ if isinstance(p, type) and issubclass(p, dsgd.Model) else None)
-def test_a_model_the_engine_cannot_train_is_refused_at_build_naming_why(ray_session, model, devices, error, message):
+]
+
+
+def model_id(p):
+    return p.__name__ if isinstance(p, type) and issubclass(p, dsgd.Model) else None
+
+
+@pytest.mark.parametrize("model, devices, error, message", REFUSED, ids=model_id)
+def test_a_model_a_worker_cannot_train_is_refused_at_build_naming_why(model, devices, error, message):
+    """The worker's own checks, on a worker built in this process as an actor builds it."""
+    with pytest.raises(error, match=message):
+        local_worker(model, devices_per_worker=devices)
+
+
+@pytest.mark.parametrize("model, devices, error, message",
+                         [r for r in REFUSED if r[0] in (mc.NonScalarLoss, mc.MetricsByDevice)], ids=model_id)
+def test_the_engine_raises_a_workers_refusal_and_stops_the_worker(ray_session, model, devices, error, message):
+    """One refusal of each kind of error, from a worker actor: the engine raises it, and the worker is gone."""
     before = known_actors()
     with pytest.raises(error, match=message):
         dsgd.DistributedSGD(model, num_workers=1, devices_per_worker=devices)
