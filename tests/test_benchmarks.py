@@ -485,3 +485,16 @@ def test_scaling_plots_several_runs_each_system_from_the_last_record_that_measur
     other.write_text(json.dumps({"configs": [{**_scaling_record(8, 1, {"ps": 2.5}), "link_gbit": 1.0}]}))
     with pytest.raises(SystemExit, match="differ in link rate or scale"):
         scaling.main(["--plot-from", str(old), str(other), "--out", str(tmp_path / "plot.json")])
+
+
+@pytest.mark.slow  # a benchmark's smoke run: three fresh processes each tracing a model (about 60 s here)
+def test_first_step_benchmark_times_keras_and_dsgd_first_steps(ray_session, tmp_path):
+    from benchmarks import first_step
+
+    out = tmp_path / "first_step.json"
+    first_step.main(["--models", "cnn", "--devices", "1", "--rounds", "1", "--later-steps", "1", "--out", str(out)])
+    result = json.loads(out.read_text())["models"]["cnn"]
+    assert set(result) == {"keras", "dsgd-1"}
+    assert all(r["to_first_step_s"] > r["later_step_s"] > 0 for r in result.values())  # a process start, a trace
+    assert result["dsgd-1"]["to_first_step_over_keras"] == result["dsgd-1"]["to_first_step_s"] / result["keras"][
+        "to_first_step_s"]

@@ -15,6 +15,7 @@ import tensorflow as tf
 import dsgd
 import tf2_test_models as m
 from dsgd.cluster import room
+from dsgd.worker.tf2.runtime import Tf2Runtime
 from dsgd_test_models import (actor_pids, assert_replicas_identical, assert_warmup_and_a_skipped_step_change_nothing, kill,
                               local_worker, ps_actors)
 
@@ -251,6 +252,28 @@ def test_a_keras3_creator_with_eager_only_code_before_the_model_trains():
     assert type(worker.runtime).__name__ == "Tf2Runtime"
     losses = [worker.step(step, fetch_stats=True)["loss"] for step in range(20)]
     assert np.mean(losses[-5:]) < losses[0] / 4, losses  # a noise-free linear target: batch losses fall to ~0
+
+
+def test_a_batch_of_another_size_runs_on_the_first_trace_and_trains_like_the_reference(monkeypatch):
+    """The step is traced once, for the first batch's structure and dtypes with the batch size free: a later
+    batch of another size (an epoch's last) runs on that trace, and each step applies the gradient of what the
+    replica read. Built in this process (``local_worker``)."""
+    traced = []
+    trace = Tf2Runtime._trace
+
+    def counted(self, body, specs):
+        traced.append([tuple(spec.shape) for spec in specs])
+        return trace(self, body, specs)
+
+    monkeypatch.setattr(Tf2Runtime, "_trace", counted)
+    worker = local_worker(m.SizedRegression)  # one replica: this process's TensorFlow may have one CPU device
+    start = worker.get_weights()
+    for step in range(len(m.SIZES)):
+        worker.step(step, fetch_stats=False)
+    assert traced == [[(None, m.FEATURES), (None,), ()]]  # the batch's x and y, and the step id
+    expected = m.regression_reference(start, [(0, 0)], len(m.SIZES), sizes=m.SIZES)
+    for name, value in worker.get_weights().items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("creator, message, eager_message", [

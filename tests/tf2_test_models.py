@@ -121,14 +121,33 @@ class FixedRegression(Regression):
         return {"x": x, "y": y.astype(np.float32)}
 
 
-def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int, fixed: bool = False) -> dict:
-    """``Regression`` (``FixedRegression`` if ``fixed``) trained by plain SGD on the mean of the replicas'
-    gradients, in numpy (float64)."""
+SIZES = (BATCH, BATCH, 5, BATCH, 3, 7)  # SizedRegression's batch size, step after step
+
+
+class SizedRegression(Regression):
+    """``Regression`` whose step s reads the first ``SIZES[s]`` rows of its batch: a batch size that changes."""
+
+    def __init__(self, worker_index: int, device_index: int):
+        super().__init__(worker_index, device_index)
+        self.step = 0
+
+    def get_batch(self):
+        x, y = batch(self.worker_index, self.device_index, self.step)
+        size, self.step = SIZES[self.step], self.step + 1
+        return {"x": x[:size], "y": y[:size].astype(np.float32)}
+
+
+def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int, fixed: bool = False,
+                         sizes: tuple[int, ...] | None = None) -> dict:
+    """``Regression`` (``FixedRegression`` if ``fixed``, ``SizedRegression`` given ``SIZES``) trained by plain SGD
+    on the mean of the replicas' gradients, in numpy (float64)."""
     w, b = weights["w"].astype(np.float64), float(weights["b"])
     for step in range(steps):
         gw, gb = np.zeros_like(w), 0.0
         for wi, d in reps:
             x, y = batch(wi, d, 0 if fixed else step)
+            if sizes is not None:
+                x, y = x[:sizes[step]], y[:sizes[step]]
             err = x @ w + b - y
             gw += 2 * x.T @ err / len(err)
             gb += 2 * err.mean()
