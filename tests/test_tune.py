@@ -67,12 +67,9 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
     marker = str(tmp_path / "killed")
     trainable = dsgd_tune.trainable(regression_creator, steps_per_report=2, num_workers=2, strategy="ps",
                                     num_parameter_servers=1, max_failures=0, timeout_s=60)
-    results = run(trainable, {"lr": 0.1, "momentum": 0.9, "kill_at": tune.grid_search([None, 7]),
-                              "marker": marker}, tmp_path, iterations=5)
+    (killed,) = run(trainable, {"lr": 0.1, "momentum": 0.9, "kill_at": 7, "marker": marker}, tmp_path, iterations=5)
     assert os.path.exists(marker)
-    by_kill = {r.config["kill_at"]: r for r in results}
-    killed, uninterrupted = by_kill[7], by_kill[None]
-    assert killed.metrics["num_steps"] == uninterrupted.metrics["num_steps"] == 10
+    assert killed.metrics["num_steps"] == 10
     # After the failure it reported iterations 4 and 5, steps 8 and 10. Of the rows before it, Tune's history
     # keeps all, none or some (seen in CI: none; iteration 1 alone), but never one that differs.
     history = killed.metrics_dataframe
@@ -80,13 +77,14 @@ def test_trial_whose_worker_dies_resumes_from_its_checkpoint(ray_session, tmp_pa
     assert rows[-2:] == [(4, 8), (5, 10)] and set(rows[:-2]) <= {(1, 2), (2, 4), (3, 6)}, rows
     # What tells a resume from a restart from scratch: after the restart worker 0 computed steps 6 to 9
     # only. Before the kill it computed steps 0 to 6, and step 7 too if it got there before worker 1 died.
-    batches = {kill_at: len(open(calls_file(kill_at, marker)).readlines()) for kill_at in (None, 7)}
-    assert batches[None] == 10
-    assert batches[7] in (7 + 4, 8 + 4), batches  # a restart from scratch would make it 17 or 18
-    got, expected = final_state(killed), final_state(uninterrupted)
-    assert got.keys() == expected.keys() and any(k.startswith("optimizer/") for k in got)
-    for key in expected:
-        assert np.array_equal(got[key], expected[key]), key
+    batches = len(open(calls_file(7, marker)).readlines())
+    assert batches in (7 + 4, 8 + 4), batches  # a restart from scratch would make it 17 or 18
+    # The weights are those of 10 uninterrupted steps: the checkpoint carried the weights and the momentum
+    # (resumed without it, steps 7 to 10 would go elsewhere).
+    state = final_state(killed)
+    assert any(k.startswith("optimizer/") for k in state)
+    expected, _ = numpy_descent(0.1, [(0, 0), (1, 0)], 10, momentum=0.9)
+    np.testing.assert_allclose(state["weights/w"], expected, rtol=1e-5)
 
 
 def test_engine_in_a_trial_replaces_its_dead_worker_without_failing_the_trial(ray_session, tmp_path):
