@@ -218,11 +218,16 @@ def test_for_model_runs_on_worker_0_device_0_in_the_workers_session(engines):
 
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strategy):
+    """And what a step sends: "simple", a worker's float32 gradients to the driver; "ps", its partitions."""
     sgd = engines[strategy]
     start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
     expected = start
+    gradient_bytes = 4 * (5 * 4 + 4 + 4)  # TanhNet's float32 gradients, the local mean of a worker's replicas
     for step in range(3):
-        sgd.step(fetch_stats=(step % 2 == 0))
+        stats = sgd.step(fetch_stats=(step % 2 == 0))
+        if step % 2 == 0:
+            assert stats["sent_bytes"] == (gradient_bytes if strategy == "simple" else
+                                           sum(partition.nbytes for partition in server_group(sgd).layout))
         expected = numpy_step(expected, REPLICAS, step)
         assert_all_four_identical(sgd)
         assert_weights_close(sgd.get_weights(), expected)
