@@ -8,7 +8,8 @@ the times include starting it and importing TensorFlow; for each model
 (`--models`):
 
   keras   a Ray actor (1 CPU, the workers' environment, dsgd imported
-          before TensorFlow, as in a worker) builds the Keras 3 model,
+          before TensorFlow, and a 1-CPU worker's TensorFlow threads: 1
+          per op, 2 ops at once) builds the Keras 3 model,
           compiles it and runs its first `train_on_batch` on one batch:
           timed in the driver from the actor's creation; then
           `--later-steps` more, each timed in the actor;
@@ -88,7 +89,11 @@ class KerasProcess:
     def first_step(self, name: str) -> None:
         import dsgd  # noqa: F401  (before TensorFlow, as in a worker)
         import keras
+        import tensorflow as tf
 
+        # A 1-CPU dsgd worker's threads (dsgd.worker.runtime.thread_counts, less the receives' threads)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
         self.net = make_net(name)
         self.net.compile(optimizer=keras.optimizers.SGD(0.01),
                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
