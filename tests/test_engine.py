@@ -14,9 +14,9 @@ import dsgd
 from dsgd import ops
 from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd.cluster.placement import actor_state
-from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical, assert_replicas_identical,
-                              assert_weights_close, batch, numpy_forward, numpy_step, replica_weights,
-                              set_start_weights)
+from dsgd_test_models import (HIDDEN, IN, BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical,
+                              assert_replicas_identical, assert_weights_close, batch, numpy_forward, numpy_step,
+                              replica_weights, set_start_weights)
 
 from dsgd_test_models import ps_actors, server_group  # the engine's internals
 
@@ -222,10 +222,11 @@ def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strate
     sgd = engines[strategy]
     start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
     expected = start
-    gradient_bytes = 4 * (5 * 4 + 4 + 4)  # TanhNet's float32 gradients, the local mean of a worker's replicas
+    gradient_bytes = 4 * (IN * HIDDEN + HIDDEN + HIDDEN)  # TanhNet's float32 w, b and v: a worker's local mean
     for step in range(3):
-        stats = sgd.step(fetch_stats=(step % 2 == 0))
-        if step % 2 == 0:
+        fetch = step % 2 == 0
+        stats = sgd.step(fetch_stats=fetch)
+        if fetch:
             assert stats["sent_bytes"] == (gradient_bytes if strategy == "simple" else
                                            sum(partition.nbytes for partition in server_group(sgd).layout))
         expected = numpy_step(expected, REPLICAS, step)
