@@ -11,9 +11,11 @@ epoch, the dataset still running):
 3. ``datasets=``, dropped without shutdown (``del`` and a garbage collection).
 
 After each, the job waits (bounded) until no actor or task that was not
-running before the engine is left, by ``ray.util.state``. Then it prints
-``ENGINES STOPPED`` and goes on printing ``tick`` lines, as a program that
-does other things, so that anything still drawing shows after that line.
+running before the engine is left, by ``ray.util.state``. Then it waits
+until what the workers wrote has reached its own output (``forwarded``),
+prints ``ENGINES STOPPED`` and goes on printing ``tick`` lines, as a
+program that does other things, so that anything still drawing shows after
+that line and nothing drawn before it does.
 The ``RESULT`` line maps each engine to what was still running after the
 wait: ``class name`` of actors, ``name`` of tasks.
 """
@@ -22,7 +24,14 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import sys
+import threading
 import time
+
+# Ray's driver holds back a worker's line that repeats another's for 5 s, to print it once with a count: it could
+# then come after "ENGINES STOPPED" although written before. Set before Ray is imported, which reads it.
+os.environ["RAY_DEDUP_LOGS"] = "0"
 
 import ray
 import ray.data
@@ -69,6 +78,40 @@ def left_running(before: dict[str, str]) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
+
+
+class Watched:
+    """A stream that sets ``seen`` once ``token`` is written to it (by Ray's thread printing worker output)."""
+
+    def __init__(self, stream, token: str):
+        self.stream, self.token, self.seen = stream, token, threading.Event()
+
+    def write(self, text: str) -> int:
+        if self.token in text:
+            self.seen.set()
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@ray.remote(num_cpus=0)
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def forwarded() -> None:
+    """Wait (bounded) until a line a task prints now has reached this driver's output. Ray's log monitor reads
+    every worker's log files on each pass and the driver prints what it sends in order, so what the workers wrote
+    before that line has reached the output too."""
+    token = f"FORWARDED {os.getpid()}"
+    sys.stdout = watched = Watched(sys.stdout, token)
+    try:
+        ray.get(say.remote(token), timeout=SETTLE_S)
+        if not watched.seen.wait(SETTLE_S):
+            raise RuntimeError(f"a task's line did not reach the driver's output within {SETTLE_S} s")
+    finally:
+        sys.stdout = watched.stream
 
 
 def engine(datasets: bool) -> dsgd.DistributedSGD:
