@@ -202,16 +202,19 @@ class RayTrainSystem:
         self.run.close()
 
 
-def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config) -> System:
-    """System ``name`` (one of SYSTEMS) on the cluster, built and ready to step."""
+def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_shard_bytes: int | None) -> System:
+    """System ``name`` (one of SYSTEMS) on the cluster, built and ready to step; ``grad_shard_bytes`` for the
+    "ps" systems (None: dsgd's default partitions)."""
     start = time.perf_counter()
     if name == "raytrain":
         system = RayTrainSystem(variables, cfg.workers)
     elif name == "floor":
         system = DsgdSystem(name, variables, 1)
+    elif name == "simple":
+        system = DsgdSystem(name, variables, cfg.workers, strategy="simple")
     else:
         extra = {"ps-bf16": {"compression": "bf16"}, "ps-servers": {"server_resource": SERVER_RESOURCE}}
-        system = DsgdSystem(name, variables, cfg.workers, strategy="simple" if name == "simple" else "ps",
+        system = DsgdSystem(name, variables, cfg.workers, strategy="ps", grad_shard_bytes=grad_shard_bytes,
                             **extra.get(name, {}))
     print(f"  {name}: built in {time.perf_counter() - start:.1f} s", flush=True)
     return system
@@ -398,7 +401,7 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
     systems: list[System] = []
     try:
         for name in args.systems:
-            systems.append(build(name, variables, cfg))
+            systems.append(build(name, variables, cfg, args.grad_shard_bytes))
         watch.refresh(systems)
         record["details"] = {s.name: s.details() for s in systems}
         record["memory"].append({"alive": [s.name for s in systems], **watch.memory()})
@@ -434,7 +437,7 @@ def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str
     record["order"] = []
     for repeat in range(args.repeats):
         for name in common.rotated(args.systems, repeat):
-            system = build(name, variables, cfg)
+            system = build(name, variables, cfg, args.grad_shard_bytes)
             try:
                 watch.refresh([system])
                 record["details"].setdefault(name, system.details())
@@ -560,6 +563,7 @@ def summary(command: str, args: argparse.Namespace, variables: list, m_bytes: in
     """The run's record: its configs' records, the table of them all, the targets met or missed."""
     found = verdicts(records)
     return {"command": command, "link_gbit": args.link_gbit, "scale": args.scale, "m_bytes": m_bytes,
+            "grad_shard_bytes": args.grad_shard_bytes,
             "tensors": len(variables), "repeats_in_turn": args.repeats, "configs": records,
             "table": "\n".join(TABLE_HEAD + [row for r in records for row in config_rows(r)]),
             "targets": TARGETS, "measured": found, "verdicts": verdict_lines(found), **common.machine()}
@@ -582,6 +586,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=0.1, help="pause before every step")
     p.add_argument("--server-nodes", type=int, default=0,
                    help="nodes of the parameter servers' own, after the worker nodes, for ps-servers")
+    p.add_argument("--grad-shard-bytes", type=int, default=None,
+                   help="the \"ps\" systems' partition bytes (default: dsgd's, about 4 partitions a server)")
     p.add_argument("--probe-mb", type=float, default=16.0)
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
     p.add_argument("--link-busy", action="store_true",

@@ -85,8 +85,9 @@ class DistributedSGD:
             averages; a reference for debugging).
         grad_shard_bytes: partition size for "ps": the unit that travels
             to a parameter server and is pipelined with back-propagation.
-            ``None`` (default): dsgd picks about 4 partitions per server, at
-            least 1 MiB each, and logs its choice; 0 means one partition.
+            ``None`` (default): dsgd picks about 4 partitions per server (16
+            when the workers and servers span nodes), at least 1 MiB each,
+            and logs its choice; 0 means one partition.
             Never changes how many server processes start.
         all_reduce_alg: local allreduce across a worker's devices: "simple"
             (add_n on device 0) or "nccl" (GPU only).

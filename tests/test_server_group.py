@@ -84,19 +84,44 @@ def test_default_partition_size_gives_each_server_a_few_partitions_of_at_least_1
     assert default_partition_bytes(many, 1) == 44_500_000
     assert default_partition_bytes(many, 2) == 22_250_000
     assert default_partition_bytes(floats(250), 1) == MIN_PARTITION_BYTES
+    # Across nodes, 16 a server: more rounds, so less of the means waits for the last pushes.
+    assert default_partition_bytes(many, 2, across_nodes=True) == 5_562_500
+    assert default_partition_bytes(floats(250), 2, across_nodes=True) == MIN_PARTITION_BYTES
 
 
+@pytest.mark.parametrize("across_nodes", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 0.1, 0.05])
-def test_default_partitions_fill_whole_rounds_of_one_per_server(scale):
+def test_default_partitions_fill_whole_rounds_of_one_per_server(scale, across_nodes):
     # At a tenth of ResNet-101, 8 servers got 17 partitions of at least 1 MiB: a last round of one, pushed by
     # every worker into one node's link at once. Now 16.
     from benchmarks.exchange import variable_shapes
 
     specs = [VarSpec(name, tuple(shape), np.dtype(np.float32)) for name, shape in variable_shapes("resnet101", scale)]
     for servers in range(1, 9):
-        count = len(plan_partitions(specs, default_partition_bytes(specs, servers)))
+        count = len(plan_partitions(specs, default_partition_bytes(specs, servers, across_nodes)))
         assert count % servers == 0 or count < servers, (servers, count)
-    assert len(plan_partitions(specs, default_partition_bytes(specs, 8))) == {1.0: 32, 0.1: 16, 0.05: 8}[scale]
+    expected = {1.0: 128 if across_nodes else 32, 0.1: 16, 0.05: 8}[scale]  # below 1.0, 1 MiB is the least
+    assert len(plan_partitions(specs, default_partition_bytes(specs, 8, across_nodes))) == expected
+
+
+@pytest.mark.parametrize("worker_nodes, per_server", [(["a", "a"], 4), (["a", "b"], 16)])
+def test_the_engines_default_partitions_are_finer_when_its_workers_span_nodes(monkeypatch, resnet101, worker_nodes,
+                                                                               per_server):
+    # ResNet-101's gradients and 2 one-CPU workers, each node of 8 CPUs: 2 servers, beside the workers.
+    from dsgd.cluster import server_group
+    from dsgd.cluster.topology import Topology
+    from dsgd.config import Options
+
+    options = Options.checked(strategy="ps", num_workers=2, devices_per_worker=1, gpu=False, grad_shard_bytes=None,
+                              all_reduce_alg="simple", num_parameter_servers=None, cpus_per_worker=1,
+                              nan_policy="raise", use_ops=False, max_failures=3, timeout_s=60.0,
+                              startup_timeout_s=60.0, logdir=None, batch_size=None, compression=None,
+                              resize_interval_s=60.0, server_resource=None)
+    monkeypatch.setattr(server_group, "live_node_resources", lambda: {n: {"CPU": 8} for n in worker_nodes})
+    monkeypatch.setattr(server_group, "reserved_cpus", lambda: None)
+    group = server_group.plan_group(options, Topology.of(options), resnet101, worker_nodes)
+    assert sorted(group.nodes) == worker_nodes
+    assert len(group.layout) == per_server * 2
 
 
 def test_default_splits_a_variable_only_across_servers():
@@ -170,7 +195,8 @@ def test_every_node_holds_servers_and_no_link_carries_more_than_its_share(resnet
     names = [f"node{k}" for k in range(nodes)]
     worker_nodes = [node for node in names for _ in range(workers_per_node)]
     servers = plan_servers(worker_nodes, dict.fromkeys(names, 8), 1, None)
-    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers)), compression)
+    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers), across_nodes=True),
+                             compression)
     group = ServerGroup(layout, servers[:len(layout)], len(worker_nodes), 30.0, worker_nodes=worker_nodes)
     assert sorted(set(group.nodes)) == names
     assert group.nodes.count(names[0]) == workers_per_node  # a server per worker on every node
@@ -192,7 +218,7 @@ def test_at_every_point_of_a_round_each_node_pushes_to_a_different_node(resnet10
     names = [f"node{k}" for k in range(nodes)]
     worker_nodes = [node for k in range(workers_per_node) for node in names]  # SPREAD: worker w on node w % n
     servers = plan_servers(worker_nodes, dict.fromkeys(names, 8), 1, None)
-    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers)))
+    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers), across_nodes=True))
     group = ServerGroup(layout, servers[:len(layout)], len(worker_nodes), 30.0, worker_nodes=worker_nodes)
     assert len(layout) % len(group.nodes) == 0  # whole rounds only: a partial round has fewer targets than nodes
     for w, rounds in enumerate(group.rounds):
@@ -235,7 +261,7 @@ def test_with_server_nodes_each_worker_node_pushes_to_a_different_server_node_at
     server_nodes = [f"s{k}" for k in range(4)]
     servers = plan_servers(worker_nodes, dict.fromkeys(server_nodes, 2), 1, None, server_nodes)
     assert servers == server_nodes
-    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers)))
+    layout = plan_partitions(resnet101, default_partition_bytes(resnet101, len(servers), across_nodes=True))
     group = ServerGroup(layout, servers, len(worker_nodes), 30.0, worker_nodes=worker_nodes)
     assert group.relays == {}  # no server on a worker node to relay: every worker pushes directly
     assert all(group.routes(w) == group.placement for w in range(4))

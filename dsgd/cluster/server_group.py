@@ -400,7 +400,8 @@ def plan_group(options: Options, topology: Topology, exchange: Sequence[VarSpec]
                          server_nodes)
     partition_bytes = options.grad_shard_bytes
     if partition_bytes is None:
-        partition_bytes = partitions.default_partition_bytes(exchange, len(nodes))
+        partition_bytes = partitions.default_partition_bytes(exchange, len(nodes),
+                                                             across_nodes=len({*worker_nodes, *nodes}) > 1)
     layout = partitions.plan_partitions(exchange, partition_bytes, options.compression)
     group = ServerGroup(layout, nodes[:len(layout)], topology.num_workers, options.timeout_s,
                         topology.backup_workers, worker_nodes)
