@@ -17,12 +17,15 @@ the times include starting it and importing TensorFlow; for each model
           `--devices`, the same model as a `dsgd.KerasModel` on one batch
           per replica, at the defaults (one worker has no exchange): its
           construction and first step, timed in the driver; then
-          `--later-steps` more, each timed.
+          `--later-steps` more, each timed in the driver (`sgd.step()`:
+          the call to the worker and back included), and as many timed
+          inside the worker (its step alone, as Keras's are timed).
 
 In rounds (`--rounds`), the systems in an order rotated by the round.
 Reported per model: the median time to the first step, the median later
-step, and each dsgd run's time to the first step over Keras's ("dsgd-1"
-trains the same single replica). Writes benchmarks/results/first_step.json.
+step (dsgd's from the driver and inside the worker), and each dsgd run's
+time to the first step over Keras's ("dsgd-1" trains the same single
+replica). Writes benchmarks/results/first_step.json.
 From the repository root:
 
     .venv/bin/python -m benchmarks.first_step
@@ -49,6 +52,7 @@ from dsgd.cluster.cluster import worker_env
 MODELS = ("mobilenet_v2", "cnn")
 IMAGE_SIZE, CLASSES, BATCH = 32, 10, 8
 STEP_TIMEOUT_S = 900.0
+IN_WORKER_STEP_IDS = 1_000_000  # the step ids of the steps timed inside a worker, past any the driver gave
 
 
 def make_net(name: str) -> Any:
@@ -109,38 +113,53 @@ class KerasProcess:
         return times
 
 
-def keras_steps(name: str, later_steps: int) -> list[float]:
-    """The time to Keras's first step from the actor's creation, then ``later_steps`` step times."""
+def keras_steps(name: str, later_steps: int) -> dict[str, Any]:
+    """The time to Keras's first step from the actor's creation, then ``later_steps`` step times (in its process)."""
     start = time.perf_counter()
     actor = KerasProcess.options(runtime_env={"env_vars": worker_env()}).remote()  # env merged with the job's
     try:
         ray.get(actor.first_step.remote(name), timeout=STEP_TIMEOUT_S)
         first = time.perf_counter() - start
-        return [first, *ray.get(actor.later_steps.remote(later_steps), timeout=STEP_TIMEOUT_S)]
+        later = ray.get(actor.later_steps.remote(later_steps), timeout=STEP_TIMEOUT_S)
+        return {"first": first, "later": later, "in_process": later}
     finally:
         ray.kill(actor)
 
 
-def dsgd_steps(name: str, devices: int, later_steps: int) -> list[float]:
-    """The time to the engine's first step from its construction, then ``later_steps`` step times."""
+def steps_in_worker(worker: Any, steps: int) -> list[float]:
+    """``steps`` steps timed inside the worker process (run there by ``foreach_worker``): the worker's step alone."""
+    times = []
+    for k in range(steps):
+        start = time.perf_counter()
+        worker.step(IN_WORKER_STEP_IDS + k, False)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def dsgd_steps(name: str, devices: int, later_steps: int) -> dict[str, Any]:
+    """The time to the engine's first step from its construction, then ``later_steps`` step times in the driver and
+    as many inside the worker."""
     import dsgd
 
     start = time.perf_counter()
     with dsgd.DistributedSGD(creator(name), num_workers=1, devices_per_worker=devices, startup_timeout_s=900,
                              timeout_s=STEP_TIMEOUT_S) as sgd:
         sgd.step()
-        times = [time.perf_counter() - start]
+        first, later = time.perf_counter() - start, []
         for _ in range(later_steps):
             start = time.perf_counter()
             sgd.step()
-            times.append(time.perf_counter() - start)
-    return times
+            later.append(time.perf_counter() - start)
+        [in_process] = sgd.foreach_worker(lambda worker: steps_in_worker(worker, later_steps))
+    return {"first": first, "later": later, "in_process": in_process}
 
 
-def summary(runs: list[list[float]]) -> dict[str, float]:
-    """Median time to the first step and median later step of ``runs`` (each: the first, then the later ones)."""
-    return {"to_first_step_s": statistics.median(r[0] for r in runs),
-            "later_step_s": statistics.median(t for r in runs for t in r[1:])}
+def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median time to the first step and median later step of ``runs``, from the driver and in the process that
+    steps."""
+    return {"to_first_step_s": statistics.median(r["first"] for r in runs),
+            "later_step_s": statistics.median(t for r in runs for t in r["later"]),
+            "later_step_in_process_s": statistics.median(t for r in runs for t in r["in_process"])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,16 +176,18 @@ def main(argv: list[str] | None = None) -> None:
     record: dict[str, Any] = {"command": common.command_line("benchmarks.first_step", argv),
                               "machine": common.machine(), "models": {}}
     for name in args.models:
-        systems: dict[str, Callable[[], list[float]]] = {
+        systems: dict[str, Callable[[], dict[str, Any]]] = {
             "keras": lambda: keras_steps(name, args.later_steps)}
         for devices in args.devices:
             systems[f"dsgd-{devices}"] = lambda d=devices: dsgd_steps(name, d, args.later_steps)
-        runs: dict[str, list[list[float]]] = {s: [] for s in systems}
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for round_index in range(args.rounds):
             for system in common.rotated(list(systems), round_index):
                 runs[system].append(systems[system]())
-                print(f"{name} round {round_index} {system}: to the first step {runs[system][-1][0]:.2f} s, "
-                      f"later {statistics.median(runs[system][-1][1:]):.3f} s", flush=True)
+                last = runs[system][-1]
+                print(f"{name} round {round_index} {system}: to the first step {last['first']:.2f} s, later "
+                      f"{statistics.median(last['later']):.3f} s ({statistics.median(last['in_process']):.3f} s "
+                      "in its process)", flush=True)
         result = {system: {**summary(r), "runs_s": r} for system, r in runs.items()}
         for system in systems:
             if system != "keras":
@@ -176,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         for system, r in result.items():
             ratio = r.get("to_first_step_over_keras")
             print(f"{name:13s} {system:8s} to the first step {r['to_first_step_s']:7.2f} s  later steps "
-                  f"{r['later_step_s']:6.3f} s" + (f"  (to the first step / Keras's: {ratio:.2f})" if ratio else ""),
-                  flush=True)
+                  f"{r['later_step_s']:6.3f} s, in its process {r['later_step_in_process_s']:6.3f} s"
+                  + (f"  (to the first step / Keras's: {ratio:.2f})" if ratio else ""), flush=True)
     print(f"wrote {common.write_json(record, args.out)}")
 
 

@@ -496,5 +496,8 @@ def test_first_step_benchmark_times_keras_and_dsgd_first_steps(ray_session, tmp_
     result = json.loads(out.read_text())["models"]["cnn"]
     assert set(result) == {"keras", "dsgd-1"}
     assert all(r["to_first_step_s"] > r["later_step_s"] > 0 for r in result.values())  # a process start, a trace
+    assert result["keras"]["later_step_in_process_s"] == result["keras"]["later_step_s"]  # timed in its actor
+    assert [len(run["in_process"]) for run in result["dsgd-1"]["runs_s"]] == [1]  # timed inside the worker too
+    assert result["dsgd-1"]["later_step_in_process_s"] > 0
     assert result["dsgd-1"]["to_first_step_over_keras"] == result["dsgd-1"]["to_first_step_s"] / result["keras"][
         "to_first_step_s"]
