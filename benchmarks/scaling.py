@@ -587,7 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-nodes", type=int, default=0,
                    help="nodes of the parameter servers' own, after the worker nodes, for ps-servers")
     p.add_argument("--grad-shard-bytes", type=int, default=None,
-                   help="the \"ps\" systems' partition bytes (default: dsgd's, about 4 partitions a server)")
+                   help="the \"ps\" systems' partition bytes (default: dsgd's; across nodes about 16 a server, at "
+                        "least 1 MiB)")
     p.add_argument("--probe-mb", type=float, default=16.0)
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
     p.add_argument("--link-busy", action="store_true",
