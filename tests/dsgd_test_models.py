@@ -526,6 +526,17 @@ def kill(*actors, pids: list[int] | None = None) -> None:
         wait_until(lambda: is_dead(actor))
 
 
+def engine_options(**given: Any):
+    """The ``Options`` ``DistributedSGD(model_creator, **given)`` checks, every argument not given at its default."""
+    import inspect
+
+    from dsgd.config import Options
+
+    defaults = {name: p.default for name, p in inspect.signature(dsgd.DistributedSGD).parameters.items()
+                if p.default is not inspect.Parameter.empty and name != "datasets"}  # datasets: checked apart
+    return Options.checked(**{**defaults, **given})
+
+
 def local_worker(model_creator: Callable, devices_per_worker: int = 1, state: dict | None = None):
     """A dsgd worker built in this process (no Ray) as a worker actor builds it (``SGDWorker.setup``), from
     ``state`` if given: exchange "alone", so a step applies its replicas' mean. ``setup`` freezes the heap for a

@@ -8,7 +8,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dsgd.cluster import room
 from dsgd.cluster.placement import place_new_workers, reserved_cpus
 from dsgd.cluster.server_group import plan_servers
-from dsgd.config import Options
+from dsgd_test_models import engine_options
 from dsgd.errors import DSGDError
 
 ONE_CPU = {"CPU": 1}
@@ -40,11 +40,7 @@ def test_spread_workers_go_round_robin_over_the_nodes_with_room():
 
 
 def _room(server_resource=None, **options):
-    given = dict(strategy="ps", num_workers=4, devices_per_worker=1, gpu=False, grad_shard_bytes=None,
-                 all_reduce_alg="simple", num_parameter_servers=None, cpus_per_worker=1, nan_policy="raise",
-                 use_ops=False, max_failures=3, timeout_s=60.0, startup_timeout_s=60.0, logdir=None,
-                 batch_size=None, compression=None, resize_interval_s=60.0, server_resource=server_resource)
-    return room.WorkerRoom(Options.checked(**{**given, **options}))
+    return room.WorkerRoom(engine_options(**{"num_workers": 4, "server_resource": server_resource, **options}))
 
 
 # Two worker nodes of 2 CPUs, two server nodes of 8 CPUs marked with "dsgd_server".

@@ -110,13 +110,9 @@ def test_the_engines_default_partitions_are_finer_when_its_workers_span_nodes(mo
     # ResNet-101's gradients and 2 one-CPU workers, each node of 8 CPUs: 2 servers, beside the workers.
     from dsgd.cluster import server_group
     from dsgd.cluster.topology import Topology
-    from dsgd.config import Options
+    from dsgd_test_models import engine_options
 
-    options = Options.checked(strategy="ps", num_workers=2, devices_per_worker=1, gpu=False, grad_shard_bytes=None,
-                              all_reduce_alg="simple", num_parameter_servers=None, cpus_per_worker=1,
-                              nan_policy="raise", use_ops=False, max_failures=3, timeout_s=60.0,
-                              startup_timeout_s=60.0, logdir=None, batch_size=None, compression=None,
-                              resize_interval_s=60.0, server_resource=None)
+    options = engine_options(num_workers=2)
     monkeypatch.setattr(server_group, "live_node_resources", lambda: {n: {"CPU": 8} for n in worker_nodes})
     monkeypatch.setattr(server_group, "reserved_cpus", lambda: None)
     group = server_group.plan_group(options, Topology.of(options), resnet101, worker_nodes)
