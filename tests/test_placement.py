@@ -7,7 +7,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsgd.cluster import room
 from dsgd.cluster.placement import place_new_workers, reserved_cpus
-from dsgd.cluster.server_group import plan_servers
+from dsgd.cluster.server_plan import plan_servers
 from dsgd_test_models import engine_options
 from dsgd.errors import DSGDError
 

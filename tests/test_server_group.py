@@ -5,10 +5,10 @@ import pytest
 
 from types import SimpleNamespace
 
-from dsgd.cluster import replacement, room
+from dsgd.cluster import placement, replacement, room
 from dsgd.errors import DSGDError
-from dsgd.cluster.server_group import (ServerGroup, assign_partitions, home_for, plan_relays, plan_servers,
-                                       send_rounds)
+from dsgd.cluster.server_group import ServerGroup
+from dsgd.cluster.server_plan import assign_partitions, home_for, plan_relays, plan_servers, send_rounds
 from dsgd.wire.partitions import MIN_PARTITION_BYTES, VarSpec, default_partition_bytes, plan_partitions
 
 
@@ -345,6 +345,8 @@ def test_a_server_node_without_workers_reports_its_free_memory_by_a_task_there(m
             return needed[server_node] - 1
 
     monkeypatch.setattr(room, "_free_memory_task", _Task())
+    # Not inside a placement group: asked of Ray, that would start one in this process.
+    monkeypatch.setattr(placement, "get_current_placement_group", lambda: None)
     with pytest.raises(ValueError, match=f"\\({needed[server_node]} bytes\\) on node 5e5e5e5e \\(2 servers"):
         room.check_server_memory(group, [_Worker(), _Worker()], _Calls())
     assert tasks == [(server_node, False)]  # read on that node, by hard affinity

@@ -43,7 +43,7 @@ class ParameterServerClient:
                  step_timeout_s: float, startup_timeout_s: float, rounds: Sequence[Sequence[int]] | None = None):
         """``placement[j]``: the index of the server that sums ``layout[j]``; ``rounds``: the partitions'
         indices in the order this worker pushes them, round by round (the driver's
-        ``dsgd.cluster.server_group.send_rounds``; the same round sets on every worker), by default layout order,
+        ``dsgd.cluster.server_plan.send_rounds``; the same round sets on every worker), by default layout order,
         a partition a round.
 
         ``step_timeout_s`` bounds each wait for a mean, ``startup_timeout_s``

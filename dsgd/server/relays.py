@@ -2,7 +2,7 @@
 
 On a node without partition j's server that holds several workers, one
 server there relays j (``Relay``, planned by
-``dsgd.cluster.server_group.plan_relays``). Its local workers push j to it
+``dsgd.cluster.server_plan.plan_relays``). Its local workers push j to it
 as to any local server; once all have, it sums their copies (float32, worker
 order) and pushes the node's partial sum to j's server as one push standing
 for those workers (keyed by the lowest of them), waits for the mean, and has

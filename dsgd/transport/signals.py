@@ -21,7 +21,7 @@ Every wait for an answer is bounded by its caller. The server answers a
 channel's requests one at a time, in order, on one thread per channel (a
 worker sends a server's partitions in layout order, in each round the ones
 that server relays first, so it never waits for an answer queued behind
-another: ``dsgd.cluster.server_group.send_rounds``), except those its
+another: ``dsgd.cluster.server_plan.send_rounds``), except those its
 ``apart`` test picks, each answered on a thread of its own (a relay's push,
 which waits on another node). No
 TensorFlow here: the parameter servers import it.
