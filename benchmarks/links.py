@@ -21,7 +21,10 @@ a "-tls" suffix.
 
 Needs root and iproute2 (`ip`, `tc`); without them it says so and exits.
 Everything it makes is torn down on exit, Ctrl-C and errors included.
-Writes benchmarks/results/links.json. From the repository root:
+Writes everything of a run into `--out-dir` (default benchmarks/results/links/,
+which git ignores: move a run worth keeping to a directory of its own, as
+benchmarks/results/links-kernels-1/): links.json (the table), exchange-<rate>.json
+and peers-<rate>/ per rate. From the repository root:
 
     .venv/bin/python benchmarks/links.py --link-gbit 1 10
     .venv/bin/python -m benchmarks.links --link-gbit 1 --peers --nodes 2
@@ -35,6 +38,7 @@ if not __package__:  # run as `python benchmarks/links.py`
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from benchmarks import common, exchange, peers
@@ -84,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers-iters", type=int, default=5)
     p.add_argument("--object-store-memory", type=int, default=2 << 30, help="bytes per node")
     p.add_argument("--tls", action="store_true", help="Ray's TLS on (and so the streams'), with a CA made for it")
+    p.add_argument("--out-dir", type=Path, default=common.RESULTS_DIR / "links",
+                   help="where the run's records go (a rerun replaces them)")
     return p.parse_args(argv)
 
 
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     "--warmup", str(args.warmup), "--steps", str(args.steps),
                                     "--scale", str(args.scale),
                                     *(["--compression", *args.compression] if args.compression else []),
-                                    "--out", str(common.RESULTS_DIR / f"links-exchange-{gbit:g}{suffix}.json")])
+                                    "--out", str(args.out_dir / f"exchange-{gbit:g}{suffix}.json")])
             for record in result["shapes"]:
                 m_bytes = gradient_bytes(record)
                 rows.append({"link_gbit": gbit, "probe_gbit": min(cluster_rates), "shape": record["shape"],
@@ -125,13 +131,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "--num-workers", str(args.nodes), "--num-iters", str(args.peers_iters), "--warmup", "2",
                     "--systems", "raytrain", "simple", "ps", *(["ps-bf16"] if "bf16" in args.compression else []),
                     "--spread", "--no-plot",
-                    "--results-dir", str(common.RESULTS_DIR / f"links-peers-{gbit:g}{suffix}")])
+                    "--results-dir", str(args.out_dir / f"peers-{gbit:g}{suffix}")])
     table = link_table(rows)
     print(f"\n{command}\n\n{table}")
     result = {"command": command, "nodes": args.nodes, "tls": args.tls, "rows": rows, "table": table,
               "peers": {gbit: [{k: r[k] for k in ("system", "images_per_sec_mean")} for r in records]
                         for gbit, records in peer_records.items()}, **common.machine()}
-    common.write_json(result, common.RESULTS_DIR / f"links{suffix}.json")
+    common.write_json(result, args.out_dir / f"links{suffix}.json")
     return result
 
 
