@@ -19,7 +19,8 @@ _EXPORTS = {
     "DistributedSGD": "dsgd.distributed_sgd",
     "Model": "dsgd.model",
     "TF2Model": "dsgd.model",
-    "KerasModel": "dsgd.integrations.keras",  # needs tf_keras (pip install 'dsgd[keras]') only when used
+    "KerasModel": "dsgd.integrations.keras",
+    "KerasTrainer": "dsgd.integrations.keras_trainer",  # Keras 3: compile, fit, evaluate, predict, callbacks  # needs tf_keras (pip install 'dsgd[keras]') only when used
     "get_dataset_shard": "dsgd.integrations.data",  # DistributedSGD(datasets=...) needs Ray Data (pip install 'dsgd[data]')
     "ActorFailure": "dsgd.errors",
     "DSGDError": "dsgd.errors",
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from dsgd.errors import (ActorFailure, DSGDError, DSGDTimeoutError, ModelCreatorError,
                              NonFiniteGradientError, WorkerMismatchError)
     from dsgd.integrations.keras import KerasModel
+    from dsgd.integrations.keras_trainer import KerasTrainer
     from dsgd.model import Model, TF2Model
 
 

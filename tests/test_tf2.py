@@ -352,10 +352,10 @@ def test_a_keras3_model_on_another_backend_is_refused_naming_the_variable_to_set
 @ray.remote(num_cpus=0)
 def backend_check() -> str:
     """What a Keras 3 model gets in a process whose Keras backend is JAX (here jax is not even installed)."""
-    from dsgd.integrations import keras3
+    from dsgd.integrations import keras_backend
 
     try:
-        keras3.import_keras()
+        keras_backend.import_keras()
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"

@@ -106,7 +106,7 @@ def _build_replica(worker_index: int, i: int, where_device: str, model_creator: 
                                     "variables the loss depends on")
         weights = _variables(model, "_dsgd_weights", where)
         optimizer = _call(model, "get_optimizer", where)
-        from dsgd.integrations.keras3 import check_optimizer  # Keras only where a TF2 model is built
+        from dsgd.integrations.keras_backend import check_optimizer  # Keras only where a TF2 model is built
         from dsgd.worker.tf2.fused_updates import fuse_updates
 
         check_optimizer(optimizer, f"get_optimizer() on {where}")

@@ -130,8 +130,9 @@ class Tf2Runtime(ReplicaRuntime):
                 start = put_back.read(state_vars)  # before the forward's writes
                 with tf.GradientTape() as tape:
                     loss, replica_metrics = _loss_and_metrics(user_loss(batch), where)
+                    scaled = r.optimizer.scale_loss(loss)  # the optimizer's loss scale; its apply unscales
                 written = put_back.read(state_vars)  # after them
-                grads = tape.gradient(loss, list(r.train_vars))
+                grads = tape.gradient(scaled, list(r.train_vars))
                 exchanged.append(put_back.exchanged_after_put_back(
                     state_vars, start, written, _gradients(grads, r.train_vars, where, self.names) + written))
             losses.append(tf.cast(loss, tf.float32))
@@ -162,10 +163,13 @@ class Tf2Runtime(ReplicaRuntime):
                         v.assign(ops.owned_copy(m))
 
     def _checks(self, means: Sequence[tf.Tensor]) -> list:
+        """The non-finite checks of the means. A loss-scale optimizer checks the gradients itself (a non-finite
+        one skips the step and lowers the scale, on every replica alike): only the state values are checked."""
         n_train = self.trainable_count
         names = self.names.exchange
-        return (finite_tensors(means[:n_train], names[:n_train], "gradient", self.config)
-                + finite_tensors(means[n_train:], names[n_train:], "value", self.config))
+        gradient_checks = ([] if _scales_loss_dynamically(self.replicas[0].optimizer)
+                           else finite_tensors(means[:n_train], names[:n_train], "gradient", self.config))
+        return gradient_checks + finite_tensors(means[n_train:], names[n_train:], "value", self.config)
 
     def _compute_body(self, *flat: tf.Tensor):
         means, losses, metrics = self._forward(flat)
@@ -242,6 +246,11 @@ class Tf2Runtime(ReplicaRuntime):
     def drop_batches(self) -> None:
         self.batches()
 
+    def discard_first_batches(self) -> None:
+        """Forget the replicas' first batches, read at build: the next step asks every replica for a batch (its
+        input was set anew since, e.g. by ``dsgd.KerasTrainer`` at an epoch's start)."""
+        self._pending = None
+
     def warmup(self) -> None:
         self._traced_compute()(*self.batches())
 
@@ -315,6 +324,14 @@ class Tf2FusedStep(FusedStep):
         if self._function is None:
             runtime = self.runtime
             self._function = runtime._trace(runtime.fused_body(self.exchange), [*runtime._batch_specs, STEP_ID])
+
+
+def _scales_loss_dynamically(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is Keras's ``LossScaleOptimizer`` (which ``compile`` wraps around the optimizer
+    under the "mixed_float16" policy)."""
+    from dsgd.integrations.keras_backend import import_keras  # Keras only where a TF2 model is built
+
+    return isinstance(optimizer, import_keras().optimizers.LossScaleOptimizer)
 
 
 def _converted(fn: Callable) -> Callable:

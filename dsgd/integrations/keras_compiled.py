@@ -1,0 +1,162 @@
+"""A compiled Keras 3 model as one dsgd replica, its loss and metrics computed by Keras's own compile machinery.
+
+Both Keras 3 front ends train through ``CompiledReplica``: ``dsgd.KerasModel``
+(which compiles the model it is given, ``dsgd.integrations.keras3``) and
+``dsgd.KerasTrainer`` (whose ``build()`` returns a compiled model). The
+step's forward pass is the first half of Keras's own ``train_step``: the
+model in training mode, ``compute_loss`` (the compiled losses, their
+weights, ``sample_weight``, masks, regularizers, a user's override), the
+loss tracker and ``compute_metrics`` (Keras's stateful metrics, chosen the
+way ``compile`` chooses them). The runtime takes the gradients of
+``optimizer.scale_loss(loss)`` and applies their mean with the optimizer,
+which unscales them (``dsgd.worker.tf2.runtime``).
+
+The metrics' state lives on each replica. ``KerasModel`` reports per-step
+values (the state is reset at every step, as its step stats are per step);
+``KerasTrainer`` lets the state accumulate over an epoch and sums it across
+the replicas on the driver (``dsgd.integrations.metric_states``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from dsgd.integrations.keras_backend import check_optimizer, import_keras
+from dsgd.model import TF2Model
+
+# A step's batch: (x, y) or (x, y, sample_weight), numpy structures.
+Batch = tuple
+
+
+class BatchSource(Protocol):
+    """Where a replica's training batches come from."""
+
+    def next(self) -> Batch:
+        """The next batch: ``(x, y)`` or ``(x, y, sample_weight)``."""
+
+
+def check_compiled(model: Any, who: str) -> None:
+    """Refuse, by name, what dsgd cannot train through Keras's compile machinery."""
+    keras = import_keras()
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"{who} needs a keras.Model (Keras 3), got {type(model).__module__}.{type(model).__name__}")
+    if not model.compiled or model.optimizer is None:
+        raise ValueError(f"{who}: the model is not compiled; call model.compile(optimizer=..., loss=..., "
+                         "metrics=...) before returning it")
+    if type(model).train_step is not keras.Model.train_step:
+        raise TypeError(f"{who}: {type(model).__name__} overrides train_step, which dsgd does not run (it computes "
+                        "the step itself, to exchange the gradients): override compute_loss (and compute_metrics) "
+                        "instead, which dsgd calls")
+    synchronized = [layer.name for layer in model._flatten_layers(include_self=False)
+                    if getattr(layer, "synchronized", False)]
+    if synchronized:
+        raise ValueError(f"{who}: BatchNormalization(synchronized=True) in layer(s) {', '.join(synchronized)}: dsgd "
+                         "normalises each replica by its own batch and averages the moving statistics after every "
+                         "step; use synchronized=False")
+    check_optimizer(model.optimizer, who)
+
+
+class CompiledReplica(TF2Model):
+    """A compiled Keras 3 model as a replica (``TF2Model``), stepped with Keras's own loss and metrics.
+
+    Args:
+        model: the compiled model, built in ``model_creator`` for this replica.
+        batches: its training batches.
+        per_step_metrics: report each step's metric values (the state reset
+            at every step), else none (the state accumulates until
+            ``reset_metrics``).
+    """
+
+    def __init__(self, model: Any, batches: BatchSource, per_step_metrics: bool):
+        self.model = model
+        self.optimizer = model.optimizer
+        self._batches = batches
+        self._per_step_metrics = per_step_metrics
+        self._first = batches.next()
+        x, y, sample_weight = _unpack(self._first)
+        self._state = self._find_state(x)
+        # Keras's own build of the compiled losses and metrics (their variables), from the batch's specs.
+        model._symbolic_build(data_batch=(x, y, sample_weight))
+        model.reset_metrics()
+
+    def _find_state(self, x: Any) -> list:
+        """The non-trainable float weights a call on ``x`` in training mode writes (put back as they were);
+        an unbuilt model is built first, by a call in inference mode."""
+        x = tf.nest.map_structure(tf.convert_to_tensor, x)
+        if not self.model.built:
+            self.model(x, training=False)  # builds it; in inference mode, no statistic moves
+        candidates = [v for v in self.model.non_trainable_weights if tf.as_dtype(v.dtype).is_floating]
+        before = [v.numpy() for v in candidates]
+        self.model(x, training=True)
+        written = [v for v, old in zip(candidates, before) if not np.array_equal(v.numpy(), old)]
+        for v, old in zip(candidates, before):
+            v.assign(old)
+        return written
+
+    # ---- dsgd.TF2Model ----------------------------------------------------------------
+
+    def get_variables(self) -> list:
+        return list(self.model.trainable_weights)
+
+    def get_state_variables(self) -> list:
+        return list(self._state)
+
+    def _dsgd_weights(self) -> list:
+        """Every weight of the model (``model.weights``, frozen ones too): what ``get_weights`` and checkpoints
+        hold."""
+        return list(self.model.weights)
+
+    def get_optimizer(self) -> Any:
+        return self.optimizer
+
+    def get_batch(self) -> Batch:
+        if self._first is not None:
+            batch, self._first = self._first, None
+            return batch
+        return self._batches.next()
+
+    def get_loss(self, batch: Batch) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+        x, y, sample_weight = _unpack(batch)
+        model = self.model
+        y_pred = model(x, training=True)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        if self._per_step_metrics:
+            model.reset_metrics()
+        model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        results = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if not self._per_step_metrics:
+            return loss, {}
+        return loss, {name: value for name, value in results.items() if name != "loss"}
+
+    # ---- metric state, evaluation and inference ------------------------------------------
+
+    def metric_state(self) -> list[np.ndarray]:
+        """The compiled metrics' variables (``model.metrics_variables``), as numpy."""
+        return [np.asarray(v.numpy()) for v in self.model.metrics_variables]
+
+    def reset_metrics(self) -> None:
+        self.model.reset_metrics()
+
+    def evaluate_state(self, x: Any, y: Any, sample_weight: Any, batch_size: int) -> list[np.ndarray]:
+        """Keras's own ``evaluate`` of this replica's part of the data: the metrics' state it leaves (the loss
+        tracker's total and count, every metric's), to be summed with the other replicas'."""
+        if len(tf.nest.flatten(x)[0]):
+            self.model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0)
+        else:
+            self.model.reset_metrics()  # an empty part adds nothing
+        return self.metric_state()
+
+    def predict(self, x: Any, batch_size: int | None = None) -> Any:
+        """The model's outputs for ``x`` in inference mode (``keras.Model.predict``), as numpy; call it on a
+        replica, e.g. ``sgd.for_model(lambda m: m.predict(x_test))``."""
+        return self.model.predict(x, batch_size=batch_size, verbose=0)
+
+
+def _unpack(batch: Batch) -> tuple[Any, Any, Any]:
+    if len(batch) == 3:
+        return batch
+    x, y = batch
+    return x, y, None

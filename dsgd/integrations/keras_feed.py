@@ -1,0 +1,121 @@
+"""``dsgd.KerasTrainer``'s input: arrays in the object store, split into each replica's part of each global batch.
+
+``EpochPlan`` says which rows of the arrays make replica r's part of step i
+of an epoch, the same on the driver (which counts the steps) and on every
+replica (which reads its part). Global batch i is rows ``[i*B, (i+1)*B)``
+of the epoch's order (the rows as they are, or a permutation drawn from
+the plan's seed and the epoch when shuffling), each of the R replicas
+taking an equal contiguous part of it, in replica order (worker, then
+device). A last batch smaller than B is cut to a multiple of R (at most
+R - 1 rows of an epoch left out), so every part of a step has the same size
+and the mean of the replicas' gradients is the global batch's.
+
+``ArrayFeed`` is a replica's ``BatchSource``: the arrays (read once from
+the object store, zero-copy) and the plan, its position set by
+``start``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+# The trainer's arrays: (x, y, sample_weight), each a numpy array or a structure of them, with one row per sample.
+Arrays = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """The steps of an epoch over ``num_samples`` rows, in global batches of ``batch_size`` over ``replicas``."""
+
+    num_samples: int
+    batch_size: int
+    replicas: int
+    shuffle: bool = False
+    seed: int = 0
+    steps_per_epoch: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int (the global batch), got {self.batch_size!r}")
+        if self.batch_size % self.replicas:
+            raise ValueError(
+                f"batch_size {self.batch_size} is the global batch, split equally over the engine's "
+                f"{self.replicas} replicas (num_workers x devices_per_worker); it does not divide: use a multiple "
+                f"of {self.replicas}")
+        if self.num_samples < self.replicas:
+            raise ValueError(f"the data has {self.num_samples} samples, fewer than the engine's {self.replicas} "
+                             "replicas: each needs at least one")
+        if self.steps_per_epoch is not None and not 1 <= self.steps_per_epoch <= self.batches:
+            raise ValueError(f"steps_per_epoch={self.steps_per_epoch!r}: the data has {self.batches} batches of "
+                             f"{self.batch_size}; give at most that many")
+
+    @property
+    def batches(self) -> int:
+        """Global batches in one pass over the rows (the last one kept if it has a row for every replica)."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (rest >= self.replicas)
+
+    @property
+    def steps(self) -> int:
+        return self.steps_per_epoch or self.batches
+
+    def order(self, epoch: int) -> np.ndarray | None:
+        """The epoch's order of the rows: a permutation drawn from the seed and the epoch, or None (as they are)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle else None
+
+    def part(self, order: np.ndarray | None, step: int, replica: int) -> slice | np.ndarray:
+        """The rows of ``replica``'s part of step ``step`` of an epoch in ``order`` (``order(epoch)``'s): a
+        slice, or indices (sorted) when shuffling."""
+        start = step * self.batch_size
+        size = (min(start + self.batch_size, self.num_samples) - start) // self.replicas
+        first = start + replica * size
+        if order is None:
+            return slice(first, first + size)
+        return np.sort(order[first:first + size])
+
+
+def take(arrays: Any, rows: slice | np.ndarray) -> Any:
+    """``rows`` of every array of a structure (``None`` stays ``None``)."""
+    return tf.nest.map_structure(lambda a: None if a is None else a[rows], arrays)
+
+
+def num_rows(arrays: Any) -> int:
+    """The rows of a structure of arrays, checked to agree."""
+    counts = {len(a) for a in tf.nest.flatten(arrays) if a is not None}
+    if len(counts) != 1:
+        raise ValueError(f"the arrays given have different numbers of rows: {sorted(counts)}; x, y and "
+                         "sample_weight need one row per sample")
+    return counts.pop()
+
+
+class ArrayFeed:
+    """A replica's batches: its parts of the plan's steps, epoch after epoch, from arrays in the object store."""
+
+    def __init__(self, arrays_ref: Any, plan: EpochPlan, replica: int, epoch: int = 0):
+        self.start(arrays_ref, plan, replica, epoch)
+
+    def start(self, arrays_ref: Any, plan: EpochPlan, replica: int, epoch: int) -> None:
+        """Read ``plan``'s steps of ``epoch`` next, as replica ``replica``, from the arrays behind
+        ``arrays_ref``."""
+        if getattr(self, "_ref", None) != arrays_ref:
+            import ray
+
+            self._arrays = ray.get(arrays_ref, timeout=600)  # zero-copy on the node; put by the driver
+            self._ref = arrays_ref
+        self.plan, self.replica = plan, replica
+        self._begin(epoch)
+
+    def _begin(self, epoch: int) -> None:
+        self.epoch, self.step, self._order = epoch, 0, self.plan.order(epoch)
+
+    def next(self) -> tuple:
+        if self.step == self.plan.steps:
+            self._begin(self.epoch + 1)
+        rows = self.plan.part(self._order, self.step, self.replica)
+        self.step += 1
+        x, y, sample_weight = take(self._arrays, rows)
+        return x, y, sample_weight

@@ -1,0 +1,394 @@
+"""``dsgd.KerasTrainer``: a Keras 3 program (compile, fit, evaluate, predict, callbacks) on a dsgd engine.
+
+The driver keeps a model of its own (``trainer.model``, from ``build()``),
+which Keras's callbacks see; the engine (``trainer.engine``, a
+``DistributedSGD`` started by the first ``fit`` or ``evaluate``) holds one
+replica per device, each built by ``build()`` and stepped with Keras's
+compile machinery (``dsgd.integrations.keras_compiled``). What passes
+between them, and when:
+
+- the data: put in the object store once per call; every replica reads
+  its own part of each global batch (``dsgd.integrations.keras_feed``);
+- the metrics: each replica's Keras metrics accumulate over the epoch;
+  their state is summed across replicas as each variable declares
+  (``dsgd.integrations.metric_states``) and read by the driver's metrics:
+  at every epoch's end, for batch callbacks at every batch's end, for the
+  progress bar at most every ``PROGRESS_INTERVAL_S``;
+- the weights: the engine's reach ``trainer.model`` whenever a callback
+  may read them (every epoch's end; every batch's end if a callback uses
+  batches), and weights or a learning rate that a callback or the user
+  set on ``trainer.model`` reach every replica before the next step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from dsgd.integrations import metric_states
+from dsgd.integrations.keras_backend import import_keras
+from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
+from dsgd.integrations.keras_feed import ArrayFeed, EpochPlan, num_rows, take
+
+PROGRESS_INTERVAL_S = 1.0  # the progress bar's logs are fetched at most this often (every batch for batch callbacks)
+_NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fit(...) (or evaluate) first")
+
+
+class TrainerReplica(CompiledReplica):
+    """One device's replica of ``build()``'s model: its metrics accumulate until the trainer resets them, its
+    batches come from an ``ArrayFeed`` the trainer positions."""
+
+    def __init__(self, model: Any, feed: ArrayFeed):
+        self.feed = feed
+        super().__init__(model, feed, per_step_metrics=False)
+
+
+def _replica(build: Callable[[], Any], arrays_ref: Any, plan: EpochPlan, worker_index: int,
+             device_index: int) -> TrainerReplica:
+    """The engine's ``model_creator``: ``build()``'s model on this device, reading the arrays by ``plan`` (the
+    trainer sets each epoch's plan again before it steps)."""
+    model = build()
+    check_compiled(model, "KerasTrainer's build()")
+    return TrainerReplica(model, ArrayFeed(arrays_ref, plan, replica=0))
+
+
+class KerasTrainer:
+    """A compiled Keras 3 model trained by dsgd with Keras's own ``fit``, ``evaluate`` and ``predict``.
+
+    Example:
+        ```python
+        def build():
+            model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy", keras.metrics.AUC()])
+            return model
+
+        trainer = dsgd.KerasTrainer(build, num_workers=2)
+        history = trainer.fit(x, y, batch_size=256, epochs=10, validation_data=(xv, yv),
+                              callbacks=[keras.callbacks.EarlyStopping(monitor="val_auc", mode="max")])
+        trainer.evaluate(x_test, y_test, return_dict=True)
+        ```
+
+    Args:
+        build: returns a compiled Keras 3 model (TensorFlow backend); called
+            once here (``trainer.model``) and once for every replica.
+        **engine_options: ``DistributedSGD``'s arguments (``num_workers``,
+            ``devices_per_worker``, ``strategy``, ``compression``, ...).
+    """
+
+    def __init__(self, build: Callable[[], Any], **engine_options: Any):
+        if not callable(build):
+            raise TypeError(f"KerasTrainer needs build: a function returning a compiled keras.Model, got {build!r}")
+        if "model_creator" in engine_options:
+            raise TypeError("KerasTrainer builds the engine's replicas with build(): pass no model_creator")
+        self._build = build
+        self.model = build()
+        check_compiled(self.model, "KerasTrainer's build()")
+        self._options = engine_options
+        self._engine: Any = None
+        self._names: list[str] = []  # the engine's weight names, model.weights order
+        self._synced: list[np.ndarray] = []  # the weights trainer.model and the engine last agreed on
+        self._learning_rate: float | None = None  # the learning rate the replicas last got
+
+    @property
+    def engine(self) -> Any:
+        """The ``DistributedSGD`` underneath (resize, save, restore, step), once the first fit or evaluate
+        started it."""
+        if self._engine is None:
+            raise RuntimeError(f"KerasTrainer.engine: {_NO_ENGINE}")
+        return self._engine
+
+    @property
+    def replicas(self) -> int:
+        return self.engine.num_workers * self.engine.devices_per_worker
+
+    def shutdown(self) -> None:
+        """Stop the engine's actors (the trainer can start a new engine with the next fit)."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def __enter__(self) -> "KerasTrainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- fit ------------------------------------------------------------------------------
+
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", callbacks: list | None = None, validation_split: float = 0.0,
+            validation_data: Any = None, shuffle: bool = True, class_weight: dict | None = None,
+            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int = 1) -> Any:
+        """``keras.Model.fit`` across the engine's replicas; returns Keras's ``History``.
+
+        ``batch_size`` (default 32) is the global batch: each step is one
+        synchronous step over it, each replica taking an equal contiguous
+        part. With ``shuffle=False`` step i trains on samples ``[i*B,
+        (i+1)*B)``, as one-process ``fit`` does.
+        """
+        keras = import_keras()
+        from keras.src.trainers.data_adapters import array_slicing
+
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=validation_split)
+        arrays = _arrays(x, y, sample_weight, class_weight)
+        batch_size = batch_size or 32
+        self._start(arrays, batch_size)
+        ref = _put(arrays)
+        plan = EpochPlan(num_rows(arrays), batch_size, self.replicas, shuffle,
+                         int(np.random.randint(2 ** 31)), steps_per_epoch)
+        verbose = 1 if verbose == "auto" else verbose
+        callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                                     verbose=verbose, epochs=epochs, steps=plan.steps,
+                                                     model=self.model)
+        batch_callbacks = _use_batches(callback_list, keras)
+        validation = _validation_arrays(validation_data)
+        self._push_changes()  # weights set on trainer.model before fit (load_weights) are where fit starts
+        self.model.stop_training = False
+        callback_list.on_train_begin()
+        epoch_logs: dict = {}
+        for epoch in range(initial_epoch, epochs):
+            self.engine.foreach_worker(functools.partial(_begin_epoch, ref, plan, epoch))
+            callback_list.on_epoch_begin(epoch)
+            logs, fetched = {}, time.monotonic()
+            for step in range(plan.steps):
+                callback_list.on_train_batch_begin(step)
+                self.engine.step()
+                if batch_callbacks or (verbose == 1 and time.monotonic() - fetched >= PROGRESS_INTERVAL_S):
+                    logs, fetched = self._logs(), time.monotonic()
+                if batch_callbacks:
+                    self._pull_weights()
+                callback_list.on_train_batch_end(step, logs)
+                if batch_callbacks:
+                    self._push_changes()
+                if self.model.stop_training:
+                    break
+            epoch_logs = self._logs()
+            self._pull_weights()
+            if validation is not None and self.model._should_eval(epoch, validation_freq):
+                val_x, val_y, val_weight = validation
+                val_logs = self.evaluate(val_x, val_y, sample_weight=val_weight,
+                                         batch_size=validation_batch_size or batch_size,
+                                         verbose=0, steps=validation_steps, return_dict=True)
+                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+            callback_list.on_epoch_end(epoch, epoch_logs)
+            self._push_changes()
+            if self.model.stop_training:
+                break
+        if getattr(self.model.optimizer, "use_ema", False):
+            self.engine.foreach_model(_finalize_ema)
+            self._pull_weights()
+        callback_list.on_train_end(logs=epoch_logs)
+        self._push_changes()  # e.g. EarlyStopping's restore_best_weights, at the end of training
+        return self.model.history
+
+    # ---- evaluate and predict -------------------------------------------------------------
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
+                 sample_weight: Any = None, steps: int | None = None, callbacks: list | None = None,
+                 return_dict: bool = False) -> Any:
+        """``keras.Model.evaluate`` across the engine's replicas: each evaluates a contiguous part of the data
+        with Keras's own ``evaluate``, and their metric states are summed, so the result equals one process's
+        ``evaluate`` of the same weights on the same data. Returns what Keras returns."""
+        keras = import_keras()
+        arrays = _arrays(x, y, sample_weight, None)
+        batch_size = batch_size or 32
+        if steps is not None:
+            arrays = take(arrays, slice(0, steps * batch_size))
+        self._start(arrays, batch_size)
+        self._push_changes()
+        verbose = 1 if verbose == "auto" else verbose
+        callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
+                                                     epochs=1, steps=1, model=self.model)
+        callback_list.on_test_begin()
+        bounds = _contiguous_parts(num_rows(arrays), self.replicas)
+        per_replica_batch = max(1, batch_size // self.replicas)
+        states = self.engine.foreach_worker(functools.partial(_evaluate_parts, _put(arrays), bounds,
+                                                              per_replica_batch))
+        logs = metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
+        callback_list.on_test_batch_end(0, logs)
+        callback_list.on_test_end(logs)
+        if return_dict:
+            return logs
+        return self.model._flatten_metrics_in_order(logs)
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
+                steps: int | None = None, callbacks: list | None = None) -> Any:
+        """``keras.Model.predict`` across the engine's replicas (each predicts a contiguous part), the rows in
+        input order. Before the first fit or evaluate started the engine, it runs on ``trainer.model``."""
+        batch_size = batch_size or 32
+        if steps is not None:
+            x = take(x, slice(0, steps * batch_size))
+        if self._engine is None:
+            return self.model.predict(x, batch_size=batch_size, verbose=0, callbacks=callbacks)
+        self._push_changes()
+        bounds = _contiguous_parts(num_rows(x), self.replicas)
+        per_worker = self.engine.foreach_worker(functools.partial(
+            _predict_parts, _put(x), bounds, max(1, batch_size // self.replicas)))
+        parts = [p for parts in per_worker for p in parts if p is not None]
+        return tf.nest.map_structure(lambda *outputs: np.concatenate(outputs), *parts)
+
+    # ---- the engine and the driver's model ----------------------------------------------------
+
+    def _start(self, arrays: tuple, batch_size: int) -> None:
+        """Start the engine, its replicas reading ``arrays`` until the first epoch's plan, from
+        ``trainer.model``'s weights; build the driver model's metrics."""
+        if self._engine is not None:
+            return
+        from dsgd.distributed_sgd import DistributedSGD, _init_ray_if_needed
+
+        first = take(arrays, slice(0, 1))
+        self.model._symbolic_build(data_batch=first)
+        _init_ray_if_needed()
+        plan = EpochPlan(num_rows(arrays), 1, 1)
+        self._engine = DistributedSGD(functools.partial(_replica, self._build, _put(arrays), plan), **self._options)
+        self._names = list(self._engine.get_weights())
+        self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
+
+    def _logs(self) -> dict:
+        """The epoch's metrics so far, over every replica's samples, by Keras's own results."""
+        states = self.engine.foreach_worker(_worker_metric_state)
+        return metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
+
+    def _pull_weights(self) -> None:
+        """The engine's weights onto ``trainer.model``."""
+        weights = list(self.engine.get_weights().values())
+        self.model.set_weights(weights)
+        self._synced = weights
+
+    def _push_changes(self) -> None:
+        """Weights or a learning rate set on ``trainer.model`` since the engine and it last agreed: onto every
+        replica."""
+        weights = self.model.get_weights()
+        if len(weights) != len(self._synced) or any(not np.array_equal(a, b) for a, b in zip(weights, self._synced)):
+            self.engine.set_weights(dict(zip(self._names, weights)))
+            self._synced = weights
+        learning_rate = _learning_rate(self.model.optimizer)
+        if learning_rate is not None and learning_rate != self._learning_rate:
+            self.engine.foreach_model(functools.partial(_set_learning_rate, learning_rate))
+            self._learning_rate = learning_rate
+
+
+# ---- what runs on the workers (foreach_worker / foreach_model) -------------------------------------------------
+
+def _begin_epoch(arrays_ref: Any, plan: EpochPlan, epoch: int, worker: Any) -> None:
+    """Every replica of ``worker``: its metrics reset, its feed at ``epoch``'s first step by ``plan``."""
+    devices = len(worker.models)
+    for device, replica in enumerate(worker.models):
+        replica.reset_metrics()
+        replica.feed.start(arrays_ref, plan, worker.worker_index * devices + device, epoch)
+    worker.runtime.discard_first_batches()
+
+
+def _worker_metric_state(worker: Any) -> metric_states.State:
+    """The worker's replicas' metric states, reduced."""
+    models = worker.models
+    return metric_states.reduce([m.metric_state() for m in models], metric_states.aggregations(models[0].model))
+
+
+def _evaluate_parts(arrays_ref: Any, bounds: list[tuple[int, int]], batch_size: int,
+                    worker: Any) -> metric_states.State:
+    """Keras's ``evaluate`` of each replica's part of the arrays: their metric states, reduced."""
+    import ray
+
+    arrays = ray.get(arrays_ref, timeout=600)
+    models = worker.models
+    devices = len(models)
+    states = []
+    for device, replica in enumerate(models):
+        start, stop = bounds[worker.worker_index * devices + device]
+        x, y, sample_weight = take(arrays, slice(start, stop))
+        states.append(replica.evaluate_state(x, y, sample_weight, batch_size))
+    return metric_states.reduce(states, metric_states.aggregations(models[0].model))
+
+
+def _predict_parts(x_ref: Any, bounds: list[tuple[int, int]], batch_size: int, worker: Any) -> list:
+    """Each replica's outputs for its part of ``x`` (None for an empty part), device order."""
+    import ray
+
+    x = ray.get(x_ref, timeout=600)
+    devices = len(worker.models)
+    outputs = []
+    for device, replica in enumerate(worker.models):
+        start, stop = bounds[worker.worker_index * devices + device]
+        outputs.append(replica.predict(take(x, slice(start, stop)), batch_size) if stop > start else None)
+    return outputs
+
+
+def _finalize_ema(replica: TrainerReplica) -> None:
+    replica.optimizer.finalize_variable_values(replica.model.trainable_weights)
+
+
+def _set_learning_rate(learning_rate: float, replica: TrainerReplica) -> None:
+    replica.optimizer.learning_rate = learning_rate
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+
+def _arrays(x: Any, y: Any, sample_weight: Any, class_weight: dict | None) -> tuple:
+    """(x, y, sample_weight) as numpy, the weights from ``sample_weight`` or ``class_weight`` (Keras's own
+    conversion), ones if neither."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    if x is None:
+        raise ValueError("KerasTrainer needs x: numpy arrays, or a dict or list of them")
+    x = tf.nest.map_structure(np.asarray, x)
+    y = None if y is None else tf.nest.map_structure(np.asarray, y)
+    if sample_weight is not None and class_weight is not None:
+        raise ValueError("give sample_weight or class_weight, not both (as keras.Model.fit)")
+    if class_weight is not None:
+        if len(tf.nest.flatten(y)) != 1:
+            raise ValueError("class_weight is for a model with one output (as keras.Model.fit); give "
+                             "sample_weight for several")
+        sample_weight = data_adapter_utils.class_weight_to_sample_weights(tf.nest.flatten(y)[0], class_weight)
+    if sample_weight is None:
+        sample_weight = np.ones(len(tf.nest.flatten(x)[0]), np.float32)
+    arrays = (x, y, np.asarray(sample_weight, np.float32))
+    num_rows(arrays)
+    return arrays
+
+
+def _validation_arrays(validation_data: Any) -> tuple | None:
+    """``validation_data`` as (x, y, sample_weight), as Keras unpacks it."""
+    if validation_data is None:
+        return None
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+        raise ValueError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) of arrays, "
+                         f"got {type(validation_data).__name__}")
+    return tuple(validation_data) + (None,) * (3 - len(validation_data))
+
+
+def _put(value: Any) -> Any:
+    import ray
+
+    return ray.put(value)
+
+
+def _contiguous_parts(rows: int, replicas: int) -> list[tuple[int, int]]:
+    """``rows`` in ``replicas`` contiguous parts, as equal as they come (the first ones a row longer)."""
+    edges = np.linspace(0, rows, replicas + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _use_batches(callback_list: Any, keras: Any) -> bool:
+    """Whether a callback other than Keras's History and progress bar acts at batch ends."""
+    base = keras.callbacks.Callback
+    own = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
+    return any(not isinstance(cb, own) and any(getattr(type(cb), hook) is not getattr(base, hook)
+                                               for hook in ("on_train_batch_end", "on_batch_end",
+                                                            "on_train_batch_begin", "on_batch_begin"))
+               for cb in callback_list.callbacks)
+
+
+def _learning_rate(optimizer: Any) -> float | None:
+    """The optimizer's learning rate if it is a value (not a schedule, which every replica computes itself)."""
+    if isinstance(getattr(optimizer, "_learning_rate", None), import_keras().optimizers.schedules.LearningRateSchedule):
+        return None
+    return float(np.asarray(optimizer.learning_rate))

@@ -1,0 +1,57 @@
+"""Keras metrics across replicas: their state reduced as each variable declares, then read by Keras on the driver.
+
+A Keras 3 metric keeps its state in variables (a ``Mean``'s total and
+count, an ``AUC``'s confusion counts), each declaring how copies of it
+combine (``Variable.aggregation``: "sum" for a metric's, unless it says
+otherwise). Reducing every replica's state by that rule, then letting the
+driver's copy of the metric compute ``result()`` from it, gives the metric
+over every sample all the replicas saw: an AUC over the whole epoch, not
+a mean of per-replica AUCs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+State = list  # one array per variable of model.metrics_variables, in their order
+
+
+def aggregations(model: Any) -> list[str]:
+    """How each of ``model.metrics_variables`` combines across replicas."""
+    return [getattr(v, "aggregation", "sum") or "none" for v in model.metrics_variables]
+
+
+def reduce(states: Sequence[State], rules: Sequence[str]) -> State:
+    """One state from several (replicas', or workers' each reduced from equally many replicas): per variable,
+    the sum, the mean, or the first one's (for "none" and "only_first_replica")."""
+    if not states:
+        raise ValueError("no metric states to reduce")
+    reduced = []
+    for k, rule in enumerate(rules):
+        values = [np.asarray(s[k]) for s in states]
+        if rule == "sum":
+            reduced.append(np.sum(values, axis=0).astype(values[0].dtype))
+        elif rule == "mean":
+            reduced.append(np.mean(values, axis=0).astype(values[0].dtype))
+        else:
+            reduced.append(values[0])
+    return reduced
+
+
+def results(model: Any, state: State) -> dict[str, float | np.ndarray]:
+    """Keras's own results (``model.get_metrics_result()``, as Python numbers) of ``state`` written into
+    ``model``'s metrics: the logs ``fit`` and ``evaluate`` report."""
+    variables = model.metrics_variables
+    if len(variables) != len(state):
+        raise ValueError(f"the replicas' models have {len(state)} metric variables, the driver's {len(variables)}: "
+                         "build() must compile the same metrics every time it is called")
+    for v, value in zip(variables, state):
+        v.assign(value)
+    return {name: _python(value) for name, value in model.get_metrics_result().items()}
+
+
+def _python(value: Any) -> float | np.ndarray:
+    array = np.asarray(value)
+    return float(array) if array.ndim == 0 else array
