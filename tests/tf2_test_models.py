@@ -74,6 +74,11 @@ def loss_of(net_name: str):
     return [loss, loss] if net_name == "functional" else loss
 
 
+def metrics_of(net_name: str) -> list:
+    """"accuracy" on every output (Keras pairs a list of metrics with the outputs)."""
+    return [["accuracy"], ["accuracy"]] if net_name == "functional" else ["accuracy"]
+
+
 def labels_of(net_name: str, y: np.ndarray):
     return (y, y) if net_name == "functional" else y
 
@@ -83,7 +88,7 @@ def keras_creator(net_name: str = "sequential", optimizer_name: str = "sgd", fix
     def create(worker_index: int, device_index: int):
         data = ((x, labels_of(net_name, y)) for x, y in batches(worker_index, device_index, fixed))
         return dsgd.KerasModel(NETS[net_name](), loss=loss_of(net_name), optimizer=optimizer(optimizer_name),
-                               metrics=["accuracy"], batches=data)
+                               metrics=metrics_of(net_name), batches=data)
     return create
 
 

@@ -79,7 +79,12 @@ class CompiledReplica(TF2Model):
         x, y, sample_weight = _unpack(self._first)
         self._state = self._find_state(x)
         # Keras's own build of the compiled losses and metrics (their variables), from the batch's specs.
-        model._symbolic_build(data_batch=(x, y, sample_weight))
+        try:
+            model._symbolic_build(data_batch=(x, y, sample_weight))
+        except ValueError as e:
+            raise ValueError(f"Keras could not build the compiled loss and metrics for the model's outputs and the "
+                             f"batches' labels: {e} (Keras pairs a list of losses or metrics with the outputs: give "
+                             "one per output, or a dict keyed by output name)") from e
         model.reset_metrics()
 
     def _find_state(self, x: Any) -> list:
@@ -121,10 +126,10 @@ class CompiledReplica(TF2Model):
     def get_loss(self, batch: Batch) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
         x, y, sample_weight = _unpack(batch)
         model = self.model
+        if self._per_step_metrics:
+            model.reset_metrics()  # before the loss: it tracks each output's loss as a metric
         y_pred = model(x, training=True)
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-        if self._per_step_metrics:
-            model.reset_metrics()
         model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         results = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if not self._per_step_metrics:

@@ -150,24 +150,26 @@ class KerasTrainer:
                                                      model=self.model)
         batch_callbacks = _use_batches(callback_list, keras)
         validation = _validation_arrays(validation_data)
-        self._push_changes()  # weights set on trainer.model before fit (load_weights) are where fit starts
         self.model.stop_training = False
         callback_list.on_train_begin()
         epoch_logs: dict = {}
         for epoch in range(initial_epoch, epochs):
             self.engine.foreach_worker(functools.partial(_begin_epoch, ref, plan, epoch))
             callback_list.on_epoch_begin(epoch)
+            # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
+            # scheduled learning rate, restored weights) reaches every replica before its first step.
+            self._push_changes()
             logs, fetched = {}, time.monotonic()
             for step in range(plan.steps):
                 callback_list.on_train_batch_begin(step)
+                if batch_callbacks:
+                    self._push_changes()
                 self.engine.step()
                 if batch_callbacks or (verbose == 1 and time.monotonic() - fetched >= PROGRESS_INTERVAL_S):
                     logs, fetched = self._logs(), time.monotonic()
                 if batch_callbacks:
                     self._pull_weights()
                 callback_list.on_train_batch_end(step, logs)
-                if batch_callbacks:
-                    self._push_changes()
                 if self.model.stop_training:
                     break
             epoch_logs = self._logs()
@@ -179,7 +181,6 @@ class KerasTrainer:
                                          verbose=0, steps=validation_steps, return_dict=True)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, epoch_logs)
-            self._push_changes()
             if self.model.stop_training:
                 break
         if getattr(self.model.optimizer, "use_ema", False):

@@ -1,0 +1,334 @@
+"""Keras 3 programs as Keras users write them: dsgd.KerasTrainer's fit, evaluate, predict and callbacks against
+one-process Keras, and the Keras 3 replica's step (KerasModel's and KerasTrainer's) against Keras's own."""
+
+from __future__ import annotations
+
+import csv
+import functools
+from typing import Iterator
+
+import keras
+import numpy as np
+import pytest
+
+import dsgd
+import keras_trainer_models as km
+from dsgd.integrations.keras_compiled import CompiledReplica
+from dsgd.integrations.keras_feed import EpochPlan
+from dsgd_test_models import assert_replicas_identical, local_worker
+
+BATCH = 64  # the global batch: 32 a replica on 2 workers
+
+
+def assert_weights_equal(got: list, expected: list, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert len(got) == len(expected)
+    for k, (a, b) in enumerate(zip(got, expected)):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"weight {k}")
+
+
+def assert_logs_equal(got: dict, expected: dict, rel: float = 1e-5) -> None:
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert got[name] == pytest.approx(expected[name], rel=rel, abs=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def binary(ray_session) -> Iterator[dsgd.KerasTrainer]:
+    """``km.build_binary`` (plain SGD; accuracy, AUC, precision) on 2 workers, "ps", started by a first fit."""
+    with dsgd.KerasTrainer(km.build_binary, num_workers=2, strategy="ps") as trainer:
+        yield trainer
+
+
+@pytest.fixture
+def fresh(binary) -> dsgd.KerasTrainer:
+    """``binary`` with build()'s first weights and a new SGD on trainer.model (they reach the engine before the
+    next step)."""
+    start = km.build_binary()
+    binary.model.set_weights(start.get_weights())
+    binary.model.optimizer.learning_rate = float(start.optimizer.learning_rate)
+    return binary
+
+
+def test_fit_without_shuffling_equals_one_process_fit_with_validation(fresh):
+    x, y = km.binary_data()
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x[:128], y[:128]))
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(x[:128], y[:128]))
+    assert isinstance(history, keras.callbacks.History)
+    assert sorted(history.history) == ["accuracy", "auc", "loss", "precision",
+                                       "val_accuracy", "val_auc", "val_loss", "val_precision"]
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    assert_weights_equal(list(fresh.engine.get_weights().values()), reference.get_weights())
+    assert_replicas_identical(fresh.engine, 2)
+
+
+def test_evaluate_sums_the_metric_state_and_equals_one_process_evaluate(fresh):
+    x, y = km.binary_data(samples=301, seed=3)  # parts of 151 and 150 rows
+    reference = km.build_binary()
+    expected = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    got = fresh.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert_logs_equal(got, expected)
+    as_list = fresh.evaluate(x, y, batch_size=BATCH, verbose=0)
+    assert as_list == pytest.approx(reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
+
+
+def test_predict_returns_every_row_in_input_order(fresh):
+    x, _ = km.binary_data(samples=37, seed=4)
+    got = fresh.predict(x, batch_size=8, verbose=0)
+    np.testing.assert_allclose(got, km.build_binary().predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    assert got.shape == (37, 1)
+
+
+@pytest.mark.parametrize("weighting", ["sample_weight", "class_weight"])
+def test_sample_and_class_weights_train_as_in_one_process(fresh, weighting):
+    x, y = km.binary_data(samples=256, seed=5)
+    weights = {"sample_weight": np.linspace(0.5, 2.0, len(y)).astype(np.float32), "class_weight": {0: 0.3, 1: 2.0}}
+    given = {weighting: weights[weighting]}
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, **given)
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, **given)
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Records each batch's logs, and the weights trainer.model holds at that batch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs, self.kernels = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+        self.kernels.append(self.model.get_weights()[0].copy())
+
+
+def test_callbacks_see_keras_logs_and_the_engines_weights_and_steer_every_replica(fresh, tmp_path):
+    x, y = km.binary_data()
+    batch_logs = BatchLogs()
+    checkpoint = str(tmp_path / "best.keras")
+    csv_path = tmp_path / "log.csv"
+    callbacks = [batch_logs,
+                 keras.callbacks.ModelCheckpoint(checkpoint, monitor="val_auc", mode="max", save_best_only=True),
+                 keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1)),
+                 keras.callbacks.CSVLogger(str(csv_path))]
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=callbacks,
+                        validation_data=(x[:128], y[:128]))
+    # Batch logs are Keras's running means over the epoch so far; trainer.model holds the engine's weights.
+    steps = len(x) // BATCH
+    assert len(batch_logs.logs) == 3 * steps
+    assert batch_logs.logs[steps - 1]["loss"] == pytest.approx(history.history["loss"][0], rel=1e-6)
+    assert not np.array_equal(batch_logs.kernels[0], batch_logs.kernels[1])
+    # The scheduler's rates reached every replica: the same run in one process with the same schedule.
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                             callbacks=[keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))],
+                             validation_data=(x[:128], y[:128]))
+    assert history.history["lr" if "lr" in history.history else "learning_rate"] == pytest.approx([0.1, 0.05, 1 / 30])
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    rates = fresh.engine.foreach_model(lambda m: float(m.optimizer.learning_rate))
+    assert rates == pytest.approx([1 / 30] * 2)
+    # The best epoch's model, loadable by Keras, holds that epoch's weights.
+    best = int(np.argmax(history.history["val_auc"]))
+    loaded = keras.models.load_model(checkpoint)
+    assert loaded.evaluate(x[:128], y[:128], verbose=0, return_dict=True)["auc"] == pytest.approx(
+        history.history["val_auc"][best], rel=1e-5)
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["val_loss"]) for r in rows] == pytest.approx(history.history["val_loss"], rel=1e-5)
+
+
+def test_early_stopping_stops_and_restores_the_best_weights_on_every_replica(fresh):
+    x, y = km.binary_data()
+    flip = 1 - y[:128]  # validation labels the training makes worse: the best epoch is the first
+    stopping = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True)
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=10, shuffle=False, verbose=0,
+                        validation_data=(x[:128], flip), callbacks=[stopping])
+    assert len(history.history["loss"]) < 10
+    best = int(np.argmin(history.history["val_loss"]))
+    got = fresh.evaluate(x[:128], flip, verbose=0, return_dict=True)
+    assert got["loss"] == pytest.approx(history.history["val_loss"][best], rel=1e-5)
+    assert_weights_equal(list(fresh.engine.get_weights().values()), fresh.model.get_weights(), rtol=0, atol=0)
+
+
+def test_reduce_lr_on_plateau_reaches_every_replica(fresh):
+    x, y = km.binary_data()
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", mode="max", factor=0.5, patience=0)
+    fresh.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=(x[:64], y[:64]),
+              callbacks=[plateau])  # mode="max" on a loss that falls: the second epoch is a plateau
+    assert fresh.engine.foreach_model(lambda m: float(m.optimizer.learning_rate)) == pytest.approx([0.05] * 2)
+
+
+def test_a_custom_callback_can_stop_training_after_a_batch(fresh):
+    class StopAtThird(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                self.model.stop_training = True
+
+    x, y = km.binary_data()
+    steps_before = fresh.engine.num_steps
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[StopAtThird()])
+    assert fresh.engine.num_steps - steps_before == 3
+    assert len(history.history["loss"]) == 1
+
+
+def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_by_name(binary):
+    x, y = km.binary_data()
+    with pytest.raises(ValueError, match="batch_size 63 is the global batch.* 2 replicas.*multiple of 2"):
+        binary.fit(x, y, batch_size=63, verbose=0)
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        binary.fit(x, y[:10], batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError, match="steps_per_epoch=100.* 8 batches"):
+        binary.fit(x, y, batch_size=BATCH, steps_per_epoch=100, verbose=0)
+
+
+def test_a_model_not_compiled_or_with_its_own_train_step_or_synchronized_batch_norm_is_refused():
+    with pytest.raises(ValueError, match="not compiled; call model.compile"):
+        dsgd.KerasTrainer(km.build_uncompiled)
+    with pytest.raises(TypeError, match="OwnTrainStep overrides train_step.*override compute_loss"):
+        dsgd.KerasTrainer(km.build_own_train_step)
+    with pytest.raises(ValueError, match=r"synchronized=True\) in layer\(s\) synced_bn"):
+        dsgd.KerasTrainer(km.build_synchronized)
+
+
+@pytest.fixture(scope="module")
+def classes(ray_session) -> Iterator[dsgd.KerasTrainer]:
+    """``km.build_classes`` (Adam, 3 classes) on 2 workers, "simple"."""
+    with dsgd.KerasTrainer(km.build_classes, num_workers=2, strategy="simple") as trainer:
+        yield trainer
+
+
+def test_adam_and_sparse_labels_fit_and_evaluate_as_in_one_process(classes):
+    x, y = km.classes_data()
+    reference = km.build_classes()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    history = classes.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(classes.model.get_weights(), reference.get_weights())
+    x_test, y_test = km.classes_data(samples=200, seed=6)
+    reference.set_weights(classes.model.get_weights())
+    assert_logs_equal(classes.evaluate(x_test, y_test, verbose=0, return_dict=True),
+                      reference.evaluate(x_test, y_test, verbose=0, return_dict=True))
+
+
+def test_ema_weights_are_finalized_at_the_end_of_fit_as_keras_does(ray_session):
+    x, y = km.binary_data(samples=128)
+    target = x @ np.linspace(-1, 1, km.FEATURES).astype(np.float32)
+    reference = km.build_ema()
+    reference.fit(x, target, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with dsgd.KerasTrainer(km.build_ema, num_workers=1, devices_per_worker=1) as trainer:
+        trainer.fit(x, target, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        assert_weights_equal(trainer.model.get_weights(), reference.get_weights())
+        assert_weights_equal(list(trainer.engine.get_weights().values()), reference.get_weights())
+
+
+# ---- the Keras 3 replica's step against Keras's own train_on_batch (no Ray: a worker in this process) ----------
+
+class ListSource:
+    def __init__(self, batches: list):
+        self.batches, self.read = batches, 0
+
+    def next(self):
+        batch = self.batches[self.read % len(self.batches)]
+        self.read += 1
+        return batch
+
+
+def compiled_creator(build, batches: list):
+    return lambda worker_index, device_index: CompiledReplica(build(), ListSource(batches), per_step_metrics=True)
+
+
+def assert_steps_like_keras(build, batches: list, rel: float = 1e-5) -> None:
+    """Each step's loss and metrics and the final weights of a dsgd worker of ``build()`` equal Keras's
+    ``train_on_batch`` on the same batches."""
+    worker = local_worker(compiled_creator(build, batches))
+    reference = build()
+    for step, batch in enumerate(batches):
+        x, y, *weight = batch
+        expected = reference.train_on_batch(x, y, sample_weight=weight[0] if weight else None, return_dict=True)
+        stats = worker.step(step, fetch_stats=True)
+        for name, value in expected.items():
+            assert stats[name] == pytest.approx(float(value), rel=rel, abs=1e-6), (step, name)
+    assert_weights_equal(list(worker.get_weights().values()), reference.get_weights(), rtol=rel, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["loss_scale_factor", "loss_scale_optimizer", "mixed_float16"])
+def test_a_scaled_loss_trains_as_keras_does(kind):
+    x, y = km.binary_data(samples=64)
+    target = (x[:, :1] * 2.0).astype(np.float32)
+    try:
+        if kind == "mixed_float16":
+            keras.mixed_precision.set_global_policy("mixed_float16")
+        build = functools.partial(km.build_scaled, kind)
+        if kind == "mixed_float16":
+            assert isinstance(build().optimizer, keras.optimizers.LossScaleOptimizer)  # compile wrapped it
+        assert_steps_like_keras(build, [(x[:32], target[:32]), (x[32:], target[32:])] * 2,
+                                rel=1e-3 if kind == "mixed_float16" else 1e-5)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_masked_padding_is_left_out_of_the_loss_and_accuracy():
+    x, y = km.sequence_data()
+    assert_steps_like_keras(km.build_masked, [(x[:32], y[:32]), (x[32:], y[32:])])
+
+
+def test_two_outputs_get_their_own_loss_weights_and_metrics():
+    x, y = km.binary_data(samples=64)
+    labels = km.two_outputs_labels(x, y)
+    first = {k: v[:32] for k, v in labels.items()}
+    second = {k: v[32:] for k, v in labels.items()}
+    assert_steps_like_keras(km.build_two_outputs, [(x[:32], first), (x[32:], second)])
+
+
+def test_cosine_similarity_as_a_metric_keeps_its_sign_and_sample_weights_count():
+    x, _ = km.binary_data(samples=64)
+    y = x[:, :4] * 3.0
+    weight = np.linspace(0.0, 1.0, 32).astype(np.float32)
+    assert_steps_like_keras(km.build_cosine, [(x[:32], y[:32], weight), (x[32:], y[32:], weight)])
+
+
+def test_an_overridden_compute_loss_is_what_dsgd_trains():
+    x, _ = km.binary_data(samples=64)
+    y = x[:, :1]
+    assert_steps_like_keras(km.build_own_loss, [(x[:32], y[:32]), (x[32:], y[32:])])
+
+
+def test_keras_model_compiles_through_keras_int_labels_a_loss_name_and_a_metric_object():
+    """KerasModel's own arguments, IMDB's shapes: int32 labels of shape (N,), an output of shape (N, 1)."""
+    x, y = km.binary_data(samples=64)
+
+    def net():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((km.FEATURES,)), keras.layers.Dense(1, activation="sigmoid")])
+
+    metrics = ["accuracy", keras.metrics.BinaryAccuracy(threshold=0.7, name="sure")]
+    worker = local_worker(lambda w, d: dsgd.KerasModel(net(), loss="binary_crossentropy",
+                                                       optimizer=keras.optimizers.SGD(0.1), metrics=metrics,
+                                                       batches=[(x, y)]))
+    reference = net()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
+                      metrics=["accuracy", keras.metrics.BinaryAccuracy(threshold=0.7, name="sure")])
+    for step in range(2):
+        expected = reference.train_on_batch(x, y, return_dict=True)
+        stats = worker.step(step, fetch_stats=True)
+        for name in ("loss", "accuracy", "sure"):
+            assert stats[name] == pytest.approx(float(expected[name]), rel=1e-5), name
+
+
+def test_the_epoch_plan_splits_each_global_batch_into_equal_contiguous_parts():
+    plan = EpochPlan(num_samples=10, batch_size=4, replicas=2)
+    assert plan.steps == 3  # the last batch of 2 rows has one for each replica
+    assert [plan.part(None, 0, r) for r in range(2)] == [slice(0, 2), slice(2, 4)]
+    assert [plan.part(None, 2, r) for r in range(2)] == [slice(8, 9), slice(9, 10)]
+    assert EpochPlan(num_samples=9, batch_size=4, replicas=2).steps == 2  # a last row alone is left out
+    shuffled = EpochPlan(num_samples=10, batch_size=4, replicas=2, shuffle=True, seed=3)
+    rows = np.concatenate([shuffled.part(shuffled.order(1), s, r) for s in range(3) for r in range(2)])
+    assert sorted(rows) == list(range(10))
+    assert not np.array_equal(shuffled.order(1), shuffled.order(2))
