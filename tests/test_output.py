@@ -53,10 +53,12 @@ def test_start_up_lines_are_dropped_and_other_lines_kept():
             "I0000 00:00:1795483744.197626    3631 port.cc:153] oneDNN custom operations are on.\n"
             "I1124 01:29:03.234973    3631 cpu_feature_guard.cc:227] This TensorFlow binary is optimized.\n"
             "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow.\n"
-            "E0000 00:00:1795484359.612400   20023 cuda_platform.cc:52] failed call to cuInit\n"
+            "E0000 00:00:1795484359.612400   20023 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA "
+            "error: Failed call to cuInit: UNKNOWN ERROR (303)\n"
+            "E0000 00:00:1795484359.612401   20023 op_kernel.cc:1830] OP_REQUIRES failed\n"
             "/x.py:3: DeprecationWarning: old\n")
     assert tf_logs.without_start_up_lines(text) == (
-        "E0000 00:00:1795484359.612400   20023 cuda_platform.cc:52] failed call to cuInit\n"
+        "E0000 00:00:1795484359.612401   20023 op_kernel.cc:1830] OP_REQUIRES failed\n"
         "/x.py:3: DeprecationWarning: old\n")
 
 

@@ -103,6 +103,7 @@ class KerasTrainer:
 
     @property
     def replicas(self) -> int:
+        """The engine's replicas now: ``num_workers * devices_per_worker``."""
         return self.engine.num_workers * self.engine.devices_per_worker
 
     def shutdown(self) -> None:

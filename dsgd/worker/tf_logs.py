@@ -35,6 +35,8 @@ ABSL_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called 
 # the time reads 00:00:<seconds since the epoch>)
 _INFO_LINE = re.compile(r"I\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
 _CPU_FEATURES_TAIL = "To enable the following instructions:"  # cpu_feature_guard's second line
+# The CUDA platform's error when eager TensorFlow first lists its devices on a machine without a GPU driver.
+_NO_CUDA_DRIVER = re.compile(r"E\d{4} [\d:.]+ +\d+ cuda_platform\.cc:\d+\] failed call to cuInit")
 
 
 def _cpp_level() -> str:
@@ -61,10 +63,11 @@ def python_warnings_follow_cpp_level() -> None:
 
 
 def without_start_up_lines(text: str) -> str:
-    """``text`` without absl's pre-initialization notice, INFO lines and cpu_feature_guard's second line."""
+    """``text`` without absl's pre-initialization notice, INFO lines, cpu_feature_guard's second line and the
+    failed ``cuInit`` of a machine without a GPU driver."""
     return "".join(line for line in text.splitlines(keepends=True)
                    if line.rstrip("\r\n") != ABSL_NOTICE and not _INFO_LINE.match(line)
-                   and not line.startswith(_CPU_FEATURES_TAIL))
+                   and not line.startswith(_CPU_FEATURES_TAIL) and not _NO_CUDA_DRIVER.match(line))
 
 
 @contextlib.contextmanager
