@@ -175,3 +175,10 @@ class TF2Model:
         """The variables ``get_weights`` and checkpoints hold: ``get_variables()`` then
         ``get_state_variables()`` (a Keras model's: all its weights)."""
         return [*self.get_variables(), *self.get_state_variables()]
+
+    def _dsgd_seek(self, step: int) -> bool:
+        """Called before every step's ``get_batch`` with the number of steps the engine applied before it: an
+        input that follows the engine's step count (so that a step run again after a fault, or by a replacement
+        worker, reads the same batch) moves to that step and says so (True). By default the input goes on as
+        it is (False)."""
+        return False

@@ -15,7 +15,7 @@ import dsgd
 import keras_trainer_models as km
 from dsgd.integrations.keras_compiled import CompiledReplica
 from dsgd.integrations.keras_feed import EpochPlan
-from dsgd_test_models import assert_replicas_identical, local_worker
+from dsgd_test_models import assert_replicas_identical, kill, local_worker
 
 BATCH = 64  # the global batch: 32 a replica on 2 workers
 
@@ -175,6 +175,26 @@ def test_a_custom_callback_can_stop_training_after_a_batch(fresh):
     history = fresh.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[StopAtThird()])
     assert fresh.engine.num_steps - steps_before == 3
     assert len(history.history["loss"]) == 1
+
+
+def test_a_worker_killed_mid_epoch_is_replaced_and_fit_ends_with_the_fault_free_weights(fresh):
+    class KillWorker1(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4 and not killed:
+                killed.append(fresh.engine.workers[1])
+                kill(fresh.engine.workers[1])
+
+    killed: list = []
+    x, y = km.binary_data()
+    failures = fresh.engine.failures
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[KillWorker1()])
+    assert killed and fresh.engine.failures == failures + 1
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    assert_replicas_identical(fresh.engine, 2)
+    # The second epoch ran whole on the replacement: its logs are Keras's.
+    assert history.history["loss"][1] == pytest.approx(expected.history["loss"][1], rel=1e-5)
 
 
 def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_by_name(binary):

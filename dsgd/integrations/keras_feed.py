@@ -11,8 +11,10 @@ R - 1 rows of an epoch left out), so every part of a step has the same size
 and the mean of the replicas' gradients is the global batch's.
 
 ``ArrayFeed`` is a replica's ``BatchSource``: the arrays (read once from
-the object store, zero-copy) and the plan, its position set by
-``start``.
+the object store, zero-copy) and the plan, positioned at an epoch's start
+(``EpochStart``), and before every step at the engine's step count
+(``seek``): a step run again after a fault, or by a replacement worker,
+reads the same rows.
 """
 
 from __future__ import annotations
@@ -92,30 +94,49 @@ def num_rows(arrays: Any) -> int:
     return counts.pop()
 
 
+@dataclasses.dataclass(frozen=True)
+class EpochStart:
+    """Where an epoch's input is: the arrays (an object-store reference), the plan, the epoch, and the engine's
+    step count as it began (so a step count says which of the epoch's steps comes next)."""
+
+    arrays_ref: Any
+    plan: EpochPlan
+    epoch: int
+    first_step: int
+
+
 class ArrayFeed:
     """A replica's batches: its parts of the plan's steps, epoch after epoch, from arrays in the object store."""
 
-    def __init__(self, arrays_ref: Any, plan: EpochPlan, replica: int, epoch: int = 0):
-        self.start(arrays_ref, plan, replica, epoch)
+    def __init__(self, start: EpochStart, replica: int):
+        self._ref = None
+        self.begin(start, replica)
 
-    def start(self, arrays_ref: Any, plan: EpochPlan, replica: int, epoch: int) -> None:
-        """Read ``plan``'s steps of ``epoch`` next, as replica ``replica``, from the arrays behind
-        ``arrays_ref``."""
-        if getattr(self, "_ref", None) != arrays_ref:
+    def begin(self, start: EpochStart, replica: int) -> None:
+        """Read ``start``'s epoch from its first step next, as replica ``replica``."""
+        if self._ref != start.arrays_ref:
             import ray
 
-            self._arrays = ray.get(arrays_ref, timeout=600)  # zero-copy on the node; put by the driver
-            self._ref = arrays_ref
-        self.plan, self.replica = plan, replica
-        self._begin(epoch)
+            self._arrays = ray.get(start.arrays_ref, timeout=600)  # zero-copy on the node; put by the driver
+            self._ref = start.arrays_ref
+        self.start, self.replica = start, replica
+        self.epoch, self.step, self._order = start.epoch, 0, start.plan.order(start.epoch)
 
-    def _begin(self, epoch: int) -> None:
-        self.epoch, self.step, self._order = epoch, 0, self.plan.order(epoch)
+    def seek(self, applied_steps: int) -> None:
+        """Read the step that follows ``applied_steps`` of the engine's steps next."""
+        epochs, step = divmod(applied_steps - self.start.first_step, self.start.plan.steps)
+        self._move(self.start.epoch + epochs, step)
+
+    def _move(self, epoch: int, step: int) -> None:
+        if epoch != self.epoch:
+            self._order = self.start.plan.order(epoch)
+        self.epoch, self.step = epoch, step
 
     def next(self) -> tuple:
-        if self.step == self.plan.steps:
-            self._begin(self.epoch + 1)
-        rows = self.plan.part(self._order, self.step, self.replica)
+        plan = self.start.plan
+        if self.step == plan.steps:
+            self._move(self.epoch + 1, 0)
+        rows = plan.part(self._order, self.step, self.replica)
         self.step += 1
         x, y, sample_weight = take(self._arrays, rows)
         return x, y, sample_weight

@@ -22,6 +22,7 @@ between them, and when:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable
@@ -32,7 +33,7 @@ import tensorflow as tf
 from dsgd.integrations import metric_states
 from dsgd.integrations.keras_backend import import_keras
 from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
-from dsgd.integrations.keras_feed import ArrayFeed, EpochPlan, num_rows, take
+from dsgd.integrations.keras_feed import ArrayFeed, EpochPlan, EpochStart, num_rows, take
 
 PROGRESS_INTERVAL_S = 1.0  # the progress bar's logs are fetched at most this often (every batch for batch callbacks)
 _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fit(...) (or evaluate) first")
@@ -40,20 +41,29 @@ _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fi
 
 class TrainerReplica(CompiledReplica):
     """One device's replica of ``build()``'s model: its metrics accumulate until the trainer resets them, its
-    batches come from an ``ArrayFeed`` the trainer positions."""
+    batches come from an ``ArrayFeed`` at the epoch the trainer began, each step's by the engine's step count
+    (so a step run again after a fault, or by a replacement worker, reads the same rows)."""
 
     def __init__(self, model: Any, feed: ArrayFeed):
         self.feed = feed
         super().__init__(model, feed, per_step_metrics=False)
 
+    def _dsgd_seek(self, step: int) -> bool:
+        self.feed.seek(step)
+        return True
 
-def _replica(build: Callable[[], Any], arrays_ref: Any, plan: EpochPlan, worker_index: int,
-             device_index: int) -> TrainerReplica:
-    """The engine's ``model_creator``: ``build()``'s model on this device, reading the arrays by ``plan`` (the
-    trainer sets each epoch's plan again before it steps)."""
-    model = build()
-    check_compiled(model, "KerasTrainer's build()")
-    return TrainerReplica(model, ArrayFeed(arrays_ref, plan, replica=0))
+
+class ReplicaCreator:
+    """The engine's ``model_creator``: ``build()``'s model on a device, reading the epoch the trainer began last
+    (``start``, set on the driver before each epoch, so a worker built mid-epoch joins it)."""
+
+    def __init__(self, build: Callable[[], Any], devices_per_worker: int, start: EpochStart):
+        self.build, self.devices_per_worker, self.start = build, devices_per_worker, start
+
+    def __call__(self, worker_index: int, device_index: int) -> TrainerReplica:
+        model = self.build()
+        check_compiled(model, "KerasTrainer's build()")
+        return TrainerReplica(model, ArrayFeed(self.start, worker_index * self.devices_per_worker + device_index))
 
 
 class KerasTrainer:
@@ -89,6 +99,7 @@ class KerasTrainer:
         check_compiled(self.model, "KerasTrainer's build()")
         self._options = engine_options
         self._engine: Any = None
+        self._creator: ReplicaCreator | None = None
         self._names: list[str] = []  # the engine's weight names, model.weights order
         self._synced: list[np.ndarray] = []  # the weights trainer.model and the engine last agreed on
         self._learning_rate: float | None = None  # the learning rate the replicas last got
@@ -155,7 +166,9 @@ class KerasTrainer:
         callback_list.on_train_begin()
         epoch_logs: dict = {}
         for epoch in range(initial_epoch, epochs):
-            self.engine.foreach_worker(functools.partial(_begin_epoch, ref, plan, epoch))
+            plan = dataclasses.replace(plan, replicas=self.replicas)  # the engine may have been resized
+            self._creator.start = start = EpochStart(ref, plan, epoch, self.engine.num_steps)
+            self.engine.foreach_worker(functools.partial(_begin_epoch, start))
             callback_list.on_epoch_begin(epoch)
             # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
             # scheduled learning rate, restored weights) reaches every replica before its first step.
@@ -249,8 +262,9 @@ class KerasTrainer:
         first = take(arrays, slice(0, 1))
         self.model._symbolic_build(data_batch=first)
         _init_ray_if_needed()
-        plan = EpochPlan(num_rows(arrays), 1, 1)
-        self._engine = DistributedSGD(functools.partial(_replica, self._build, _put(arrays), plan), **self._options)
+        start = EpochStart(_put(arrays), EpochPlan(num_rows(arrays), 1, 1), epoch=0, first_step=0)
+        self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
+        self._engine = DistributedSGD(self._creator, **self._options)
         self._names = list(self._engine.get_weights())
         self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
 
@@ -280,13 +294,12 @@ class KerasTrainer:
 
 # ---- what runs on the workers (foreach_worker / foreach_model) -------------------------------------------------
 
-def _begin_epoch(arrays_ref: Any, plan: EpochPlan, epoch: int, worker: Any) -> None:
-    """Every replica of ``worker``: its metrics reset, its feed at ``epoch``'s first step by ``plan``."""
+def _begin_epoch(start: EpochStart, worker: Any) -> None:
+    """Every replica of ``worker``: its metrics reset, its feed at the first step of ``start``'s epoch."""
     devices = len(worker.models)
     for device, replica in enumerate(worker.models):
         replica.reset_metrics()
-        replica.feed.start(arrays_ref, plan, worker.worker_index * devices + device, epoch)
-    worker.runtime.discard_first_batches()
+        replica.feed.begin(start, worker.worker_index * devices + device)
 
 
 def _worker_metric_state(worker: Any) -> metric_states.State:

@@ -198,9 +198,12 @@ class Tf2Runtime(ReplicaRuntime):
         """Every replica's next batch, flat (device order); starts the step (its phase timings)."""
         self.start_step()
         with self.phase("get_batch"):
-            if self._pending is not None:
+            # A replica whose input follows the step count reads this step's batch, wherever its input was.
+            follow = [r.model._dsgd_seek(self.applied_steps) for r in self.replicas]
+            if self._pending is not None and not any(follow):
                 batches, self._pending = self._pending, None
             else:
+                self._pending = None
                 batches = self.each_replica(lambda r: _next_batch(r, self.worker_index), self.replicas)
             flat = []
             for r, structure, batch in zip(self.replicas, self._structure, batches):
@@ -246,10 +249,6 @@ class Tf2Runtime(ReplicaRuntime):
     def drop_batches(self) -> None:
         self.batches()
 
-    def discard_first_batches(self) -> None:
-        """Forget the replicas' first batches, read at build: the next step asks every replica for a batch (its
-        input was set anew since, e.g. by ``dsgd.KerasTrainer`` at an epoch's start)."""
-        self._pending = None
 
     def warmup(self) -> None:
         self._traced_compute()(*self.batches())
