@@ -211,3 +211,12 @@ def test_iterable_batches_start_a_new_epoch_and_a_one_pass_iterator_says_it_ran_
 def test_importing_dsgd_does_not_import_tf_keras():
     modules = modules_a_user_imports()  # after reading dsgd.KerasModel's module too
     assert "dsgd.integrations.keras" in modules and "tf_keras" not in modules
+
+
+def test_accuracy_of_int_labels_against_one_sigmoid_output_compares_them_as_keras_does():
+    """IMDB's shapes: int32 labels 0/1 of shape (N,), an output of shape (N, 1)."""
+    from dsgd.integrations import keras_outputs
+
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        correct = keras_outputs._accuracy(tf.constant([0, 1, 1], tf.int32), tf.constant([[0.2], [0.9], [0.4]]))
+        assert sess.run(correct).tolist() == [1.0, 1.0, 0.0]

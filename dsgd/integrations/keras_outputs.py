@@ -1,4 +1,6 @@
-"""The loss and metrics of a dsgd.KerasModel, over one output or several.
+"""The loss and metrics of a tf_keras dsgd.KerasModel (the TF1 way), over one output or several.
+
+(A Keras 3 model's are Keras's own compile machinery's: ``dsgd.integrations.keras_compiled``.)
 
 A model's outputs are one tensor, a list of tensors or a dict of tensors
 (a functional model with several heads). Its labels have the same
@@ -163,8 +165,8 @@ def _metric_function(name: str, keras_module) -> Callable | None:
 
 def _accuracy(labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
     """Keras's choice for "accuracy": binary, one-hot or sparse, from the shapes."""
-    if outputs.shape[-1] == 1:
-        return tf.cast(tf.equal(tf.cast(labels > 0.5, tf.float32),
+    if outputs.shape[-1] == 1:  # labels of any dtype (int 0/1 as IMDB's), compared as Keras compares them
+        return tf.cast(tf.equal(tf.cast(tf.cast(labels, tf.float32) > 0.5, tf.float32),
                                 tf.cast(tf.reshape(outputs, tf.shape(labels)) > 0.5, tf.float32)), tf.float32)
     predicted = tf.argmax(outputs, axis=-1)
     if labels.shape.rank == outputs.shape.rank and labels.shape[-1] != 1:
