@@ -73,19 +73,28 @@ class _TrialOptions:
         return tune.PlacementGroupFactory([{"CPU": DRIVER_CPUS}] + [dict(worker) for _ in range(num_workers)])
 
 
-def trainable(config_to_model_creator: Callable[[dict], ModelCreator], *, steps_per_report: int,
-              checkpoint_every: int = 1, **sgd_options: Any) -> Callable[[dict], None]:
+def trainable(config_to_model_creator: Callable[[dict], Any], *, steps_per_report: int | None = None,
+              checkpoint_every: int = 1, fit: dict[str, Any] | None = None,
+              **sgd_options: Any) -> Callable[[dict], None]:
     """A Ray Tune trainable that trains one DistributedSGD per trial.
 
     Args:
         config_to_model_creator: ``config -> model_creator``; the model
             creator is DistributedSGD's ``(worker_index, device_index) ->
-            dsgd.Model``. Both must be picklable.
-        steps_per_report: engine steps per Tune iteration: each iteration
+            dsgd.Model``. Both must be picklable. With ``fit``:
+            ``config -> build``, a ``dsgd.KerasTrainer``'s ``build`` (a
+            function returning a compiled Keras 3 model).
+        steps_per_report: engine steps per Tune iteration (without ``fit``): each iteration
             runs this many steps and reports the last one's stats (``loss``,
             the model's metrics, ``step_time_s``, ``samples_per_s`` if
             ``batch_size`` is set, ``step``: that step's id) and
             ``num_steps``, the steps applied so far.
+        fit: ``KerasTrainer.fit``'s arguments (``x``, ``y``, ``epochs``,
+            ``validation_data``, ...): each trial is a ``KerasTrainer`` of
+            ``config_to_model_creator(config)`` and each Tune iteration one
+            epoch, reporting Keras's logs of that epoch (``loss``, the
+            metrics, ``val_...``) with ``epoch`` and ``num_steps``; a trial
+            resumed from a checkpoint goes on from the epoch after it.
         checkpoint_every: save a checkpoint (``DistributedSGD.save`` into a
             ``ray.tune.Checkpoint`` directory) with every this many reports;
             0 never saves. A trial restarted by Tune (``FailureConfig``) or
@@ -125,7 +134,13 @@ def trainable(config_to_model_creator: Callable[[dict], ModelCreator], *, steps_
     if not callable(config_to_model_creator):
         raise TypeError("config_to_model_creator must be callable: config -> model_creator, got "
                         f"{config_to_model_creator!r}")
-    steps_per_report = check_int("steps_per_report", steps_per_report, 1)
+    if fit is None:
+        steps_per_report = check_int("steps_per_report", steps_per_report, 1)
+    elif steps_per_report is not None:
+        raise ValueError("dsgd.tune.trainable reports every epoch with fit=: give fit= or steps_per_report, not both")
+    elif not isinstance(fit, dict) or "callbacks" in fit:
+        raise TypeError(f"dsgd.tune.trainable's fit= is a dict of KerasTrainer.fit's arguments, without callbacks "
+                        f"(the trial reports to Tune itself), got {fit!r}")
     checkpoint_every = check_int("checkpoint_every", checkpoint_every, 0, " (0: no checkpoints)")
     names = _option_names()
     unknown = sorted(set(sgd_options) - names)
@@ -136,8 +151,11 @@ def trainable(config_to_model_creator: Callable[[dict], ModelCreator], *, steps_
     options.resources({})  # bad counts fail here, not in every trial
 
     def dsgd_trial(config: dict) -> None:
-        _run_trial(config, config_to_model_creator, options.for_config(config), steps_per_report,
-                   checkpoint_every)
+        if fit is not None:
+            _run_fit_trial(config, config_to_model_creator, options.for_config(config), fit, checkpoint_every)
+        else:
+            _run_trial(config, config_to_model_creator, options.for_config(config), steps_per_report,
+                       checkpoint_every)
 
     return tune.with_resources(dsgd_trial, options.resources)
 
@@ -165,3 +183,47 @@ def _run_trial(config: dict, config_to_model_creator: Callable[[dict], ModelCrea
                     tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
             else:
                 tune.report(metrics)
+
+
+EPOCH_FILE = "keras_epoch.json"  # in a fit trial's checkpoint: the epoch it ended
+
+
+def _run_fit_trial(config: dict, config_to_build: Callable[[dict], Callable[[], Any]], options: dict[str, Any],
+                   fit: dict[str, Any], checkpoint_every: int) -> None:
+    """One trial of a KerasTrainer: fit, reporting every epoch's logs; from Tune's checkpoint if there is one."""
+    import json
+    import os
+
+    from dsgd.integrations.keras_backend import import_keras
+    from dsgd.integrations.keras_trainer import KerasTrainer
+
+    keras = import_keras()
+    resumed = tune.get_checkpoint()
+
+    class Report(keras.callbacks.Callback):
+        """Restores Tune's checkpoint as training begins; reports each epoch (with a checkpoint, as asked)."""
+
+        def on_train_begin(self, logs=None):
+            if resumed is not None:
+                with resumed.as_directory() as directory:
+                    trainer.engine.restore(directory)
+                self.model.set_weights(list(trainer.engine.get_weights().values()))
+
+        def on_epoch_end(self, epoch, logs=None):
+            metrics = {**(logs or {}), "epoch": epoch, "num_steps": trainer.engine.num_steps}
+            if checkpoint_every and (epoch + 1) % checkpoint_every == 0:
+                with tempfile.TemporaryDirectory(prefix="dsgd-checkpoint-") as directory:
+                    trainer.engine.save(directory)
+                    with open(os.path.join(directory, EPOCH_FILE), "w") as f:
+                        json.dump({"epoch": epoch}, f)
+                    tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
+            else:
+                tune.report(metrics)
+
+    initial_epoch = fit.get("initial_epoch", 0)
+    if resumed is not None:
+        with resumed.as_directory() as directory:
+            with open(os.path.join(directory, EPOCH_FILE)) as f:
+                initial_epoch = json.load(f)["epoch"] + 1
+    with KerasTrainer(config_to_build(config), **options) as trainer:
+        trainer.fit(**{"verbose": 0, **fit, "initial_epoch": initial_epoch, "callbacks": [Report()]})

@@ -8,6 +8,8 @@ tests' directory is on their PYTHONPATH).
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 
@@ -23,6 +25,11 @@ def binary_data(samples: int = SAMPLES, seed: int = 0) -> tuple[np.ndarray, np.n
     return x, y
 
 
+def binary_build_for(config: dict):
+    """A Tune trial's ``build``: ``build_binary`` at the trial's learning rate."""
+    return functools.partial(build_binary, config["lr"])
+
+
 def classes_data(samples: int = SAMPLES, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Features and sparse int labels of ``CLASSES`` classes."""
     rng = np.random.default_rng(seed)
@@ -30,13 +37,13 @@ def classes_data(samples: int = SAMPLES, seed: int = 1) -> tuple[np.ndarray, np.
     return x, np.abs(x[:, :CLASSES]).argmax(1).astype(np.int64)
 
 
-def build_binary() -> keras.Model:
+def build_binary(lr: float = 0.1) -> keras.Model:
     """A binary classifier with plain SGD: a sigmoid output of shape (N, 1), int labels of shape (N,), a loss name,
     "accuracy" and stateful metrics."""
     keras.utils.set_random_seed(7)
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(1, activation="sigmoid")])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss="binary_crossentropy",
                   metrics=["accuracy", keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="precision")])
     return model
 

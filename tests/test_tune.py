@@ -166,3 +166,28 @@ def test_tune_mnist_example_trains_a_trial_and_restores_its_best_checkpoint(ray_
     assert restored, out.stdout[-3000:]
     assert restored.group(1).startswith(str(tmp_path)) and os.path.isdir(restored.group(1))
     assert float(restored.group(2)) > 0.3  # ten classes: chance is 0.1
+
+
+def test_a_keras_trainer_trial_reports_every_epochs_keras_logs_and_checkpoints(ray_session, tmp_path):
+    import keras_trainer_models as km
+
+    x, y = km.binary_data(samples=256)
+    fit = {"x": x, "y": y, "batch_size": 64, "epochs": 2, "shuffle": False, "validation_data": (x[:64], y[:64])}
+    trainable = dsgd_tune.trainable(km.binary_build_for, fit=fit, num_workers=1, startup_timeout_s=60, timeout_s=60)
+    [result] = run(trainable, {"lr": 0.05}, tmp_path, iterations=2)
+    reference = km.build_binary(0.05)
+    expected = reference.fit(verbose=0, **fit).history
+    history = result.metrics_dataframe.sort_values("training_iteration")
+    assert list(history["epoch"]) == [0, 1] and list(history["num_steps"]) == [4, 8]
+    for name in ("loss", "accuracy", "auc", "val_loss", "val_auc"):
+        np.testing.assert_allclose(history[name], expected[name], rtol=1e-5, err_msg=name)
+    saved = final_state(result)
+    kernel = next(k for k in saved if k.endswith("dense/kernel"))
+    np.testing.assert_allclose(saved[kernel], reference.get_weights()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_keras_trainer_trainable_refuses_steps_per_report_and_callbacks():
+    with pytest.raises(ValueError, match="fit= or steps_per_report, not both"):
+        dsgd_tune.trainable(regression_creator, steps_per_report=2, fit={"epochs": 1})
+    with pytest.raises(TypeError, match="without callbacks"):
+        dsgd_tune.trainable(regression_creator, fit={"callbacks": []})

@@ -1,0 +1,119 @@
+"""Keras programs on dsgd: `KerasTrainer.fit`'s cost per step against the engine's own `step()` loop.
+
+One `dsgd.KerasTrainer` per model shape (`--models`), at the engine's
+defaults (`--num-workers` workers, "ps"), trained on synthetic arrays.
+Two systems share that one engine (same processes, allocator, threads and
+warm-up), interleaved in rounds, each system first in turn:
+
+  fit    `trainer.fit(x, y, batch_size=B, epochs=1, shuffle=False,
+         verbose=0)`: one epoch of `--steps` steps, with what `fit` adds
+         (Keras's callback list and History, the epoch's start on every
+         worker, the metrics' state summed at its end, the weights copied
+         to the driver's model);
+  steps  `trainer.engine.step()` `--steps` times, the last with
+         `fetch_stats=True` (a step loop's usual wait for its result),
+         reading the same rows (the trainer's feeds follow the step count).
+
+Reported per model: the median per-step time of each over the measured
+rounds (`--warmup` rounds first, not counted) and fit's over the loop's
+(target <= 1.05). Writes benchmarks/results/keras_fit.json. From the
+repository root:
+
+    .venv/bin/python -m benchmarks.keras_fit
+    .venv/bin/python -m benchmarks.keras_fit --models mlp --rounds 3 --steps 20
+"""
+
+from __future__ import annotations
+
+if not __package__:  # run as `python benchmarks/keras_fit.py`
+    import _repo_path  # noqa: F401
+
+import argparse
+import functools
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import common
+
+MODELS = ("mlp", "cnn")
+FEATURES, IMAGE_SIZE, CLASSES = 64, 16, 10
+
+
+def build(name: str) -> Any:
+    """A compiled Keras 3 model: a small MLP (a step's fixed costs dominate) or a small CNN (compute does)."""
+    import keras
+
+    if name == "mlp":
+        layers = [keras.Input((FEATURES,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(CLASSES)]
+    else:
+        layers = [keras.Input((IMAGE_SIZE, IMAGE_SIZE, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+                  keras.layers.Conv2D(64, 3, strides=2, activation="relu"), keras.layers.Flatten(),
+                  keras.layers.Dense(CLASSES)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=3, name="top3")])
+    return model
+
+
+def data(name: str, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (FEATURES,) if name == "mlp" else (IMAGE_SIZE, IMAGE_SIZE, 3)
+    return rng.normal(size=(samples, *shape)).astype(np.float32), rng.integers(0, CLASSES, samples)
+
+
+def per_step(fn: Any, steps: int) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64, help="the global batch")
+    p.add_argument("--steps", type=int, default=30, help="steps a round, each system")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="rounds first, not counted")
+    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "keras_fit.json")
+    common.add_ray_flags(p, default_cpus="4")
+    args = p.parse_args(argv)
+    common.connect_ray(args, default_cpus=4)
+    import dsgd
+
+    record: dict[str, Any] = {"command": common.command_line("benchmarks.keras_fit", argv),
+                              "machine": common.machine(), "models": {}}
+    for name in args.models:
+        x, y = data(name, args.steps * args.batch_size)
+        with dsgd.KerasTrainer(functools.partial(build, name), num_workers=args.num_workers) as trainer:
+            trainer.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)  # builds, traces
+
+            def loop() -> None:
+                for _ in range(args.steps - 1):
+                    trainer.engine.step()
+                trainer.engine.step(fetch_stats=True)
+
+            systems = {"fit": lambda: per_step(lambda: trainer.fit(x, y, batch_size=args.batch_size, epochs=1,
+                                                                    shuffle=False, verbose=0), args.steps),
+                       "steps": lambda: per_step(loop, args.steps)}
+            print(f"== {name}: {args.num_workers} workers, global batch {args.batch_size}, {args.steps} steps a round")
+            times, order, _ = common.run_rounds(systems, args.rounds, warmup=args.warmup)
+        measured = {k: v[args.warmup:] for k, v in times.items()}
+        medians = {k: statistics.median(v) for k, v in measured.items() if v}
+        result = {"per_step_s": measured, "median_s": medians, "order": order}
+        if len(medians) == 2:
+            result["fit_over_steps"] = medians["fit"] / medians["steps"]
+            print(f"{name}: fit {medians['fit'] * 1000:.1f} ms/step, step() loop {medians['steps'] * 1000:.1f} "
+                  f"ms/step: fit / loop = {result['fit_over_steps']:.3f} (target <= 1.05)", flush=True)
+        record["models"][name] = result
+    print(f"wrote {common.write_json(record, args.out)}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
