@@ -30,6 +30,17 @@ def binary_build_for(config: dict):
     return functools.partial(build_binary, config["lr"])
 
 
+def binary_replica_dataset(worker_index: int, device_index: int, batch: int = 32, replicas: int = 2):
+    """A ``tf.data.Dataset`` of worker ``worker_index``'s batches (one device a worker): its part of each global
+    batch of ``binary_data()``, as the arrays' plan splits them without shuffling."""
+    import tensorflow as tf
+
+    x, y = binary_data()
+    steps = len(x) // (batch * replicas)
+    part = lambda a: a[:steps * batch * replicas].reshape(steps, replicas, batch, *a.shape[1:])[:, worker_index]
+    return tf.data.Dataset.from_tensor_slices((part(x), part(y)))  # elements: whole batches
+
+
 def classes_data(samples: int = SAMPLES, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Features and sparse int labels of ``CLASSES`` classes."""
     rng = np.random.default_rng(seed)

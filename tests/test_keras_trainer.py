@@ -96,6 +96,18 @@ def test_sample_and_class_weights_train_as_in_one_process(fresh, weighting):
     assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
 
 
+def test_a_tf_data_function_of_each_replicas_batches_trains_as_the_arrays_do(fresh):
+    x, y = km.binary_data()
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    history = fresh.fit(km.binary_replica_dataset, steps_per_epoch=len(x) // BATCH, epochs=2, verbose=0)
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    with pytest.raises(ValueError, match="needs steps_per_epoch"):
+        fresh.fit(km.binary_replica_dataset, epochs=1, verbose=0)
+
+
 class BatchLogs(keras.callbacks.Callback):
     """Records each batch's logs, and the weights trainer.model holds at that batch's end."""
 

@@ -10,17 +10,18 @@ device). A last batch smaller than B is cut to a multiple of R (at most
 R - 1 rows of an epoch left out), so every part of a step has the same size
 and the mean of the replicas' gradients is the global batch's.
 
-``ArrayFeed`` is a replica's ``BatchSource``: the arrays (read once from
-the object store, zero-copy) and the plan, positioned at an epoch's start
-(``EpochStart``), and before every step at the engine's step count
+``ArrayFeed`` is a replica's ``Feed``: the arrays (read once from the
+object store, zero-copy) and the plan, positioned at an epoch's start
+(``ArraysStart``), and before every step at the engine's step count
 (``seek``): a step run again after a fault, or by a replacement worker,
-reads the same rows.
+reads the same rows. ``DatasetFeed`` reads a replica's own
+``tf.data.Dataset`` (``DatasetStart``), as a stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -94,25 +95,49 @@ def num_rows(arrays: Any) -> int:
     return counts.pop()
 
 
+class Feed(Protocol):
+    """A trainer replica's batches (a ``BatchSource``), positioned by the trainer at each epoch's start."""
+
+    def next(self) -> tuple:
+        """The next batch: ``(x, y, sample_weight)``."""
+
+    def seek(self, applied_steps: int) -> bool:
+        """Move to the step that follows ``applied_steps`` of the engine's steps, if this input can: whether it
+        did."""
+
+
+class EpochStart(Protocol):
+    """Where an epoch's input is, for every replica: what the trainer sends each worker as an epoch begins."""
+
+    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+        """Replica ``replica``'s feed for this epoch: ``current`` moved to it, or a new one."""
+
+
 @dataclasses.dataclass(frozen=True)
-class EpochStart:
-    """Where an epoch's input is: the arrays (an object-store reference), the plan, the epoch, and the engine's
-    step count as it began (so a step count says which of the epoch's steps comes next)."""
+class ArraysStart:
+    """An epoch of arrays: the arrays (an object-store reference), the plan, the epoch, and the engine's step
+    count as it began (so a step count says which of the epoch's steps comes next)."""
 
     arrays_ref: Any
     plan: EpochPlan
     epoch: int
     first_step: int
 
+    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+        if isinstance(current, ArrayFeed):
+            current.begin(self, replica)
+            return current
+        return ArrayFeed(self, replica)
+
 
 class ArrayFeed:
     """A replica's batches: its parts of the plan's steps, epoch after epoch, from arrays in the object store."""
 
-    def __init__(self, start: EpochStart, replica: int):
+    def __init__(self, start: ArraysStart, replica: int):
         self._ref = None
         self.begin(start, replica)
 
-    def begin(self, start: EpochStart, replica: int) -> None:
+    def begin(self, start: ArraysStart, replica: int) -> None:
         """Read ``start``'s epoch from its first step next, as replica ``replica``."""
         if self._ref != start.arrays_ref:
             import ray
@@ -122,10 +147,10 @@ class ArrayFeed:
         self.start, self.replica = start, replica
         self.epoch, self.step, self._order = start.epoch, 0, start.plan.order(start.epoch)
 
-    def seek(self, applied_steps: int) -> None:
-        """Read the step that follows ``applied_steps`` of the engine's steps next."""
+    def seek(self, applied_steps: int) -> bool:
         epochs, step = divmod(applied_steps - self.start.first_step, self.start.plan.steps)
         self._move(self.start.epoch + epochs, step)
+        return True
 
     def _move(self, epoch: int, step: int) -> None:
         if epoch != self.epoch:
@@ -140,3 +165,51 @@ class ArrayFeed:
         self.step += 1
         x, y, sample_weight = take(self._arrays, rows)
         return x, y, sample_weight
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetStart:
+    """An epoch of a ``(worker_index, device_index) -> tf.data.Dataset`` of each replica's batches: a replica's
+    iterator goes on across epochs, and starts a new pass when the dataset ends (as Keras's ``fit`` with
+    ``steps_per_epoch`` reads a dataset)."""
+
+    dataset_fn: Callable[[int, int], Any]
+
+    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+        if isinstance(current, DatasetFeed) and current.dataset_fn is self.dataset_fn:
+            return current
+        return DatasetFeed(self.dataset_fn, worker_index, device_index)
+
+
+class DatasetFeed:
+    """A replica's batches from its own ``tf.data.Dataset``: ``(x, y)`` or ``(x, y, sample_weight)`` elements,
+    as numpy (weights of 1 where none are given)."""
+
+    def __init__(self, dataset_fn: Callable[[int, int], Any], worker_index: int, device_index: int):
+        self.dataset_fn = dataset_fn
+        self._dataset = dataset_fn(worker_index, device_index)
+        if not isinstance(self._dataset, tf.data.Dataset):
+            raise TypeError(f"the input function gave worker {worker_index}, device {device_index} a "
+                            f"{type(self._dataset).__name__}; expected a tf.data.Dataset of its batches")
+        self._iterator = self._dataset.as_numpy_iterator()
+
+    def seek(self, applied_steps: int) -> bool:
+        return False  # a stream goes on where it is
+
+    def next(self) -> tuple:
+        try:
+            element = next(self._iterator)
+        except StopIteration:
+            self._iterator = self._dataset.as_numpy_iterator()
+            element = next(self._iterator)
+        return with_weights(element)
+
+
+def with_weights(element: Any) -> tuple:
+    """A batch ``(x, y)`` or ``(x, y, sample_weight)`` as ``(x, y, sample_weight)``, weights of 1 if none."""
+    if not isinstance(element, tuple) or len(element) not in (2, 3):
+        raise TypeError(f"a batch must be (x, y) or (x, y, sample_weight), got {type(element).__name__}")
+    if len(element) == 3:
+        return element
+    x, y = element
+    return x, y, np.ones(len(tf.nest.flatten(x)[0]), np.float32)

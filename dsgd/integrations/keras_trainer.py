@@ -33,7 +33,7 @@ import tensorflow as tf
 from dsgd.integrations import metric_states
 from dsgd.integrations.keras_backend import import_keras
 from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
-from dsgd.integrations.keras_feed import ArrayFeed, EpochPlan, EpochStart, num_rows, take
+from dsgd.integrations.keras_feed import ArraysStart, DatasetStart, EpochPlan, EpochStart, Feed, num_rows, take, with_weights
 
 PROGRESS_INTERVAL_S = 1.0  # the progress bar's logs are fetched at most this often (every batch for batch callbacks)
 _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fit(...) (or evaluate) first")
@@ -41,16 +41,22 @@ _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fi
 
 class TrainerReplica(CompiledReplica):
     """One device's replica of ``build()``'s model: its metrics accumulate until the trainer resets them, its
-    batches come from an ``ArrayFeed`` at the epoch the trainer began, each step's by the engine's step count
-    (so a step run again after a fault, or by a replacement worker, reads the same rows)."""
+    batches come from a ``Feed`` at the epoch the trainer began; an array feed reads each step's rows by the
+    engine's step count (so a step run again after a fault, or by a replacement worker, reads the same rows)."""
 
-    def __init__(self, model: Any, feed: ArrayFeed):
-        self.feed = feed
+    def __init__(self, model: Any, feed: Feed):
         super().__init__(model, feed, per_step_metrics=False)
 
+    @property
+    def feed(self) -> Feed:
+        return self._batches
+
+    @feed.setter
+    def feed(self, feed: Feed) -> None:
+        self._batches = feed
+
     def _dsgd_seek(self, step: int) -> bool:
-        self.feed.seek(step)
-        return True
+        return self.feed.seek(step)
 
 
 class ReplicaCreator:
@@ -63,7 +69,8 @@ class ReplicaCreator:
     def __call__(self, worker_index: int, device_index: int) -> TrainerReplica:
         model = self.build()
         check_compiled(model, "KerasTrainer's build()")
-        return TrainerReplica(model, ArrayFeed(self.start, worker_index * self.devices_per_worker + device_index))
+        replica = worker_index * self.devices_per_worker + device_index
+        return TrainerReplica(model, self.start.feed(None, replica, worker_index, device_index))
 
 
 class KerasTrainer:
@@ -139,26 +146,38 @@ class KerasTrainer:
             validation_freq: int = 1) -> Any:
         """``keras.Model.fit`` across the engine's replicas; returns Keras's ``History``.
 
-        ``batch_size`` (default 32) is the global batch: each step is one
+        ``x`` is numpy arrays (or a dict or list of them), with ``y``:
+        ``batch_size`` (default 32) is the global batch, each step one
         synchronous step over it, each replica taking an equal contiguous
         part. With ``shuffle=False`` step i trains on samples ``[i*B,
-        (i+1)*B)``, as one-process ``fit`` does.
+        (i+1)*B)``, as one-process ``fit`` does. Or ``x`` is a function
+        ``(worker_index, device_index) -> tf.data.Dataset`` of that
+        replica's batches (``(x, y)`` or ``(x, y, sample_weight)``), with
+        ``steps_per_epoch``.
         """
         keras = import_keras()
         from keras.src.trainers.data_adapters import array_slicing
 
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=validation_split)
-        arrays = _arrays(x, y, sample_weight, class_weight)
-        batch_size = batch_size or 32
-        self._start(arrays, batch_size)
-        ref = _put(arrays)
-        plan = EpochPlan(num_rows(arrays), batch_size, self.replicas, shuffle,
-                         int(np.random.randint(2 ** 31)), steps_per_epoch)
+        if callable(x):
+            if steps_per_epoch is None:
+                raise ValueError("fit with a dataset function x=(worker_index, device_index) -> tf.data.Dataset needs "
+                                 "steps_per_epoch: the steps of an epoch")
+            start: EpochStart = DatasetStart(x)
+            steps = steps_per_epoch
+            self._start(_first_batch(x), start)
+        else:
+            if validation_split and validation_data is None:
+                (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                    (x, y, sample_weight), validation_split=validation_split)
+            arrays = _arrays(x, y, sample_weight, class_weight)
+            ref = _put(arrays)
+            self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
+            plan = EpochPlan(num_rows(arrays), batch_size or 32, self.replicas, shuffle,
+                             int(np.random.randint(2 ** 31)), steps_per_epoch)
+            steps = plan.steps
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                                     verbose=verbose, epochs=epochs, steps=plan.steps,
+                                                     verbose=verbose, epochs=epochs, steps=steps,
                                                      model=self.model)
         batch_callbacks = _use_batches(callback_list, keras)
         validation = _validation_arrays(validation_data)
@@ -166,15 +185,17 @@ class KerasTrainer:
         callback_list.on_train_begin()
         epoch_logs: dict = {}
         for epoch in range(initial_epoch, epochs):
-            plan = dataclasses.replace(plan, replicas=self.replicas)  # the engine may have been resized
-            self._creator.start = start = EpochStart(ref, plan, epoch, self.engine.num_steps)
+            if not callable(x):
+                plan = dataclasses.replace(plan, replicas=self.replicas)  # the engine may have been resized
+                start = ArraysStart(ref, plan, epoch, self.engine.num_steps)
+            self._creator.start = start
             self.engine.foreach_worker(functools.partial(_begin_epoch, start))
             callback_list.on_epoch_begin(epoch)
             # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
             # scheduled learning rate, restored weights) reaches every replica before its first step.
             self._push_changes()
             logs, fetched = {}, time.monotonic()
-            for step in range(plan.steps):
+            for step in range(steps):
                 callback_list.on_train_batch_begin(step)
                 if batch_callbacks:
                     self._push_changes()
@@ -191,7 +212,7 @@ class KerasTrainer:
             if validation is not None and self.model._should_eval(epoch, validation_freq):
                 val_x, val_y, val_weight = validation
                 val_logs = self.evaluate(val_x, val_y, sample_weight=val_weight,
-                                         batch_size=validation_batch_size or batch_size,
+                                         batch_size=validation_batch_size or batch_size or 32,
                                          verbose=0, steps=validation_steps, return_dict=True)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, epoch_logs)
@@ -217,7 +238,8 @@ class KerasTrainer:
         batch_size = batch_size or 32
         if steps is not None:
             arrays = take(arrays, slice(0, steps * batch_size))
-        self._start(arrays, batch_size)
+        ref = _put(arrays)
+        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
         self._push_changes()
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
@@ -225,7 +247,7 @@ class KerasTrainer:
         callback_list.on_test_begin()
         bounds = _contiguous_parts(num_rows(arrays), self.replicas)
         per_replica_batch = max(1, batch_size // self.replicas)
-        states = self.engine.foreach_worker(functools.partial(_evaluate_parts, _put(arrays), bounds,
+        states = self.engine.foreach_worker(functools.partial(_evaluate_parts, ref, bounds,
                                                               per_replica_batch))
         logs = metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
         callback_list.on_test_batch_end(0, logs)
@@ -252,17 +274,15 @@ class KerasTrainer:
 
     # ---- the engine and the driver's model ----------------------------------------------------
 
-    def _start(self, arrays: tuple, batch_size: int) -> None:
-        """Start the engine, its replicas reading ``arrays`` until the first epoch's plan, from
-        ``trainer.model``'s weights; build the driver model's metrics."""
+    def _start(self, first: tuple, start: EpochStart) -> None:
+        """Start the engine (unless started), its replicas reading ``start``'s input until the first epoch
+        begins, from ``trainer.model``'s weights; build the driver model's metrics for ``first``, a batch."""
         if self._engine is not None:
             return
         from dsgd.distributed_sgd import DistributedSGD, _init_ray_if_needed
 
-        first = take(arrays, slice(0, 1))
         self.model._symbolic_build(data_batch=first)
         _init_ray_if_needed()
-        start = EpochStart(_put(arrays), EpochPlan(num_rows(arrays), 1, 1), epoch=0, first_step=0)
         self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
         self._engine = DistributedSGD(self._creator, **self._options)
         self._names = list(self._engine.get_weights())
@@ -295,11 +315,11 @@ class KerasTrainer:
 # ---- what runs on the workers (foreach_worker / foreach_model) -------------------------------------------------
 
 def _begin_epoch(start: EpochStart, worker: Any) -> None:
-    """Every replica of ``worker``: its metrics reset, its feed at the first step of ``start``'s epoch."""
+    """Every replica of ``worker``: its metrics reset, its feed at ``start``'s epoch."""
     devices = len(worker.models)
     for device, replica in enumerate(worker.models):
         replica.reset_metrics()
-        replica.feed.begin(start, worker.worker_index * devices + device)
+        replica.feed = start.feed(replica.feed, worker.worker_index * devices + device, worker.worker_index, device)
 
 
 def _worker_metric_state(worker: Any) -> metric_states.State:
@@ -368,6 +388,16 @@ def _arrays(x: Any, y: Any, sample_weight: Any, class_weight: dict | None) -> tu
     arrays = (x, y, np.asarray(sample_weight, np.float32))
     num_rows(arrays)
     return arrays
+
+
+def _first_batch(dataset_fn: Callable[[int, int], Any]) -> tuple:
+    """The first batch of worker 0, device 0's dataset, as ``(x, y, sample_weight)``: its shapes build the driver's
+    metrics."""
+    dataset = dataset_fn(0, 0)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"fit's x is a function, so it must give a tf.data.Dataset of a replica's batches, gave "
+                        f"{type(dataset).__name__}")
+    return with_weights(next(dataset.take(1).as_numpy_iterator()))
 
 
 def _validation_arrays(validation_data: Any) -> tuple | None:
