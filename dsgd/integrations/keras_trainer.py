@@ -158,23 +158,11 @@ class KerasTrainer:
         keras = import_keras()
         from keras.src.trainers.data_adapters import array_slicing
 
-        if callable(x):
-            if steps_per_epoch is None:
-                raise ValueError("fit with a dataset function x=(worker_index, device_index) -> tf.data.Dataset needs "
-                                 "steps_per_epoch: the steps of an epoch")
-            start: EpochStart = DatasetStart(x)
-            steps = steps_per_epoch
-            self._start(_first_batch(x), start)
-        else:
-            if validation_split and validation_data is None:
-                (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-                    (x, y, sample_weight), validation_split=validation_split)
-            arrays = _arrays(x, y, sample_weight, class_weight)
-            ref = _put(arrays)
-            self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
-            plan = EpochPlan(num_rows(arrays), batch_size or 32, self.replicas, shuffle,
-                             int(np.random.randint(2 ** 31)), steps_per_epoch)
-            steps = plan.steps
+        if validation_split and validation_data is None and not callable(x):
+            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=validation_split)
+        steps, epoch_start = self._training_input(x, y, batch_size or 32, shuffle, class_weight, sample_weight,
+                                                  steps_per_epoch)
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                      verbose=verbose, epochs=epochs, steps=steps,
@@ -185,10 +173,7 @@ class KerasTrainer:
         callback_list.on_train_begin()
         epoch_logs: dict = {}
         for epoch in range(initial_epoch, epochs):
-            if not callable(x):
-                plan = dataclasses.replace(plan, replicas=self.replicas)  # the engine may have been resized
-                start = ArraysStart(ref, plan, epoch, self.engine.num_steps)
-            self._creator.start = start
+            self._creator.start = start = epoch_start(epoch)
             self.engine.foreach_worker(functools.partial(_begin_epoch, start))
             callback_list.on_epoch_begin(epoch)
             # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
@@ -224,6 +209,25 @@ class KerasTrainer:
         callback_list.on_train_end(logs=epoch_logs)
         self._push_changes()  # e.g. EarlyStopping's restore_best_weights, at the end of training
         return self.model.history
+
+    def _training_input(self, x: Any, y: Any, batch_size: int, shuffle: bool, class_weight: dict | None,
+                        sample_weight: Any, steps_per_epoch: int | None) -> tuple[int, Callable[[int], EpochStart]]:
+        """The engine started for ``fit``'s input; the steps of an epoch, and where each epoch's input is."""
+        if callable(x):
+            if steps_per_epoch is None:
+                raise ValueError("fit with a dataset function x=(worker_index, device_index) -> tf.data.Dataset needs "
+                                 "steps_per_epoch: the steps of an epoch")
+            self._start(_first_batch(x), DatasetStart(x))
+            return steps_per_epoch, lambda epoch: DatasetStart(x)
+        arrays = _arrays(x, y, sample_weight, class_weight)
+        ref = _put(arrays)
+        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
+        plan = EpochPlan(num_rows(arrays), batch_size, self.replicas, shuffle, int(np.random.randint(2 ** 31)),
+                         steps_per_epoch)
+
+        def epoch_start(epoch: int) -> ArraysStart:  # the engine may have been resized since the last epoch
+            return ArraysStart(ref, dataclasses.replace(plan, replicas=self.replicas), epoch, self.engine.num_steps)
+        return plan.steps, epoch_start
 
     # ---- evaluate and predict -------------------------------------------------------------
 
