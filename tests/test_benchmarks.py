@@ -115,8 +115,19 @@ def test_exchange_gradients_are_computed_by_tensorflow():
         assert np.all(g == g.flat[0]) and 0.5 <= g.flat[0] < 1.5
 
 
+@pytest.fixture
+def digits_loaded_here(monkeypatch):
+    """examples/mnist.py's model loads its data (scikit-learn's digits, offline) where it is built, on the session's
+    Ray workers, which find no scikit-learn (tests/job_processes.py). The same digits loaded here instead: the example
+    goes to the workers by value (``common.mnist_example``), with this ``load_digits``."""
+    mnist = common.mnist_example()
+    loaded = mnist.load_digits(None)
+    monkeypatch.setattr(mnist, "load_digits", lambda data_dir: loaded)
+
+
 @pytest.mark.slow  # a full smoke run of a benchmark (the suite's time budget); the huge shape's runs by default
-def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_union_batch(ray_session, tmp_path):
+def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_union_batch(ray_session, tmp_path,
+                                                                                          digits_loaded_here):
     result = exchange.main(["--shapes", "mnist", "--batch-size", "8", "--warmup", "1", "--steps", "2",
                             "--burst", "3", "--settle-s", "0", "--out", str(tmp_path / "exchange.json")])
     assert result["burst"] == 3
@@ -129,7 +140,9 @@ def test_exchange_benchmark_compares_the_mnist_example_with_one_process_on_the_u
 
 
 @pytest.mark.parametrize("shape", ["huge", pytest.param("mnist", marks=pytest.mark.slow)])  # huge by default (time)
-def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session, shape):
+def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step(ray_session, shape, request):
+    if shape == "mnist":
+        request.getfixturevalue("digits_loaded_here")
     args = argparse.Namespace(scale=0.001, num_workers=2, warmup=1, steps=2, traced=1, batch_size=8)
     record = step_breakdown.measure(shape, args, nodes=1)
     cpu, traced = record["cpu_ms_per_step"], record["traced_ms_per_step"]
