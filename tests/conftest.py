@@ -1,6 +1,7 @@
 """One Ray instance for the whole test session, sized for a 2-core machine."""
 
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -21,6 +22,7 @@ os.environ.setdefault("RAY_LOG_MONITOR_MAX_OPEN_FILES", "64")
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "1")
 
 import background_jobs  # noqa: E402 (its jobs start with the environment above)
+import slow_slices  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +39,55 @@ def ray_session():
     ray.shutdown()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow-slice", metavar="I/K", default=None,
+                     help="keep only the slow tests of slice I of K (1 to K), dealt by their times in "
+                          "tests/slow_durations.json (tests/slow_slices.py); with -m slow")
+    parser.addoption("--record-slow-durations", metavar="PATH", default=None,
+                     help="write (or update) the seconds of the slow tests that ran to PATH, in the format of "
+                          "tests/slow_durations.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--slow-slice I/K``: deselect every test but the slow ones of slice I."""
+    spec = config.getoption("slow_slice")
+    if spec is None:
+        return
+    index, count = slow_slices.parse(spec)
+    dealt = slow_slices.deal(slow_slices.load(), count)
+    keep, drop = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        (keep if slow and slow_slices.slice_of(slow_slices.unit(item), dealt, count) == index else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """With ``--slow-slice``: the slice, its measured seconds and its tests' ids, at the head of the run."""
+    spec = config.getoption("slow_slice")
+    if spec is None:
+        return []
+    index, count = slow_slices.parse(spec)
+    seconds = slow_slices.load()
+    units = {slow_slices.unit(item) for item in items}
+    unmeasured = sorted(units - set(seconds))
+    lines = [f"slow tier, slice {index}/{count}: {len(items)} tests, {sum(seconds.get(u, 0.0) for u in units):.0f} s "
+             f"as measured (tests/slow_durations.json)"
+             + (f"; {len(unmeasured)} with no measured time, placed by a hash of their ids" if unmeasured else "")]
+    lines += [f"  {item.nodeid}" + ("  (no measured time)" if slow_slices.unit(item) in unmeasured else "")
+              for item in items]
+    return lines
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    TEST_SECONDS[report.nodeid] = TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+TEST_SECONDS: dict[str, float] = {}  # node id -> seconds of its setup, call and teardown (--record-slow-durations)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Queue the background jobs of the selected tests' fixtures (``background_jobs``), in the order first used."""
     if session.config.option.collectonly:
@@ -51,6 +102,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     background_jobs.QUEUE.close()
+    path = session.config.getoption("record_slow_durations")
+    if path is not None:  # after close: a job killed at the session's end has its time too
+        measured = slow_slices.unit_seconds(session.items, TEST_SECONDS, background_jobs.QUEUE.seconds)
+        slow_slices.write(Path(path), {**slow_slices.load(Path(path)), **measured})
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
