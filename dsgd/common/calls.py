@@ -153,7 +153,7 @@ class Calls:
                                               timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
                     if ready:
                         try:
-                            values[ready[0]] = ray.get(ready[0])
+                            values[ready[0]] = ray.get(ready[0], timeout=timeout)  # ready: at once
                         except ray.exceptions.RayError as e:
                             if _fault_of(e) is None or len(failed) >= spare_failures:
                                 raise
