@@ -1,6 +1,6 @@
 """Keras 3 end to end: `keras.applications.ResNet50(weights=None)` trained by dsgd against its peers, interleaved.
 
-Issue #42's end-to-end benchmark. Every system trains ResNet50 (1000
+Every system trains ResNet50 (1000
 classes, softmax output) at `--image-size` px with momentum SGD (learning
 rate 0.01, momentum 0.9: small batches of random labels, kept finite) and
 sparse categorical cross-entropy, on synthetic data: each replica draws its images and labels
