@@ -93,3 +93,71 @@ def test_inside_a_placement_group_servers_are_planned_on_its_bundles_not_the_nod
     assert cpus == {node: 3.0}
     assert plan == [node]  # 1 CPU left by the workers: one server, where the node's 8 CPUs would give 2
     assert plan_servers([node, node], {node: 8.0}, cpus_per_worker=1, requested=None) == [node, node]
+
+
+class _Handle:
+    """Stands in for an actor handle: ``actor_state`` reads only its ``_actor_id``."""
+
+    def __init__(self) -> None:
+        self._actor_id = ray.ActorID.from_random()
+
+
+def test_actor_states_private_ray_api_is_still_there(monkeypatch):
+    """``placement.actor_state`` reads Ray's actor table through ``ray._private.state`` and ``ActorHandle._actor_id``
+    (the public state API needs the dashboard). What it relies on, checked against the installed Ray without a
+    cluster: the names, the ``actor_id`` argument (a hex string) and the ``State`` field of the table's answer."""
+    import inspect
+
+    from ray.core.generated import gcs_pb2
+
+    from dsgd.cluster import placement
+
+    def check(ok: bool, what: str) -> None:
+        assert ok, (f"Ray's private API changed under dsgd.cluster.placement.actor_state ({what}, as of Ray 2.60; "
+                    f"installed: {ray.__version__}): read the actor's state another way there")
+
+    state_module = getattr(getattr(ray, "_private", None), "state", None)
+    check(callable(getattr(state_module, "actors", None)), "ray._private.state.actors is gone")
+    check("actor_id" in inspect.signature(state_module.actors).parameters, "actors() takes no actor_id")
+    check(isinstance(inspect.getattr_static(ray.actor.ActorHandle, "_actor_id", None), property),
+          "ActorHandle._actor_id is no longer a property")
+    check(callable(getattr(ray.ActorID, "hex", None)), "ActorID has no hex()")
+
+    handle, asked = _Handle(), []
+    for name in ("ALIVE", "DEAD"):
+        class Accessor:  # the GCS's answer for one actor, as its table holds it
+            def get_actor_info(self, actor_id):
+                asked.append(actor_id)
+                return gcs_pb2.ActorTableData(actor_id=actor_id.binary(),
+                                              state=gcs_pb2.ActorTableData.ActorState.Value(name)).SerializeToString()
+
+        check(hasattr(state_module.state, "_connect_and_get_accessor"), "no GlobalState._connect_and_get_accessor")
+        monkeypatch.setattr(state_module.state, "_connect_and_get_accessor", lambda: Accessor())
+        got = placement.actor_state(handle)
+        check(got == name, f"an actor the table lists as {name} read as {got!r}")
+    check(asked == [handle._actor_id] * 2, f"the table was asked for {asked}, not for {handle._actor_id}")
+
+
+def test_only_actor_state_reads_rays_private_api():
+    """``ray._private`` and an actor handle's ``_actor_id`` appear in dsgd/ in ``placement.actor_state`` alone, the
+    one place to change when Ray does (the test above)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "dsgd"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        allowed = set()
+        if path.relative_to(package).as_posix() == "cluster/placement.py":
+            (function,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "actor_state"]
+            allowed = {id(n) for n in ast.walk(function)}
+        for node in ast.walk(tree):
+            private = (isinstance(node, ast.Attribute) and (node.attr == "_actor_id" or node.attr == "_private" and
+                                                             isinstance(node.value, ast.Name) and node.value.id == "ray")
+                       or isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                           "ray._private" in name for name in [getattr(node, "module", None) or ""]
+                           + [alias.name for alias in node.names]))
+            if private and id(node) not in allowed:
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    assert not found, f"Ray's private API read outside dsgd.cluster.placement.actor_state: {found}"
