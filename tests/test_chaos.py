@@ -31,7 +31,8 @@ JOB_TIMEOUT_S = {60: 300, 300: 900}
 
 
 def replay(test: str) -> str:
-    return f"seed {SEED}; replay: DSGD_CHAOS_SEED={SEED} {sys.executable} -m pytest tests/test_chaos.py -k '{test}'"
+    return (f"seed {SEED}; replay: DSGD_CHAOS_SEED={SEED} {sys.executable} -m pytest tests/test_chaos.py -m slow "
+            f"-k '{test}'")
 
 
 def check(record: dict, steps: int, faults_planned: int, test: str) -> None:
