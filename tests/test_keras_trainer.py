@@ -209,6 +209,28 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_fit_ends_with_the_fault_free_
     assert history.history["loss"][1] == pytest.approx(expected.history["loss"][1], rel=1e-5)
 
 
+def test_a_callback_resizing_the_engine_between_epochs_leaves_fit_exact(fresh):
+    """The global batch is split over the replicas there are at each epoch's start: on 1 worker or 2, one step is
+    the mean gradient of the same 64 rows."""
+    class ShrinkAfterFirstEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                fresh.engine.resize(1)
+
+    x, y = km.binary_data()
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    try:
+        history = fresh.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[ShrinkAfterFirstEpoch()])
+        assert fresh.engine.num_workers == 1
+        for name, values in expected.history.items():
+            assert history.history[name] == pytest.approx(values, rel=1e-5), name
+        assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    finally:
+        fresh.engine.resize(2)
+
+
 def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_by_name(binary):
     x, y = km.binary_data()
     with pytest.raises(ValueError, match="batch_size 63 is the global batch.* 2 replicas.*multiple of 2"):
