@@ -142,6 +142,7 @@ def test_callbacks_see_keras_logs_and_the_engines_weights_and_steer_every_replic
                              callbacks=[keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))],
                              validation_data=(x[:128], y[:128]))
     assert history.history["lr" if "lr" in history.history else "learning_rate"] == pytest.approx([0.1, 0.05, 1 / 30])
+    assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=1e-5)
     assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
     rates = fresh.engine.foreach_model(lambda m: float(m.optimizer.learning_rate))
     assert rates == pytest.approx([1 / 30] * 2)
@@ -386,3 +387,21 @@ def test_the_epoch_plan_splits_each_global_batch_into_equal_contiguous_parts():
     rows = np.concatenate([shuffled.part(shuffled.order(1), s, r) for s in range(3) for r in range(2)])
     assert sorted(rows) == list(range(10))
     assert not np.array_equal(shuffled.order(1), shuffled.order(2))
+
+
+def test_a_dataset_feed_goes_on_across_the_epochs_of_one_fit_whose_starts_reach_the_workers_as_copies():
+    import cloudpickle
+    import tensorflow as tf
+
+    from dsgd.integrations.keras_feed import DatasetStart
+
+    def batches(worker_index, device_index):
+        return tf.data.Dataset.from_tensor_slices((np.arange(6.0)[:, None], np.arange(6.0))).batch(2)
+
+    start = DatasetStart(batches, token=1)
+    feed = start.feed(None, 0, 0, 0)
+    assert feed.next()[1].tolist() == [0.0, 1.0]
+    next_epoch = cloudpickle.loads(cloudpickle.dumps(start))  # as foreach_worker sends it
+    assert next_epoch.feed(feed, 0, 0, 0) is feed
+    assert feed.next()[1].tolist() == [2.0, 3.0]
+    assert DatasetStart(batches, token=2).feed(feed, 0, 0, 0) is not feed  # another fit: a new stream

@@ -26,9 +26,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import tensorflow as tf
 
-# The trainer's arrays: (x, y, sample_weight), each a numpy array or a structure of them, with one row per sample.
-Arrays = tuple
-
+from dsgd.integrations.keras_compiled import BatchSource
 
 @dataclasses.dataclass(frozen=True)
 class EpochPlan:
@@ -95,11 +93,8 @@ def num_rows(arrays: Any) -> int:
     return counts.pop()
 
 
-class Feed(Protocol):
-    """A trainer replica's batches (a ``BatchSource``), positioned by the trainer at each epoch's start."""
-
-    def next(self) -> tuple:
-        """The next batch: ``(x, y, sample_weight)``."""
+class Feed(BatchSource, Protocol):
+    """A trainer replica's batches, ``(x, y, sample_weight)``, positioned by the trainer at each epoch's start."""
 
     def seek(self, applied_steps: int) -> bool:
         """Move to the step that follows ``applied_steps`` of the engine's steps, if this input can: whether it
@@ -163,8 +158,7 @@ class ArrayFeed:
             self._move(self.epoch + 1, 0)
         rows = plan.part(self._order, self.step, self.replica)
         self.step += 1
-        x, y, sample_weight = take(self._arrays, rows)
-        return x, y, sample_weight
+        return take(self._arrays, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,20 +168,21 @@ class DatasetStart:
     ``steps_per_epoch`` reads a dataset)."""
 
     dataset_fn: Callable[[int, int], Any]
+    token: int  # the fit call's: its epochs reach the workers as copies, whose dataset_fn is a new object each time
 
     def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
-        if isinstance(current, DatasetFeed) and current.dataset_fn is self.dataset_fn:
+        if isinstance(current, DatasetFeed) and current.token == self.token:
             return current
-        return DatasetFeed(self.dataset_fn, worker_index, device_index)
+        return DatasetFeed(self, worker_index, device_index)
 
 
 class DatasetFeed:
     """A replica's batches from its own ``tf.data.Dataset``: ``(x, y)`` or ``(x, y, sample_weight)`` elements,
     as numpy (weights of 1 where none are given)."""
 
-    def __init__(self, dataset_fn: Callable[[int, int], Any], worker_index: int, device_index: int):
-        self.dataset_fn = dataset_fn
-        self._dataset = dataset_fn(worker_index, device_index)
+    def __init__(self, start: DatasetStart, worker_index: int, device_index: int):
+        self.token = start.token
+        self._dataset = start.dataset_fn(worker_index, device_index)
         if not isinstance(self._dataset, tf.data.Dataset):
             raise TypeError(f"the input function gave worker {worker_index}, device {device_index} a "
                             f"{type(self._dataset).__name__}; expected a tf.data.Dataset of its batches")

@@ -217,8 +217,9 @@ class KerasTrainer:
             if steps_per_epoch is None:
                 raise ValueError("fit with a dataset function x=(worker_index, device_index) -> tf.data.Dataset needs "
                                  "steps_per_epoch: the steps of an epoch")
-            self._start(_first_batch(x), DatasetStart(x))
-            return steps_per_epoch, lambda epoch: DatasetStart(x)
+            start = DatasetStart(x, token=int(np.random.default_rng().integers(2 ** 62)))
+            self._start(_first_batch(x), start)
+            return steps_per_epoch, lambda epoch: start
         arrays = _arrays(x, y, sample_weight, class_weight)
         ref = _put(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
