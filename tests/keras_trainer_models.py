@@ -179,3 +179,37 @@ def build_synchronized() -> keras.Model:
 
 def build_uncompiled() -> keras.Model:
     return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+
+
+class LabelPowerSum(keras.metrics.Metric):
+    """The sum of the labels seen, each to ``power``: a stateful metric whose state sums across replicas, so an
+    epoch's value says which rows it saw."""
+
+    def __init__(self, power: int = 1, name: str = "label_sum", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.power = power
+        self.total = self.add_variable((), initializer="zeros", aggregation="sum", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.sum(keras.ops.cast(y_true, self.dtype) ** self.power))
+
+    def result(self):
+        return self.total
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "power": self.power}
+
+
+def rows_data(samples: int = SAMPLES, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Features and a regression label that names the row: row i's label is i / samples."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(samples, FEATURES)).astype(np.float32), np.arange(samples, dtype=np.float32) / samples
+
+
+def build_rows() -> keras.Model:
+    """A linear regression with plain SGD, whose metrics sum the labels seen and their squares."""
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                  metrics=[LabelPowerSum(1, "label_sum"), LabelPowerSum(2, "label_squares")])
+    return model

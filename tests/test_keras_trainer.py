@@ -405,3 +405,60 @@ def test_a_dataset_feed_goes_on_across_the_epochs_of_one_fit_whose_starts_reach_
     assert next_epoch.feed(feed, 0, 0, 0) is feed
     assert feed.next()[1].tolist() == [2.0, 3.0]
     assert DatasetStart(batches, token=2).feed(feed, 0, 0, 0) is not feed  # another fit: a new stream
+
+
+# ---- a Ray Dataset as input ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rows(ray_session) -> Iterator[tuple[dsgd.KerasTrainer, object]]:
+    """``km.build_rows`` on 2 workers and ``km.rows_data()`` as a Ray Dataset (columns x, y), which the trainer's
+    first fit gives its engine."""
+    ray_data = pytest.importorskip("ray.data", reason="Ray Data is the optional extra dsgd[data]")
+    ray_data.DataContext.get_current().enable_progress_bars = False
+    x, y = km.rows_data()
+    dataset = ray_data.from_items([{"x": x[i], "y": y[i]} for i in range(len(x))])
+    with dsgd.KerasTrainer(km.build_rows, num_workers=2) as trainer:
+        yield trainer, dataset
+
+
+def test_a_ray_dataset_split_over_the_replicas_trains_full_batches_as_one_process(rows):
+    trainer, dataset = rows
+    x, y = km.rows_data()
+    reference = km.build_rows()
+    expected = reference.fit(x, y, batch_size=len(x), epochs=3, shuffle=False, verbose=0)
+    trainer.model.set_weights(km.build_rows().get_weights())
+    # One global batch an epoch: whatever rows each replica's split holds, their mean gradient is the batch's.
+    history = trainer.fit(dataset, label_columns="y", batch_size=len(x), epochs=3, verbose=0)
+    for name in ("loss", "label_sum", "label_squares"):
+        assert history.history[name] == pytest.approx(expected.history[name], rel=1e-5), name
+    assert_weights_equal(trainer.model.get_weights(), reference.get_weights())
+
+
+def test_every_epoch_of_a_ray_dataset_reads_each_row_once_and_evaluate_reads_it_on_the_workers(rows):
+    trainer, dataset = rows
+    x, y = km.rows_data()
+    history = trainer.fit(dataset, label_columns="y", feature_columns="x", batch_size=BATCH, epochs=2, verbose=0,
+                          validation_data=dataset)
+    for prefix in ("", "val_"):
+        assert history.history[f"{prefix}label_sum"] == pytest.approx([y.sum()] * 2, rel=1e-6), prefix
+        assert history.history[f"{prefix}label_squares"] == pytest.approx([(y ** 2).sum()] * 2, rel=1e-5), prefix
+    expected = trainer.model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert_logs_equal(trainer.evaluate(dataset, label_columns="y", batch_size=BATCH, return_dict=True,
+                                       verbose=0), expected)
+    assert_weights_equal(trainer.engine.get_weights().values(), trainer.model.get_weights())
+    assert_replicas_identical(trainer.engine, 2)
+
+
+def test_a_ray_dataset_trainer_names_what_its_engine_reads_and_what_a_dataset_needs(rows):
+    trainer, dataset = rows
+    x, y = km.rows_data()
+    with pytest.raises(ValueError, match="label_columns="):
+        trainer.fit(dataset, batch_size=BATCH)
+    with pytest.raises(ValueError, match=r"columns \['x', 'y'\]; no column 'label'"):
+        trainer.fit(dataset, label_columns="label", batch_size=BATCH)
+    with pytest.raises(ValueError, match="reads the Ray Dataset the fit that started it gave.*trainer.shutdown"):
+        trainer.fit(x, y, batch_size=BATCH)
+    with pytest.raises(ValueError, match="give no y"):
+        trainer.fit(dataset, y, label_columns="y", batch_size=BATCH)
+    with pytest.raises(TypeError, match="map_batches"):
+        trainer.predict(dataset)

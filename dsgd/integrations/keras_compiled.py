@@ -19,7 +19,8 @@ the replicas on the driver (``dsgd.integrations.metric_states``).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import itertools
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -152,6 +153,16 @@ class CompiledReplica(TF2Model):
             self.model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0)
         else:
             self.model.reset_metrics()  # an empty part adds nothing
+        return self.metric_state()
+
+    def evaluate_batches_state(self, batches: Iterator[Batch]) -> list[np.ndarray]:
+        """Keras's own ``evaluate`` of a stream of batches ``(x, y, sample_weight)``: the metrics' state it leaves
+        (nothing added if the stream is empty)."""
+        first = next(batches, None)
+        if first is None:
+            self.model.reset_metrics()
+        else:
+            self.model.evaluate((batch for batch in itertools.chain([first], batches)), verbose=0)  # a generator
         return self.metric_state()
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:

@@ -15,7 +15,9 @@ object store, zero-copy) and the plan, positioned at an epoch's start
 (``ArraysStart``), and before every step at the engine's step count
 (``seek``): a step run again after a fault, or by a replacement worker,
 reads the same rows. ``DatasetFeed`` reads a replica's own
-``tf.data.Dataset`` (``DatasetStart``), as a stream.
+``tf.data.Dataset`` (``DatasetStart``), and ``RayDataFeed`` a replica's split
+of a Ray Dataset (``RayDataStart``), each as a stream. ``Columns`` says which
+columns of a Ray Dataset are the model's x and y.
 """
 
 from __future__ import annotations
@@ -198,6 +200,106 @@ class DatasetFeed:
             self._iterator = self._dataset.as_numpy_iterator()
             element = next(self._iterator)
         return with_weights(element)
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Which columns of a Ray Dataset's batches make the model's x and y (as Ray's ``Dataset.to_tf``: a name gives
+    that column's array, a list of names a dict of them), and Keras's ``class_weight``, if any."""
+
+    features: str | tuple[str, ...]
+    labels: str | tuple[str, ...]
+    class_weight: dict | None = None
+
+    @classmethod
+    def of(cls, dataset: Any, label_columns: Any, feature_columns: Any, class_weight: dict | None) -> "Columns":
+        """The columns named, checked against ``dataset``'s; the features default to every other column."""
+        if label_columns is None:
+            raise ValueError("x is a Ray Dataset: pass label_columns= (a column name, or a list of them) to say "
+                             "which of its columns are the labels (its other columns are the features, or "
+                             "feature_columns= names them)")
+        have = dataset.columns()
+        labels = _names(label_columns, "label_columns")
+        features = (_names(feature_columns, "feature_columns") if feature_columns is not None
+                    else tuple(c for c in have if c not in tf.nest.flatten(labels)))
+        missing = [c for c in tf.nest.flatten(features) + tf.nest.flatten(labels) if c not in have]
+        if missing or not features:
+            raise ValueError(f"the Ray Dataset has columns {have}; {'no column ' + repr(missing[0]) if missing else 'no feature column'} "
+                             f"(label_columns={label_columns!r}, feature_columns={feature_columns!r})")
+        if len(features) == 1 and feature_columns is None:
+            features = features[0]
+        if class_weight is not None and not isinstance(labels, str):
+            raise ValueError("class_weight is for a model with one output (as keras.Model.fit): give one label column")
+        return cls(features, labels, class_weight)
+
+    def batch(self, columns: dict[str, np.ndarray]) -> tuple:
+        """A Ray Data batch (a dict of column arrays) as ``(x, y, sample_weight)``."""
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        def pick(names: str | tuple[str, ...]) -> Any:
+            return columns[names] if isinstance(names, str) else {n: columns[n] for n in names}
+
+        x, y = pick(self.features), pick(self.labels)
+        if self.class_weight is None:
+            return with_weights((x, y))
+        return x, y, data_adapter_utils.class_weight_to_sample_weights(y, self.class_weight)
+
+
+def _names(names: Any, what: str) -> str | tuple[str, ...]:
+    if isinstance(names, str):
+        return names
+    if isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names):
+        return tuple(names)
+    raise ValueError(f"{what} must be a column name or a list of them, got {names!r}")
+
+
+DATASET = "fit"  # the name of fit's Ray Dataset among the engine's datasets
+
+
+@dataclasses.dataclass(frozen=True)
+class RayDataStart:
+    """An epoch of fit's Ray Dataset (the engine's ``datasets={DATASET: ds}``, split over the replicas as
+    ``datasets=`` splits it): each replica reads its split in batches of its part of the global batch, going on
+    across epochs (a new pass when the split ends)."""
+
+    columns: Columns
+    batch_size: int  # a replica's part of the global batch
+
+    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+        if isinstance(current, RayDataFeed):
+            current.batch_size = self.batch_size
+            return current
+        return RayDataFeed(self)
+
+
+class RayDataFeed:
+    """A replica's batches from its split of the engine's Ray Dataset (``dsgd.get_dataset_shard``: made while the
+    replica is built)."""
+
+    def __init__(self, start: RayDataStart):
+        from dsgd.integrations.data import get_dataset_shard
+
+        self._split = get_dataset_shard(DATASET)
+        self._columns = start.columns
+        self.batch_size = start.batch_size
+        self._iterator = None  # a pass over the split, at self._iterating's batch size
+        self._iterating = None
+
+    def seek(self, applied_steps: int) -> bool:
+        return False  # a stream goes on where it is
+
+    def next(self) -> tuple:
+        if self._iterating != self.batch_size:  # the first pass, or the replicas changed: a new pass
+            self._iterator, self._iterating = self._pass(), self.batch_size
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = self._pass()
+            batch = next(self._iterator)
+        return self._columns.batch(batch)
+
+    def _pass(self) -> Any:
+        return iter(self._split.iter_batches(batch_size=self.batch_size, batch_format="numpy"))
 
 
 def with_weights(element: Any) -> tuple:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from typing import Any, Callable
 
@@ -33,7 +34,8 @@ import tensorflow as tf
 from dsgd.integrations import metric_states
 from dsgd.integrations.keras_backend import import_keras
 from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
-from dsgd.integrations.keras_feed import ArraysStart, DatasetStart, EpochPlan, EpochStart, Feed, num_rows, take, with_weights
+from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
+                                          RayDataStart, num_rows, take, with_weights)
 
 PROGRESS_INTERVAL_S = 1.0  # the progress bar's logs are fetched at most this often (every batch for batch callbacks)
 _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fit(...) (or evaluate) first")
@@ -101,11 +103,15 @@ class KerasTrainer:
             raise TypeError(f"KerasTrainer needs build: a function returning a compiled keras.Model, got {build!r}")
         if "model_creator" in engine_options:
             raise TypeError("KerasTrainer builds the engine's replicas with build(): pass no model_creator")
+        if "datasets" in engine_options:
+            raise TypeError("KerasTrainer reads a Ray Dataset given to fit: pass it as fit(ds, label_columns=...), "
+                            "not datasets=")
         self._build = build
         self.model = build()
         check_compiled(self.model, "KerasTrainer's build()")
         self._options = engine_options
         self._engine: Any = None
+        self._dataset: Any = None  # the Ray Dataset the engine reads (its datasets=), if fit gave one
         self._creator: ReplicaCreator | None = None
         self._names: list[str] = []  # the engine's weight names, model.weights order
         self._synced: list[np.ndarray] = []  # the weights trainer.model and the engine last agreed on
@@ -143,7 +149,8 @@ class KerasTrainer:
             validation_data: Any = None, shuffle: bool = True, class_weight: dict | None = None,
             sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
             validation_steps: int | None = None, validation_batch_size: int | None = None,
-            validation_freq: int = 1) -> Any:
+            validation_freq: int = 1, *, label_columns: str | list[str] | None = None,
+            feature_columns: str | list[str] | None = None) -> Any:
         """``keras.Model.fit`` across the engine's replicas; returns Keras's ``History``.
 
         ``x`` is numpy arrays (or a dict or list of them), with ``y``:
@@ -153,16 +160,31 @@ class KerasTrainer:
         (i+1)*B)``, as one-process ``fit`` does. Or ``x`` is a function
         ``(worker_index, device_index) -> tf.data.Dataset`` of that
         replica's batches (``(x, y)`` or ``(x, y, sample_weight)``), with
-        ``steps_per_epoch``.
+        ``steps_per_epoch``. Or ``x`` is a Ray Dataset, ``label_columns``
+        naming its labels (``feature_columns`` its features: by default
+        every other column; a name gives an array, a list a dict), split
+        over the replicas as ``DistributedSGD(datasets=)`` splits one (an
+        epoch is a pass over it, or ``steps_per_epoch`` steps; ``shuffle``
+        does not apply: shuffle the dataset). ``validation_data`` may be a
+        Ray Dataset of the same columns.
         """
         keras = import_keras()
         from keras.src.trainers.data_adapters import array_slicing
 
-        if validation_split and validation_data is None and not callable(x):
+        columns = None
+        if _is_ray_dataset(x):
+            if y is not None or sample_weight is not None or validation_split:
+                raise ValueError("x is a Ray Dataset: its labels are columns (label_columns=), so give no y, "
+                                 "sample_weight or validation_split (validation_data may be another Ray Dataset)")
+            columns = Columns.of(x, label_columns, feature_columns, class_weight)
+        elif (label_columns is not None or feature_columns is not None) and not _is_ray_dataset(validation_data):
+            raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x or "
+                             f"validation_data; x is {type(x).__name__}")
+        elif validation_split and validation_data is None and not callable(x):
             (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
         steps, epoch_start = self._training_input(x, y, batch_size or 32, shuffle, class_weight, sample_weight,
-                                                  steps_per_epoch)
+                                                  steps_per_epoch, columns)
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                      verbose=verbose, epochs=epochs, steps=steps,
@@ -198,7 +220,8 @@ class KerasTrainer:
                 val_x, val_y, val_weight = validation
                 val_logs = self.evaluate(val_x, val_y, sample_weight=val_weight,
                                          batch_size=validation_batch_size or batch_size or 32,
-                                         verbose=0, steps=validation_steps, return_dict=True)
+                                         verbose=0, steps=validation_steps, return_dict=True,
+                                         label_columns=label_columns, feature_columns=feature_columns)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, epoch_logs)
             if self.model.stop_training:
@@ -211,8 +234,17 @@ class KerasTrainer:
         return self.model.history
 
     def _training_input(self, x: Any, y: Any, batch_size: int, shuffle: bool, class_weight: dict | None,
-                        sample_weight: Any, steps_per_epoch: int | None) -> tuple[int, Callable[[int], EpochStart]]:
+                        sample_weight: Any, steps_per_epoch: int | None,
+                        columns: Columns | None) -> tuple[int, Callable[[int], EpochStart]]:
         """The engine started for ``fit``'s input; the steps of an epoch, and where each epoch's input is."""
+        if self._engine is not None and (self._dataset is not None or columns is not None) and x is not self._dataset:
+            reads = ("reads the Ray Dataset the fit that started it gave (as its datasets=): fit again with that "
+                     "dataset" if self._dataset is not None else "was started for other input than a Ray Dataset")
+            raise ValueError(f"this trainer's engine {reads}; to train on other input, call trainer.shutdown() "
+                             "first: the next fit starts an engine for it, from trainer.model's weights (the "
+                             "optimizer's state starts anew)")
+        if columns is not None:
+            return self._ray_data_input(x, batch_size, steps_per_epoch, columns)
         if callable(x):
             if steps_per_epoch is None:
                 raise ValueError("fit with a dataset function x=(worker_index, device_index) -> tf.data.Dataset needs "
@@ -230,30 +262,44 @@ class KerasTrainer:
             return ArraysStart(ref, dataclasses.replace(plan, replicas=self.replicas), epoch, self.engine.num_steps)
         return plan.steps, epoch_start
 
+    def _ray_data_input(self, dataset: Any, batch_size: int, steps_per_epoch: int | None,
+                        columns: Columns) -> tuple[int, Callable[[int], EpochStart]]:
+        """``fit``'s input from a Ray Dataset: the engine started reading it (or reading it already)."""
+        if self._engine is None:
+            replicas = self._options.get("num_workers", 1) * self._options.get("devices_per_worker", 1)
+            first = columns.batch(dataset.take_batch(1, batch_format="numpy"))
+            self._start(first, RayDataStart(columns, _part(batch_size, replicas)), datasets={DATASET: dataset})
+            self._dataset = dataset
+        if steps_per_epoch is None:  # a pass over every replica's split (each as long: an equal split)
+            steps_per_epoch = -(-(dataset.count() // self.replicas) // _part(batch_size, self.replicas))
+        return steps_per_epoch, lambda epoch: RayDataStart(columns, _part(batch_size, self.replicas))
+
     # ---- evaluate and predict -------------------------------------------------------------
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
                  sample_weight: Any = None, steps: int | None = None, callbacks: list | None = None,
-                 return_dict: bool = False) -> Any:
+                 return_dict: bool = False, *, label_columns: str | list[str] | None = None,
+                 feature_columns: str | list[str] | None = None) -> Any:
         """``keras.Model.evaluate`` across the engine's replicas: each evaluates a contiguous part of the data
         with Keras's own ``evaluate``, and their metric states are summed, so the result equals one process's
-        ``evaluate`` of the same weights on the same data. Returns what Keras returns."""
+        ``evaluate`` of the same weights on the same data. Returns what Keras returns. ``x`` may be a Ray Dataset
+        (its columns named as for ``fit``): each worker evaluates a split of it, streaming."""
         keras = import_keras()
-        arrays = _arrays(x, y, sample_weight, None)
         batch_size = batch_size or 32
-        if steps is not None:
-            arrays = take(arrays, slice(0, steps * batch_size))
-        ref = _put(arrays)
-        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
+        if _is_ray_dataset(x):
+            evaluate_on_workers = self._ray_data_evaluation(x, batch_size, steps, Columns.of(
+                x, label_columns, feature_columns, None))
+        elif label_columns is not None or feature_columns is not None:
+            raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x; x is "
+                             f"{type(x).__name__}")
+        else:
+            evaluate_on_workers = self._arrays_evaluation(_arrays(x, y, sample_weight, None), batch_size, steps)
         self._push_changes()
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
                                                      epochs=1, steps=1, model=self.model)
         callback_list.on_test_begin()
-        bounds = _contiguous_parts(num_rows(arrays), self.replicas)
-        per_replica_batch = max(1, batch_size // self.replicas)
-        states = self.engine.foreach_worker(functools.partial(_evaluate_parts, ref, bounds,
-                                                              per_replica_batch))
+        states = self.engine.foreach_worker(evaluate_on_workers)
         logs = metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
         callback_list.on_test_batch_end(0, logs)
         callback_list.on_test_end(logs)
@@ -261,10 +307,34 @@ class KerasTrainer:
             return logs
         return self.model._flatten_metrics_in_order(logs)
 
+    def _arrays_evaluation(self, arrays: tuple, batch_size: int, steps: int | None) -> Callable[[Any], Any]:
+        """What each worker runs to evaluate ``arrays`` (the engine started if not yet): its replicas' parts."""
+        if steps is not None:
+            arrays = take(arrays, slice(0, steps * batch_size))
+        ref = _put(arrays)
+        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
+        bounds = _contiguous_parts(num_rows(arrays), self.replicas)
+        return functools.partial(_evaluate_parts, ref, bounds, max(1, batch_size // self.replicas))
+
+    def _ray_data_evaluation(self, dataset: Any, batch_size: int, steps: int | None,
+                             columns: Columns) -> Callable[[Any], Any]:
+        """What each worker runs to evaluate a Ray Dataset (the engine started if not yet): its split, one per
+        worker, streamed through its first replica."""
+        if steps is not None:
+            dataset = dataset.limit(steps * batch_size)
+        if self._engine is None:
+            first = columns.batch(dataset.take_batch(1, batch_format="numpy"))
+            self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
+        splits = dataset.streaming_split(self.engine.num_workers, equal=False)
+        return functools.partial(_evaluate_split, splits, columns, max(1, batch_size // self.engine.num_workers))
+
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
                 steps: int | None = None, callbacks: list | None = None) -> Any:
         """``keras.Model.predict`` across the engine's replicas (each predicts a contiguous part), the rows in
         input order. Before the first fit or evaluate started the engine, it runs on ``trainer.model``."""
+        if _is_ray_dataset(x):
+            raise TypeError("KerasTrainer.predict takes arrays (its rows come back in input order); for a Ray "
+                            "Dataset, predict with trainer.model inside the dataset's map_batches")
         batch_size = batch_size or 32
         if steps is not None:
             x = take(x, slice(0, steps * batch_size))
@@ -279,7 +349,7 @@ class KerasTrainer:
 
     # ---- the engine and the driver's model ----------------------------------------------------
 
-    def _start(self, first: tuple, start: EpochStart) -> None:
+    def _start(self, first: tuple, start: EpochStart, datasets: dict | None = None) -> None:
         """Start the engine (unless started), its replicas reading ``start``'s input until the first epoch
         begins, from ``trainer.model``'s weights; build the driver model's metrics for ``first``, a batch."""
         if self._engine is not None:
@@ -289,7 +359,7 @@ class KerasTrainer:
         self.model._symbolic_build(data_batch=first)
         _init_ray_if_needed()
         self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
-        self._engine = DistributedSGD(self._creator, **self._options)
+        self._engine = DistributedSGD(self._creator, **self._options, datasets=datasets)
         self._names = list(self._engine.get_weights())
         self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
 
@@ -347,6 +417,14 @@ def _evaluate_parts(arrays_ref: Any, bounds: list[tuple[int, int]], batch_size: 
         x, y, sample_weight = take(arrays, slice(start, stop))
         states.append(replica.evaluate_state(x, y, sample_weight, batch_size))
     return metric_states.reduce(states, metric_states.aggregations(models[0].model))
+
+
+def _evaluate_split(splits: list, columns: Columns, batch_size: int, worker: Any) -> metric_states.State:
+    """Keras's ``evaluate`` of the worker's split of a Ray Dataset (``splits``, one per worker), streamed through
+    its first replica: the metric state."""
+    batches = (columns.batch(b) for b in splits[worker.worker_index].iter_batches(batch_size=batch_size,
+                                                                                     batch_format="numpy"))
+    return worker.models[0].evaluate_batches_state(batches)
 
 
 def _predict_parts(x_ref: Any, bounds: list[tuple[int, int]], batch_size: int, worker: Any) -> list:
@@ -409,10 +487,23 @@ def _validation_arrays(validation_data: Any) -> tuple | None:
     """``validation_data`` as (x, y, sample_weight), as Keras unpacks it."""
     if validation_data is None:
         return None
+    if _is_ray_dataset(validation_data):
+        return validation_data, None, None
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise ValueError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) of arrays, "
                          f"got {type(validation_data).__name__}")
     return tuple(validation_data) + (None,) * (3 - len(validation_data))
+
+
+def _is_ray_dataset(x: Any) -> bool:
+    data = sys.modules.get("ray.data")  # a Ray Dataset's module is imported wherever there is one
+    return data is not None and isinstance(x, data.Dataset)
+
+
+def _part(batch_size: int, replicas: int) -> int:
+    """A replica's part of the global batch (which the replicas must divide)."""
+    EpochPlan(replicas, batch_size, replicas)  # checks it, naming the replica count
+    return batch_size // replicas
 
 
 def _put(value: Any) -> Any:
