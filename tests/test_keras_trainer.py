@@ -232,6 +232,25 @@ def test_a_callback_resizing_the_engine_between_epochs_leaves_fit_exact(fresh):
         fresh.engine.resize(2)
 
 
+@pytest.mark.slow  # its own engine of 3 workers: about 100 s here
+def test_backup_workers_and_bf16_compression_hold_under_fit(ray_session):
+    """3 workers, any 2 of which make a step (backup_workers=1), bf16 on the wire: each global batch is 3 copies
+    of 32 rows, so whichever replicas a step averages, its mean gradient is one-process fit's of that batch."""
+    x, y = km.binary_data()
+    parts = len(x) // 32
+    x3, y3 = (np.repeat(a.reshape(parts, 1, 32, *a.shape[1:]), 3, axis=1).reshape(-1, *a.shape[1:]) for a in (x, y))
+    reference = km.build_binary()
+    expected = reference.fit(x3, y3, batch_size=96, epochs=2, shuffle=False, verbose=0)
+    with dsgd.KerasTrainer(km.build_binary, num_workers=3, backup_workers=1, compression="bf16") as trainer:
+        history = trainer.fit(x3, y3, batch_size=96, epochs=2, shuffle=False, verbose=0)
+        assert trainer.engine.options.backup_workers == 1 and trainer.engine.options.compression == "bf16"
+        assert_replicas_identical(trainer.engine, 3)
+        assert_weights_equal(list(trainer.engine.get_weights().values()), trainer.model.get_weights())
+        # bf16 rounds every gradient to 8 significant bits on the wire: close to, not equal to, float32 Keras.
+        assert_weights_equal(trainer.model.get_weights(), reference.get_weights(), rtol=2e-2, atol=2e-3)
+        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=2e-2)
+
+
 def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_by_name(binary):
     x, y = km.binary_data()
     with pytest.raises(ValueError, match="batch_size 63 is the global batch.* 2 replicas.*multiple of 2"):
