@@ -20,7 +20,7 @@ the replicas on the driver (``dsgd.integrations.metric_states``).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -148,22 +148,31 @@ class CompiledReplica(TF2Model):
 
     def evaluate_state(self, x: Any, y: Any, sample_weight: Any, batch_size: int) -> list[np.ndarray]:
         """Keras's own ``evaluate`` of this replica's part of the data: the metrics' state it leaves (the loss
-        tracker's total and count, every metric's), to be summed with the other replicas'."""
-        if len(tf.nest.flatten(x)[0]):
-            self.model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0)
-        else:
-            self.model.reset_metrics()  # an empty part adds nothing
-        return self.metric_state()
+        tracker's total and count, every metric's), to be summed with the other replicas'. The metrics are
+        reset after, as before it."""
+        if not len(tf.nest.flatten(x)[0]):
+            return self._evaluated(None)  # an empty part adds nothing
+        return self._evaluated(lambda: self.model.evaluate(x, y, sample_weight=sample_weight,
+                                                           batch_size=batch_size, verbose=0))
 
     def evaluate_batches_state(self, batches: Iterator[Batch]) -> list[np.ndarray]:
         """Keras's own ``evaluate`` of a stream of batches ``(x, y, sample_weight)``: the metrics' state it leaves
-        (nothing added if the stream is empty)."""
+        (nothing added if the stream is empty). The metrics are reset after, as before it."""
         first = next(batches, None)
         if first is None:
-            self.model.reset_metrics()
-        else:
-            self.model.evaluate((batch for batch in itertools.chain([first], batches)), verbose=0)  # a generator
-        return self.metric_state()
+            return self._evaluated(None)
+        generator = (batch for batch in itertools.chain([first], batches))  # Keras takes a generator, not an iterator
+        return self._evaluated(lambda: self.model.evaluate(generator, verbose=0))
+
+    def _evaluated(self, evaluate: Callable[[], Any] | None) -> list[np.ndarray]:
+        """The metrics' state after ``evaluate()`` (Keras's, which resets them first; None: nothing to evaluate),
+        the metrics reset after it."""
+        self.model.reset_metrics()
+        if evaluate is not None:
+            evaluate()
+        state = self.metric_state()
+        self.model.reset_metrics()
+        return state
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for ``x`` in inference mode (``keras.Model.predict``), as numpy; call it on a

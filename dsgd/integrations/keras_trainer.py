@@ -194,9 +194,11 @@ class KerasTrainer:
         self.model.stop_training = False
         callback_list.on_train_begin()
         epoch_logs: dict = {}
+        positioned = None  # (the epoch start the workers are at, the step count then), if fit put them there
         for epoch in range(initial_epoch, epochs):
             self._creator.start = start = epoch_start(epoch)
-            self.engine.foreach_worker(functools.partial(_begin_epoch, start))
+            if positioned != (start, self.engine.num_steps):
+                self.engine.foreach_worker(functools.partial(_begin_epoch, start))
             callback_list.on_epoch_begin(epoch)
             # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
             # scheduled learning rate, restored weights) reaches every replica before its first step.
@@ -214,8 +216,15 @@ class KerasTrainer:
                 callback_list.on_train_batch_end(step, logs)
                 if self.model.stop_training:
                     break
-            epoch_logs = self._logs()
-            self._pull_weights()
+            # One call on the workers ends the epoch: the metrics' state, worker 0's weights, and every replica
+            # at the next epoch's start (a replacement built from here on joins that epoch too).
+            following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
+            if following is not None:
+                self._creator.start = following
+            ended = self.engine.foreach_worker(functools.partial(_end_epoch, following))
+            positioned = None if following is None else (following, self.engine.num_steps)
+            epoch_logs = self._results([state for state, _ in ended])
+            self._set_pulled(ended[0][1])
             if validation is not None and self.model._should_eval(epoch, validation_freq):
                 val_x, val_y, val_weight = validation
                 val_logs = self.evaluate(val_x, val_y, sample_weight=val_weight,
@@ -299,8 +308,7 @@ class KerasTrainer:
         callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
                                                      epochs=1, steps=1, model=self.model)
         callback_list.on_test_begin()
-        states = self.engine.foreach_worker(evaluate_on_workers)
-        logs = metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
+        logs = self._results(self.engine.foreach_worker(evaluate_on_workers))
         callback_list.on_test_batch_end(0, logs)
         callback_list.on_test_end(logs)
         if return_dict:
@@ -365,12 +373,19 @@ class KerasTrainer:
 
     def _logs(self) -> dict:
         """The epoch's metrics so far, over every replica's samples, by Keras's own results."""
-        states = self.engine.foreach_worker(_worker_metric_state)
+        return self._results(self.engine.foreach_worker(_worker_metric_state))
+
+    def _results(self, states: list[metric_states.State]) -> dict:
+        """Keras's results of the metrics whose state the workers give (``states``, one a worker), reduced."""
         return metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
 
     def _pull_weights(self) -> None:
         """The engine's weights onto ``trainer.model``."""
-        weights = list(self.engine.get_weights().values())
+        self._set_pulled(self.engine.get_weights())
+
+    def _set_pulled(self, weights: dict[str, np.ndarray]) -> None:
+        """``weights``, the engine's (by name, ``model.weights`` order), onto ``trainer.model``."""
+        weights = list(weights.values())
         self.model.set_weights(weights)
         self._synced = weights
 
@@ -395,6 +410,15 @@ def _begin_epoch(start: EpochStart, worker: Any) -> None:
     for device, replica in enumerate(worker.models):
         replica.reset_metrics()
         replica.feed = start.feed(replica.feed, worker.worker_index * devices + device, worker.worker_index, device)
+
+
+def _end_epoch(following: EpochStart | None, worker: Any) -> tuple[metric_states.State, dict | None]:
+    """The epoch's end on ``worker``: its metric state, and worker 0's weights; then every replica at
+    ``following``'s start, if another epoch follows."""
+    state = _worker_metric_state(worker)
+    if following is not None:
+        _begin_epoch(following, worker)
+    return state, worker.get_weights() if worker.worker_index == 0 else None
 
 
 def _worker_metric_state(worker: Any) -> metric_states.State:
