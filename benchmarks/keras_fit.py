@@ -5,12 +5,13 @@ defaults (`--num-workers` workers, "ps"), trained on synthetic arrays.
 Two systems share that one engine (same processes, allocator, threads and
 warm-up), interleaved in rounds, each system first in turn:
 
-  fit    `trainer.fit(x, y, batch_size=B, epochs=1, shuffle=False,
-         verbose=0)`: one epoch of `--steps` steps, with what `fit` adds
-         (Keras's callback list and History, the epoch's start on every
-         worker, the metrics' state summed at its end, the weights copied
-         to the driver's model);
-  steps  `trainer.engine.step()` `--steps` times, the last with
+  fit    `trainer.fit(x, y, batch_size=B, epochs=E, shuffle=False,
+         verbose=0)`: `--epochs` epochs of `--steps` steps, with what `fit`
+         adds (the data put in the object store, Keras's callback list and
+         History, the first epoch's start on every worker, at every epoch's
+         end one call on the workers for the metrics' state and the weights,
+         which are copied to the driver's model);
+  steps  `trainer.engine.step()` E x `--steps` times, the last with
          `fetch_stats=True` (a step loop's usual wait for its result),
          reading the same rows (the trainer's feeds follow the step count).
 
@@ -20,7 +21,7 @@ rounds (`--warmup` rounds first, not counted) and fit's over the loop's
 repository root:
 
     .venv/bin/python -m benchmarks.keras_fit
-    .venv/bin/python -m benchmarks.keras_fit --models mlp --rounds 3 --steps 20
+    .venv/bin/python -m benchmarks.keras_fit --models mlp --rounds 3 --steps 20 --epochs 1
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="the global batch")
-    p.add_argument("--steps", type=int, default=30, help="steps a round, each system")
+    p.add_argument("--steps", type=int, default=30, help="steps an epoch")
+    p.add_argument("--epochs", type=int, default=3, help="epochs a round, each system")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="rounds first, not counted")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "keras_fit.json")
@@ -93,15 +95,19 @@ def main(argv: list[str] | None = None) -> dict:
         with dsgd.KerasTrainer(functools.partial(build, name), num_workers=args.num_workers) as trainer:
             trainer.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)  # builds, traces
 
+            steps = args.epochs * args.steps
+
             def loop() -> None:
-                for _ in range(args.steps - 1):
+                for _ in range(steps - 1):
                     trainer.engine.step()
                 trainer.engine.step(fetch_stats=True)
 
-            systems = {"fit": lambda: per_step(lambda: trainer.fit(x, y, batch_size=args.batch_size, epochs=1,
-                                                                    shuffle=False, verbose=0), args.steps),
-                       "steps": lambda: per_step(loop, args.steps)}
-            print(f"== {name}: {args.num_workers} workers, global batch {args.batch_size}, {args.steps} steps a round")
+            systems = {"fit": lambda: per_step(lambda: trainer.fit(x, y, batch_size=args.batch_size,
+                                                                    epochs=args.epochs, shuffle=False, verbose=0),
+                                               steps),
+                       "steps": lambda: per_step(loop, steps)}
+            print(f"== {name}: {args.num_workers} workers, global batch {args.batch_size}, {args.epochs} epochs of "
+                  f"{args.steps} steps a round")
             times, order, _ = common.run_rounds(systems, args.rounds, warmup=args.warmup)
         measured = {k: v[args.warmup:] for k, v in times.items()}
         medians = {k: statistics.median(v) for k, v in measured.items() if v}
