@@ -10,6 +10,7 @@ from typing import Iterator
 import keras
 import numpy as np
 import pytest
+import ray
 
 import dsgd
 import keras_trainer_models as km
@@ -169,6 +170,29 @@ def test_early_stopping_stops_and_restores_the_best_weights_on_every_replica(fre
     assert_weights_equal(list(fresh.engine.get_weights().values()), fresh.model.get_weights(), rtol=0, atol=0)
 
 
+def test_tensorboard_writes_the_epoch_logs_of_training_and_validation(fresh, tmp_path):
+    import tensorflow as tf
+
+    x, y = km.binary_data()
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=(x[:128], y[:128]),
+                        callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path))])
+
+    def scalars(run: str) -> dict[str, list[float]]:
+        found: dict[str, list[float]] = {}
+        for path in sorted((tmp_path / run).glob("events.out.tfevents.*")):
+            for record in tf.data.TFRecordDataset(str(path)).as_numpy_iterator():
+                event = tf.compat.v1.Event.FromString(record)
+                for value in event.summary.value:
+                    if value.tag.startswith("epoch_"):  # the scalars (Keras also writes the model's config as text)
+                        found.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+        return found
+
+    train, validation = scalars("train"), scalars("validation")
+    assert train["epoch_loss"] == pytest.approx(history.history["loss"], rel=1e-6)
+    assert train["epoch_auc"] == pytest.approx(history.history["auc"], rel=1e-6)
+    assert validation["epoch_loss"] == pytest.approx(history.history["val_loss"], rel=1e-6)
+
+
 def test_reduce_lr_on_plateau_reaches_every_replica(fresh):
     x, y = km.binary_data()
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", mode="max", factor=0.5, patience=0)
@@ -259,6 +283,26 @@ def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_
         binary.fit(x, y[:10], batch_size=BATCH, verbose=0)
     with pytest.raises(ValueError, match="steps_per_epoch=100.* 8 batches"):
         binary.fit(x, y, batch_size=BATCH, steps_per_epoch=100, verbose=0)
+    with pytest.raises(ValueError, match="cannot run keras.callbacks.BackupAndRestore.*engine.save"):
+        binary.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.BackupAndRestore("/tmp/unused")])
+    with pytest.raises(ValueError, match="cannot run keras.callbacks.SwapEMAWeights"):
+        binary.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
+
+
+def test_a_trainer_on_another_keras_backend_is_refused_naming_the_variable_to_set(ray_session):
+    result = ray.get(trainer_on_backend.options(runtime_env={"env_vars": {"KERAS_BACKEND": "jax"}}).remote(),
+                     timeout=120)
+    assert "Keras backend is 'jax'" in result and "set KERAS_BACKEND=tensorflow" in result
+
+
+@ray.remote(num_cpus=0)
+def trainer_on_backend() -> str:
+    """What KerasTrainer says in a process whose Keras backend is JAX (not even installed here), before build()."""
+    try:
+        dsgd.KerasTrainer(lambda: None, num_workers=1)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def test_a_model_not_compiled_or_with_its_own_train_step_or_synchronized_batch_norm_is_refused():

@@ -106,6 +106,7 @@ class KerasTrainer:
         if "datasets" in engine_options:
             raise TypeError("KerasTrainer reads a Ray Dataset given to fit: pass it as fit(ds, label_columns=...), "
                             "not datasets=")
+        import_keras()  # on TensorFlow, else an error naming the backend, before build() runs on another
         self._build = build
         self.model = build()
         check_compiled(self.model, "KerasTrainer's build()")
@@ -189,6 +190,7 @@ class KerasTrainer:
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                      verbose=verbose, epochs=epochs, steps=steps,
                                                      model=self.model)
+        _refuse_callbacks(callback_list, keras)
         batch_callbacks = _use_batches(callback_list, keras)
         validation = _validation_arrays(validation_data)
         self.model.stop_training = False
@@ -540,6 +542,20 @@ def _contiguous_parts(rows: int, replicas: int) -> list[tuple[int, int]]:
     """``rows`` in ``replicas`` contiguous parts, as equal as they come (the first ones a row longer)."""
     edges = np.linspace(0, rows, replicas + 1).round().astype(int)
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _refuse_callbacks(callback_list: Any, keras: Any) -> None:
+    """Refuse, by name, Keras's callbacks that need the optimizer's state on the driver, which only the replicas
+    hold (the driver's model gets their weights, not their optimizer's variables)."""
+    instead = {keras.callbacks.BackupAndRestore: "trainer.engine.save(path) and restore(path) (weights and "
+                                                 "optimizer state), or dsgd.tune.trainable's checkpoints",
+               keras.callbacks.SwapEMAWeights: "use_ema's averages are finalized at the end of fit"}
+    for callback in callback_list.callbacks:
+        for kind, advice in instead.items():
+            if isinstance(callback, kind):
+                raise ValueError(f"KerasTrainer.fit cannot run keras.callbacks.{kind.__name__}: it reads or writes "
+                                 "the optimizer's state on the driver's model, whose optimizer never steps (the "
+                                 f"replicas' do); instead: {advice}")
 
 
 def _use_batches(callback_list: Any, keras: Any) -> bool:
