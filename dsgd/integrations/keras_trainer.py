@@ -218,15 +218,9 @@ class KerasTrainer:
                 callback_list.on_train_batch_end(step, logs)
                 if self.model.stop_training:
                     break
-            # One call on the workers ends the epoch: the metrics' state, worker 0's weights, and every replica
-            # at the next epoch's start (a replacement built from here on joins that epoch too).
             following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
-            if following is not None:
-                self._creator.start = following
-            ended = self.engine.foreach_worker(functools.partial(_end_epoch, following))
+            epoch_logs = self._finish_epoch(following)
             positioned = None if following is None else (following, self.engine.num_steps)
-            epoch_logs = self._results([state for state, _ in ended])
-            self._set_pulled(ended[0][1])
             if validation is not None and self.model._should_eval(epoch, validation_freq):
                 val_x, val_y, val_weight = validation
                 val_logs = self.evaluate(val_x, val_y, sample_weight=val_weight,
@@ -372,6 +366,16 @@ class KerasTrainer:
         self._engine = DistributedSGD(self._creator, **self._options, datasets=datasets)
         self._names = list(self._engine.get_weights())
         self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
+
+    def _finish_epoch(self, following: EpochStart | None) -> dict:
+        """One call on the workers ends an epoch: its logs from their metrics' state, worker 0's weights onto
+        ``trainer.model``, and every replica at ``following``'s start if another epoch follows (a replacement
+        built from here on joins that epoch too)."""
+        if following is not None:
+            self._creator.start = following
+        ended = self.engine.foreach_worker(functools.partial(_end_epoch, following))
+        self._set_pulled(ended[0][1])
+        return self._results([state for state, _ in ended])
 
     def _logs(self) -> dict:
         """The epoch's metrics so far, over every replica's samples, by Keras's own results."""
