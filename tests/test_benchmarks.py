@@ -528,7 +528,7 @@ def test_keras_fit_benchmark_interleaves_fit_and_the_step_loop_on_one_engine(ray
     assert result["fit_over_steps"] == result["median_s"]["fit"] / result["median_s"]["steps"]
 
 
-@pytest.mark.slow  # a benchmark's smoke run: dsgd, Ray Train and one Keras process each fitting (about 90 s here)
+@pytest.mark.slow  # a benchmark's smoke run: dsgd, Ray Train and one Keras process each fitting (about 50 s here)
 def test_keras_peers_benchmark_interleaves_the_same_keras_program_epoch_by_epoch(ray_session, tmp_path):
     from benchmarks import keras_peers
 
