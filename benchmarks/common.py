@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -272,6 +272,24 @@ def timed(fn: Callable[[], Any]) -> Step:
     return step
 
 
+def ratios_over_peers(rates: dict[str, float | None], names: dict[str, str],
+                      pairs: Iterable[str]) -> dict[str, float | None]:
+    """For each "ours/peer" of ``pairs`` (keys of ``names``, which gives their system names): the rate of ours
+    over the peer's (``rates`` by system name); None where either was not measured."""
+    result = {}
+    for pair in pairs:
+        ours, peer = (rates.get(names[key]) for key in pair.split("/"))
+        result[pair] = ours / peer if ours and peer else None
+    return result
+
+
+def verdict(target: float | None, value: float | None) -> str:
+    """A ratio against its target (at least): "meets >= 1.5", "misses >= 1.5", ">= 1.5" unmeasured, "–" without."""
+    if target is None:
+        return "–"
+    return f">= {target}" if value is None else f"{'meets' if value >= target else 'misses'} >= {target}"
+
+
 def summarize(step_times: list[float], images_per_step: int, warmup: int) -> dict[str, Any]:
     """Mean and standard deviation of images/s over the steps after the warm-up."""
     rates = [images_per_step / t for t in step_times[warmup:]]
@@ -368,8 +386,9 @@ class Ideal:
         self.pool.shutdown()
 
 
-def burst(step: Callable[..., Any], steps: int) -> None:
-    """``steps`` calls of ``step``, stats fetched by the last only (a training loop that logs now and then)."""
+def burst(step: Callable[..., Any], steps: int) -> Any:
+    """``steps`` calls of ``step``, stats fetched by the last only (a training loop that logs now and then);
+    the last one's stats."""
     for _ in range(steps - 1):
         step(fetch_stats=False)
-    step(fetch_stats=True)
+    return step(fetch_stats=True)

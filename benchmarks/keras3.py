@@ -164,21 +164,7 @@ def build_run(system: str, cfg: common.BenchConfig, engine_kwargs: dict[str, Any
 
 def ratios(records: list[dict[str, Any]]) -> dict[str, float | None]:
     """"ps" mean images/s over each peer's (TARGETS' keys); None where either was not measured."""
-    means = {r["system"]: r["images_per_sec_mean"] for r in records}
-    ps = means.get(SYSTEM_NAMES["ps"])
-    result = {}
-    for name in TARGETS:
-        peer = means.get(SYSTEM_NAMES[name.split("/")[1]])
-        result[name] = ps / peer if ps and peer else None
-    return result
-
-
-def _target(name: str, value: float | None) -> str:
-    target = TARGETS[name]
-    if target is None:
-        return "–"
-    verdict = "" if value is None else ("meets" if value >= target else "misses") + " "
-    return f"{verdict}>= {target}"
+    return common.ratios_over_peers({r["system"]: r["images_per_sec_mean"] for r in records}, SYSTEM_NAMES, TARGETS)
 
 
 def report_table(records: list[dict[str, Any]], cfg: common.BenchConfig, command: str,
@@ -202,7 +188,7 @@ def report_table(records: list[dict[str, Any]], cfg: common.BenchConfig, command
         lines.append(f"| {r['system']} | {peers.rate(r)} | {r['measured_steps']} | {r['setup_s']:.1f} |")
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for name, value in ratios(records).items():
-        lines.append(f"| {name} | {'–' if value is None else f'{value:.2f}'} | {_target(name, value)} |")
+        lines.append(f"| {name} | {'–' if value is None else f'{value:.2f}'} | {common.verdict(TARGETS[name], value)} |")
     return "\n".join(lines)
 
 

@@ -183,14 +183,17 @@ class Turnstile:
             self.changed.notify_all()
 
 
+TURN_WAIT_S = 3600.0  # bound on a worker's wait for its next turn: every other system's step (or epoch) runs meanwhile
+
+
 def take_turns(turnstile: Any, rank: int, step: Callable[[], tuple[float, float]]) -> int:
     """A worker's side of the turnstile: `step()` -> (seconds, loss) once per opened turn,
     until the driver stops; returns the number of steps taken."""
-    ray.get(turnstile.arrive.remote())
+    ray.get(turnstile.arrive.remote(), timeout=TURN_WAIT_S)
     turn = 0
-    while ray.get(turnstile.next_turn.remote(turn)):
+    while ray.get(turnstile.next_turn.remote(turn), timeout=TURN_WAIT_S):
         seconds, loss = step()
-        ray.get(turnstile.finish.remote(turn, rank, seconds, loss))
+        ray.get(turnstile.finish.remote(turn, rank, seconds, loss), timeout=TURN_WAIT_S)
         turn += 1
     return turn
 
@@ -314,57 +317,77 @@ def timed_step(strategy: tf.distribute.Strategy, replica_step: Callable[[], tf.T
     return step
 
 
-class RayTrainRun:
+class TurnTakingRun:
+    """A system whose training loop runs in a driver thread (``run``) and takes a turn of a `Turnstile` per
+    step or epoch: built once its loop's workers arrive (``setup_s``), then stepped turn by turn by ``step``.
+    Every wait is bounded by ``timeout_s`` and fails at once if the loop ends meanwhile."""
+
+    label = "turn-taking"
+
+    def __init__(self, turnstile: Any, run: Callable[[], Any], timeout_s: float = TURN_WAIT_S):
+        self.turnstile, self.timeout_s = turnstile, timeout_s
+        self.error: Exception | None = None
+        self.losses: list[float] = []
+        self.thread = threading.Thread(target=self._run, args=(run,), name=f"{self.label}-loop", daemon=True)
+        start = time.perf_counter()
+        self.thread.start()
+        self._wait(self.turnstile.all_arrived.remote(), "its workers to build the model")
+        self.setup_s = time.perf_counter() - start
+
+    def _run(self, run: Callable[[], Any]) -> None:
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - raised by _wait, in the driver's thread
+            self.error = e
+
+    def _wait(self, ref: ray.ObjectRef, what: str) -> Any:
+        """ray.get(ref) within ``timeout_s``, failing if the loop ends (its workers died) meanwhile."""
+        deadline = time.monotonic() + self.timeout_s
+        while not ray.wait([ref], timeout=1.0)[0]:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"{self.label}'s training loop ended while waiting for {what}: {self.error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.label}: no {what} within {self.timeout_s:.0f} s")
+        return ray.get(ref, timeout=self.timeout_s)
+
+    def step(self) -> float:
+        seconds, loss = self._wait(self.turnstile.run_turn.remote(len(self.losses)), f"turn {len(self.losses) + 1}")
+        self.losses.append(loss)
+        return seconds
+
+    def close(self) -> None:
+        ray.get(self.turnstile.stop.remote(), timeout=60)
+        self.thread.join(timeout=RAY_TRAIN_STOP_S)
+
+
+class RayTrainRun(TurnTakingRun):
     """Ray Train's TensorflowTrainer, its `fit()` in a driver thread, stepped through a Turnstile.
 
     `train_loop(config)` runs on every worker: `config` holds the BenchConfig as a dict ("cfg"), the
-    "turnstile" and the "allocator" (see `prepare_ray_train_worker`); it steps through `take_turns`.
+    "turnstile", the "allocator" (see `prepare_ray_train_worker`) and ``loop_config``; it steps through
+    `take_turns` (or takes a turn per epoch of its own).
     """
 
     label = SYSTEM_NAMES["raytrain"]
 
     def __init__(self, cfg: common.BenchConfig, spread: bool,
-                 train_loop: Callable[[dict[str, Any]], None] = _ray_train_loop):
+                 train_loop: Callable[[dict[str, Any]], None] = _ray_train_loop,
+                 loop_config: dict[str, Any] | None = None):
         from ray.train import RunConfig, ScalingConfig
         from ray.train.tensorflow import TensorflowTrainer
 
         print(f"[{self.label}] starting {cfg.num_workers} worker(s)", flush=True)
         self.replica_batch = cfg.batch_size * cfg.devices_per_worker
-        self.turnstile = Turnstile.remote(cfg.num_workers)
+        turnstile = Turnstile.remote(cfg.num_workers)
         self.storage = tempfile.mkdtemp(prefix="dsgd-raytrain-")
         trainer = TensorflowTrainer(
-            train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": self.turnstile,
-                                           "allocator": os.environ[ALLOCATOR_ENV]},
+            train_loop, train_loop_config={"cfg": dataclasses.asdict(cfg), "turnstile": turnstile,
+                                           "allocator": os.environ[ALLOCATOR_ENV], **(loop_config or {})},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers,
                                          resources_per_worker={"CPU": cfg.cpus_per_worker},
                                          placement_strategy="SPREAD" if spread else "PACK"),
             run_config=RunConfig(name="resnet", storage_path=self.storage))
-        self.error: Exception | None = None
-        self.thread = threading.Thread(target=self._fit, args=(trainer,), name="ray-train-fit", daemon=True)
-        start = time.perf_counter()
-        self.thread.start()
-        self._wait(self.turnstile.all_arrived.remote(), "its workers to build the model")
-        self.setup_s = time.perf_counter() - start
-        self.losses: list[float] = []
-
-    def _fit(self, trainer: Any) -> None:
-        try:
-            trainer.fit()
-        except Exception as e:  # noqa: BLE001 - raised by _wait, in the driver's thread
-            self.error = e
-
-    def _wait(self, ref: ray.ObjectRef, what: str) -> Any:
-        """ray.get(ref), failing if Ray Train's fit() ends (its workers died) meanwhile."""
-        while not ray.wait([ref], timeout=1.0)[0]:
-            if not self.thread.is_alive():
-                raise RuntimeError(f"Ray Train's fit() ended while waiting for {what}: {self.error!r}")
-        return ray.get(ref)
-
-    def step(self) -> float:
-        seconds, loss = self._wait(self.turnstile.run_turn.remote(len(self.losses)),
-                                   f"step {len(self.losses) + 1}")
-        self.losses.append(loss)
-        return seconds
+        super().__init__(turnstile, trainer.fit)
 
     def details(self) -> dict[str, Any]:
         return {"replica_batch": self.replica_batch, "setup_s": self.setup_s,
@@ -372,8 +395,7 @@ class RayTrainRun:
                 "final_loss": self.losses[-1] if self.losses else None}
 
     def close(self) -> None:
-        ray.get(self.turnstile.stop.remote())
-        self.thread.join(timeout=RAY_TRAIN_STOP_S)
+        super().close()
         shutil.rmtree(self.storage, ignore_errors=True)
 
 

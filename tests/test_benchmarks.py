@@ -526,3 +526,29 @@ def test_keras_fit_benchmark_interleaves_fit_and_the_step_loop_on_one_engine(ray
     assert result["order"] == ["fit", "steps", "steps", "fit"]  # each system first in turn
     assert {k: len(v) for k, v in result["per_step_s"].items()} == {"fit": 1, "steps": 1}
     assert result["fit_over_steps"] == result["median_s"]["fit"] / result["median_s"]["steps"]
+
+
+@pytest.mark.slow  # a benchmark's smoke run: dsgd, Ray Train and one Keras process each fitting (about 50 s here)
+def test_keras_peers_benchmark_interleaves_the_same_keras_program_epoch_by_epoch(ray_session, tmp_path):
+    from benchmarks import keras_peers
+
+    out = tmp_path / "keras_peers.json"
+    keras_peers.main(["--models", "convnet", "--steps", "4", "--rounds", "2", "--warmup", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python -m benchmarks.keras_peers --models convnet")
+    model = result["models"]["convnet"]
+    names = ["dsgd-fit", "raytrain-mwms", "keras3-single"]
+    assert (model["steps"], model["batch_size"], model["epochs"], model["rows"]) == (4, 64, 3, 256)
+    assert model["order"] == names + names[1:] + names[:1] + names[2:] + names[:2]  # each system first in turn
+    for name in names:
+        record = model["systems"][name]
+        assert len(record["epoch_s"]) == 3 and record["startup_s"] > 0
+        losses = record["losses"]  # every system trained: one finite loss an epoch, falling
+        assert len(losses) == 3 and all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
+        assert record["samples_per_s"] == pytest.approx(256 / record["median_epoch_s"])
+    loop = model["systems"]["dsgd-fit"]["step_loop"]  # dsgd's own step() loop on the same engine, after the rounds
+    assert len(loop["per_step_s"]) == keras_peers.LOOP_REPEATS and loop["last_step_stats"]["step_time_s"] > 0
+    rates = {name: model["systems"][name]["samples_per_s"] for name in names}
+    assert model["ratios"] == {"dsgd/raytrain": pytest.approx(rates["dsgd-fit"] / rates["raytrain-mwms"]),
+                               "dsgd/single": pytest.approx(rates["dsgd-fit"] / rates["keras3-single"])}
+    assert "| convnet | dsgd/raytrain |" in result["table"]
