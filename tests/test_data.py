@@ -98,6 +98,7 @@ def test_a_model_that_reads_its_first_batch_at_build_gets_every_replicas_own_row
 
 
 def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session):
+    """Every epoch, the 2 replicas read disjoint halves of the 240 rows that cover them all."""
     with engine(dm.keras_creator, {"train": dm.xy_dataset(240)}, num_workers=2, devices_per_worker=1, strategy="simple") as sgd:
         first = sgd.step(fetch_stats=True)
         for _ in range(40):  # 3 epochs of 12 batches per replica, and a bit
@@ -105,6 +106,10 @@ def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session
         assert stats["loss"] < first["loss"]
         assert stats["accuracy"] > 0.8
         assert sgd.foreach_model(lambda model: model.epoch) == [3, 3]
+        seen = sgd.foreach_model(lambda model: model.rows.seen)
+        assert [[len(ids) for ids in s] for s in seen] == [[120, 120, 120, 5 * dm.BATCH]] * 2
+        for epoch in range(3):
+            dm.assert_disjoint_equal_cover([s[epoch] for s in seen], 240)
         assert_replicas_identical(sgd, 2)
 
 
