@@ -150,8 +150,29 @@ def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_fo
     assert_replicas_identical(sgd, 4)
 
 
-def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_ids):
-    """2 -> 3 -> 1 workers of 2 devices."""
+@pytest.fixture
+def driver_reads(monkeypatch) -> list[str]:
+    """Every call, in this process (the driver's), of a method of a Ray Dataset or DataIterator that would bring
+    its rows here (iterate, take, convert, materialize) or split it: recorded, and refused."""
+    calls = []
+
+    def refused(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"the driver called {name}")
+        return call
+
+    for cls in (ray_data.Dataset, ray_data.DataIterator):
+        for name in dir(cls):
+            if name.startswith(("iter", "take", "to_", "split", "streaming_split", "train_test_split",
+                                "streaming_train_test_split", "materialize", "show", "get_internal_block_refs")):
+                monkeypatch.setattr(cls, name, refused(f"{cls.__name__}.{name}"))
+    return calls
+
+
+def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_ids, driver_reads):
+    """2 -> 3 -> 1 workers of 2 devices. The rows never reach the driver: it neither splits the dataset (each
+    resize splits it anew) nor reads a row of it (``driver_reads``)."""
     sgd = row_ids
     sgd.step()
     pids = actor_pids(*sgd.workers)
@@ -172,6 +193,7 @@ def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_i
         stats = sgd.step(fetch_stats=True)
     assert stats["num_replicas"] == 2
     assert [len(s[0]) for s in sgd.foreach_model(lambda model: model.seen)] == [2 * dm.BATCH] * 2
+    assert driver_reads == []
 
 
 def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_not_wait_for_it(ray_session,
