@@ -44,12 +44,15 @@ RUNS = {
     "tf2": (dm.row_id_tf2_creator(ROWS), "ps", True),
 }
 
-# run -> what one worker pushes in a "ps" step: its gradients as bf16, 2 bytes a value
+# run -> what one worker pushes in a "ps" step: its gradients (and Keras 3's moving statistics) in one partition,
+# last layer first, each variable from a 64-byte boundary (16 values), as bf16, 2 bytes a value
 BF16_SENT_BYTES = {
     "tf1": 2 * 2,  # RowIdRegression's w (2)
-    "tf_keras": 2 * (3 * 4 + 4 + 4 * 1 + 1),  # dense_net: Dense(4) of 3 inputs, Dense(1)
-    "keras3": 2 * (6 * 16 + 16 + 4 * 16 + 16 * 3 + 3),  # Dense(16) of 6 inputs; batch normalization's gamma, beta
-                                                        # and moving mean and variance (16 each); Dense(3)
+    "tf_keras": 2 * (1 + 15 + 4 + 12 + 4 + 12 + 12),  # dense_net: Dense(1)'s bias and kernel (4 x 1), Dense(4)'s
+                                                      # bias and kernel (3 x 4), with their gaps
+    "keras3": 2 * (3 + 13 + 16 * 3 + 16 + 16 + 16 + 6 * 16 + 16 + 16),  # Dense(3)'s bias, kernel (16 x 3); batch
+                                         # normalization's beta, gamma; Dense(16)'s bias, kernel (6 x 16); the
+                                         # moving mean and variance
     "tf2": 2 * 2,  # RowIdTF2Regression's w (2)
 }
 
