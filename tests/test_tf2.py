@@ -298,7 +298,10 @@ def test_an_engine_reports_a_creator_that_raised_in_the_graph_and_eagerly_with_b
 
 
 def test_a_tf1_model_and_a_tf2_model_in_one_engine_are_refused(ray_session):
-    with pytest.raises(dsgd.WorkerMismatchError, match="worker 1 built a TF2 model .*one kind of model"):
+    """The error names both sides: what worker 1 built (TF2) and what worker 0 did (TF1)."""
+    with pytest.raises(dsgd.WorkerMismatchError, match=re.escape(
+            "worker 1 built a TF2 model (dsgd.TF2Model or a Keras 3 KerasModel), worker 0 a TF1 dsgd.Model (or "
+            "tf_keras KerasModel): build one kind of model in an engine")):
         dsgd.DistributedSGD(tf1_then_tf2, num_workers=2, strategy="simple")
 
 
@@ -308,10 +311,12 @@ def tf1_then_tf2(worker_index: int, device_index: int):
     return TanhNet(worker_index, device_index) if worker_index == 0 else m.Regression(worker_index, device_index)
 
 
-def test_a_tf1_optimizer_with_a_keras3_model_is_refused_naming_the_keras_one(ray_session):
+def test_a_tf1_optimizer_with_a_keras3_model_is_refused_naming_the_keras_one():
+    """In a worker built in this process (``local_worker``); an engine raises a worker's refusal as it is
+    (``test_an_engine_reports_a_creator_that_raised_in_the_graph_and_eagerly_with_both_errors``)."""
     with pytest.raises(dsgd.ModelCreatorError,
                        match="needs a Keras 3 optimizer, got .*GradientDescentOptimizer; use keras.optimizers.SGD"):
-        dsgd.DistributedSGD(keras3_with_tf1_optimizer, num_workers=1)
+        local_worker(keras3_with_tf1_optimizer)
 
 
 def keras3_with_tf1_optimizer(worker_index: int, device_index: int):
