@@ -311,12 +311,10 @@ def tf1_then_tf2(worker_index: int, device_index: int):
     return TanhNet(worker_index, device_index) if worker_index == 0 else m.Regression(worker_index, device_index)
 
 
-def test_a_tf1_optimizer_with_a_keras3_model_is_refused_naming_the_keras_one():
-    """In a worker built in this process (``local_worker``); an engine raises a worker's refusal as it is
-    (``test_an_engine_reports_a_creator_that_raised_in_the_graph_and_eagerly_with_both_errors``)."""
+def test_a_tf1_optimizer_with_a_keras3_model_is_refused_naming_the_keras_one(ray_session):
     with pytest.raises(dsgd.ModelCreatorError,
                        match="needs a Keras 3 optimizer, got .*GradientDescentOptimizer; use keras.optimizers.SGD"):
-        local_worker(keras3_with_tf1_optimizer)
+        dsgd.DistributedSGD(keras3_with_tf1_optimizer, num_workers=1)
 
 
 def keras3_with_tf1_optimizer(worker_index: int, device_index: int):
