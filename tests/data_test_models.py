@@ -6,7 +6,7 @@ Worker processes import this module by name (tests/ is on their PYTHONPATH).
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import tensorflow as tf
@@ -154,21 +154,41 @@ class FirstBatchNaN:
             yield batch
 
 
-def xy_batches(first_batch_nan: bool = False):
-    """This replica's batches of the "x"/"y" columns of dataset "train"; with ``first_batch_nan``, ``FirstBatchNaN``."""
-    batches = dsgd.get_dataset_shard("train").iter_batches(batch_size=BATCH, batch_format="numpy")
-    return FirstBatchNaN(batches) if first_batch_nan else batches
+class RecordedRows:
+    """Batches as ``KerasModel`` takes them (iterable again for each epoch): ``batches``'s, the "id" of every row
+    given recorded, one list per pass begun (``seen``)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.seen: list[list[int]] = []
+
+    def __iter__(self):
+        self.seen.append([])
+        for batch in self.batches:
+            self.seen[-1].extend(int(i) for i in batch["id"])
+            yield batch
+
+
+def xy_batches(first_batch_nan: bool = False) -> tuple[RecordedRows, Iterable]:
+    """This replica's batches of dataset "train" (``xy_dataset``'s columns), its rows recorded; the batches a
+    KerasModel reads (with ``first_batch_nan``, through ``FirstBatchNaN``)."""
+    rows = RecordedRows(dsgd.get_dataset_shard("train").iter_batches(batch_size=BATCH, batch_format="numpy"))
+    return rows, FirstBatchNaN(rows) if first_batch_nan else rows
 
 
 def keras_creator(worker_index: int, device_index: int, first_batch_nan: bool = False):
-    """A tf_keras classifier on the "x"/"y" columns of this replica's split (reads its first batch here)."""
+    """A tf_keras classifier on the "x"/"y" columns of this replica's split (reads its first batch here); the
+    rows it read per epoch in ``model.rows.seen``."""
     import tf_keras
 
     net = tf_keras.Sequential([tf_keras.layers.Dense(16, activation="relu"), tf_keras.layers.Dense(2)])
-    return dsgd.KerasModel(
+    rows, batches = xy_batches(first_batch_nan)
+    model = dsgd.KerasModel(
         net, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.5), metrics=["accuracy"],
-        batches=xy_batches(first_batch_nan), features="x", label="y")
+        batches=batches, features="x", label="y")
+    model.rows = rows
+    return model
 
 
 def keras3_creator(worker_index: int, device_index: int, first_batch_nan: bool = False):
@@ -176,18 +196,20 @@ def keras3_creator(worker_index: int, device_index: int, first_batch_nan: bool =
     import keras
 
     net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+    _, batches = xy_batches(first_batch_nan)
     return dsgd.KerasModel(
         net, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=keras.optimizers.SGD(0.5),
-        metrics=["accuracy"], batches=xy_batches(first_batch_nan), features="x", label="y")
+        metrics=["accuracy"], batches=batches, features="x", label="y")
 
 
 def xy_dataset(rows: int = 240):
-    """``rows`` rows of 4 features "x" and a class "y" (whether x0 + x1 > 0), as a Ray Dataset."""
+    """``rows`` rows of 4 features "x" and a class "y" (whether x0 + x1 > 0), and the row's "id" (0 to rows - 1),
+    as a Ray Dataset."""
     import ray.data
 
     x = np.random.RandomState(0).randn(rows, 4).astype(np.float32)
     y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
-    return ray.data.from_items([{"x": xi, "y": yi} for xi, yi in zip(x, y)])
+    return ray.data.from_items([{"id": i, "x": xi, "y": yi} for i, (xi, yi) in enumerate(zip(x, y))])
 
 
 def asks_for(name: str):

@@ -328,45 +328,30 @@ class GatedWorker1Net(FixedDataMomentumNet):
         return super().get_feed_dict()
 
 
-class StragglerNet(TanhNet):
-    """Worker ``SLOW_WORKER`` (or each of ``slow_workers``) sleeps ``DELAY_S`` in every get_feed_dict, far
-    longer than a step of the others takes."""
-
-    SLOW_WORKER, DELAY_S = 2, 1.0
-
-    def __init__(self, worker_index: int, device_index: int):
-        super().__init__(worker_index, device_index)
-        self.slow_workers = (self.SLOW_WORKER,)
-
-    def get_feed_dict(self):
-        if self.worker_index in self.slow_workers:
-            time.sleep(self.DELAY_S)
-        return super().get_feed_dict()
-
-
-class GatedStragglerNet(StragglerNet):
+class GatedStragglerNet(TanhNet):
     """Worker ``SLOW_WORKER`` passes the gate ``<gates>-<n>`` (a ``Gate``) before its n-th batch: held there for
-    as long as the test keeps that gate closed, however many steps that is, instead of for a time."""
+    as long as the test keeps that gate closed, however many steps that is, instead of for a time. A test may
+    hold other workers too: worker w passes ``<held[w]>-<n>``."""
+
+    SLOW_WORKER = 2
 
     def __init__(self, worker_index: int, device_index: int, gates: str):
         super().__init__(worker_index, device_index)
-        self.slow_workers = ()  # held by its gates; a test may still make workers slow
-        self.gates = gates
+        self.held = {self.SLOW_WORKER: gates}  # worker -> its gates' path before "-<n>"
 
     def get_feed_dict(self):
-        if self.worker_index == self.SLOW_WORKER:
-            Gate(f"{self.gates}-{self.step}").pass_through()
+        if self.worker_index in self.held:
+            Gate(f"{self.held[self.worker_index]}-{self.step}").pass_through()
         return super().get_feed_dict()
 
 
-SLOW_BUILD_S = 3.0  # how much longer worker 1 of slow_to_build_on_worker_1 builds
-
-
-def slow_to_build_on_worker_1(worker_index: int, device_index: int) -> TanhNet:
-    """TanhNet replicas; worker 1 takes ``SLOW_BUILD_S`` longer to build its own."""
-    if worker_index == 1:
-        time.sleep(SLOW_BUILD_S)
-    return TanhNet(worker_index, device_index)
+def held_to_build_on_worker_1(gate: Gate):
+    """A model_creator of TanhNet replicas; worker 1 passes ``gate`` before building its own."""
+    def create(worker_index: int, device_index: int) -> TanhNet:
+        if worker_index == 1:
+            gate.pass_through()
+        return TanhNet(worker_index, device_index)
+    return create
 
 
 def fails_to_build_from_worker_2(worker_index: int, device_index: int) -> FixedDataMomentumNet:

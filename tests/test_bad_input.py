@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import dsgd
-from dsgd_test_models import TanhNet, actors_started_since, known_actors
+from dsgd_test_models import TanhNet, actors_started_since, known_actors, local_worker
 
 
 def case(message, **kwargs):
@@ -109,19 +109,22 @@ def test_model_creator_error_shows_user_message_and_traceback(ray_session):
     assert "in broken_creator" in text  # the user's own frame
 
 
-def test_model_creator_must_return_a_model(ray_session):
+# The worker's own refusals, on a worker built in this process as an actor builds it (``local_worker``); that the
+# engine raises a worker's refusal is the test above's (and tests/test_model_checks.py's).
+
+def test_model_creator_must_return_a_model():
     with pytest.raises(dsgd.ModelCreatorError, match="must return a dsgd.Model, got dict"):
-        dsgd.DistributedSGD(returns_a_dict, num_workers=1)
+        local_worker(returns_a_dict)
 
 
-def test_model_without_trainable_variables_is_rejected(ray_session):
+def test_model_without_trainable_variables_is_rejected():
     with pytest.raises(dsgd.ModelCreatorError, match="has no trainable variables"):
-        dsgd.DistributedSGD(NoVariables, num_workers=1)
+        local_worker(NoVariables)
 
 
-def test_replicas_with_different_variables_are_rejected(ray_session):
+def test_replicas_with_different_variables_are_rejected():
     with pytest.raises(dsgd.WorkerMismatchError, match="replica 1 on worker 0 built different variables.*extra"):
-        dsgd.DistributedSGD(WideByDevice, num_workers=1, devices_per_worker=2)
+        local_worker(WideByDevice, devices_per_worker=2)
 
 
 def test_workers_with_different_variables_are_rejected(ray_session):

@@ -336,9 +336,22 @@ def test_data_input_benchmark_interleaves_numpy_and_ray_data(ray_session, tmp_pa
     assert record["ray_data_over_numpy"] > 0 and f"| 8 | {record['rows']} |" in result["table"]
 
 
-def test_stream_tls_benchmark_moves_the_same_bytes_plain_and_over_tls_interleaved(tmp_path):
+def test_stream_tls_benchmark_moves_the_same_bytes_plain_and_over_tls_interleaved(tmp_path, monkeypatch):
+    pairs = []
+
+    class RecordedPair(stream_tls.Pair):
+        def __init__(self, *args):
+            super().__init__(*args)
+            pairs.append(self)
+
+    monkeypatch.setattr(stream_tls, "Pair", RecordedPair)
     result = stream_tls.main(["--mb", "0.2", "--warmup", "0", "--steps", "2", "--out", str(tmp_path / "s.json")])
     assert result["encryption"].startswith("TLSv1.3 ") and set(result["modes"]) == {"plain", "tls"}
+    sent = np.random.default_rng(0).standard_normal(200_000 // 4).astype(np.float32)  # the benchmark's 0.2 MB
+    assert [pair.stream.encryption is None for pair in pairs] == [True, False]  # plain, then TLS
+    for pair in pairs:  # each pair's server answered with what it received: the data, back
+        np.testing.assert_array_equal(pair.inputs, sent)
+        np.testing.assert_array_equal(pair.means, sent)
     assert all(len(times) == 2 for times in result["times_s"].values())
     assert result["tls_over_plain"]["cpu"] > 0 and (tmp_path / "s.json").exists()
 

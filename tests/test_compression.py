@@ -15,7 +15,7 @@ from compression_runs import FLOAT32, check_lockstep, lockstep
 from dsgd.wire import arrays, codec, kernels
 from dsgd.wire.partitions import VarSpec, pack, plan_partitions, segments, unpack
 from dsgd_test_models import (REPLICAS_2x1, FixedDataMomentumNet, TanhNet, assert_replicas_identical, batch, kill,
-                              numpy_gradients, server_group, set_start_weights)
+                              numpy_gradients, set_start_weights)
 
 PARTITION_BYTES = 40  # TanhNet's 112 bytes of float32 gradients -> 3 partitions, variables split
 
@@ -213,8 +213,9 @@ def compressed_engines(request, ray_session):
 def test_sent_bytes_of_float32_and_of_a_compressed_engine_with_nothing_to_send(ray_session, float32_engine, caplog):
     """(test_engine checks "simple"'s and "ps"'s at their step.)"""
     caplog.set_level(logging.WARNING, logger="dsgd")
-    layout = server_group(float32_engine).layout
-    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == sum(partition.nbytes for partition in layout)
+    # TanhNet's float32 gradients, w (5 x 4), b (4) and v (4), in partitions of PARTITION_BYTES=40, every piece
+    # starting on a 64-byte boundary: b, 12 floats of gap, v, 12 of gap and w's first 2; then w's 18 in two of 9.
+    assert float32_engine.step(fetch_stats=True)["sent_bytes"] == 4 * (4 + 12 + 4 + 12 + 2 + 9 + 9)
     with dsgd.DistributedSGD(TanhNet, num_workers=1, strategy="ps", compression="bf16") as sgd:
         assert "compression='bf16' has nothing to send" in caplog.text
         assert sgd.step(fetch_stats=True)["sent_bytes"] == 0

@@ -98,6 +98,7 @@ def test_a_model_that_reads_its_first_batch_at_build_gets_every_replicas_own_row
 
 
 def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session):
+    """Every epoch, the 2 replicas read disjoint halves of the 240 rows that cover them all."""
     with engine(dm.keras_creator, {"train": dm.xy_dataset(240)}, num_workers=2, devices_per_worker=1, strategy="simple") as sgd:
         first = sgd.step(fetch_stats=True)
         for _ in range(40):  # 3 epochs of 12 batches per replica, and a bit
@@ -105,6 +106,10 @@ def test_keras_model_trains_on_its_split_and_replicas_stay_identical(ray_session
         assert stats["loss"] < first["loss"]
         assert stats["accuracy"] > 0.8
         assert sgd.foreach_model(lambda model: model.epoch) == [3, 3]
+        seen = sgd.foreach_model(lambda model: model.rows.seen)
+        assert [[len(ids) for ids in s] for s in seen] == [[120, 120, 120, 5 * dm.BATCH]] * 2
+        for epoch in range(3):
+            dm.assert_disjoint_equal_cover([s[epoch] for s in seen], 240)
         assert_replicas_identical(sgd, 2)
 
 
@@ -145,8 +150,29 @@ def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_fo
     assert_replicas_identical(sgd, 4)
 
 
-def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_ids):
-    """2 -> 3 -> 1 workers of 2 devices."""
+@pytest.fixture
+def driver_reads(monkeypatch) -> list[str]:
+    """Every call, in this process (the driver's), of a method of a Ray Dataset or DataIterator that would bring
+    its rows here (iterate, take, convert, materialize) or split it: recorded, and refused."""
+    calls = []
+
+    def refused(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"the driver called {name}")
+        return call
+
+    for cls in (ray_data.Dataset, ray_data.DataIterator):
+        for name in dir(cls):
+            if name.startswith(("iter", "take", "to_", "split", "streaming_split", "train_test_split",
+                                "streaming_train_test_split", "materialize", "show", "get_internal_block_refs")):
+                monkeypatch.setattr(cls, name, refused(f"{cls.__name__}.{name}"))
+    return calls
+
+
+def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_ids, driver_reads):
+    """2 -> 3 -> 1 workers of 2 devices. The rows never reach the driver: it neither splits the dataset (each
+    resize splits it anew) nor reads a row of it (``driver_reads``)."""
     sgd = row_ids
     sgd.step()
     pids = actor_pids(*sgd.workers)
@@ -167,6 +193,7 @@ def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_i
         stats = sgd.step(fetch_stats=True)
     assert stats["num_replicas"] == 2
     assert [len(s[0]) for s in sgd.foreach_model(lambda model: model.seen)] == [2 * dm.BATCH] * 2
+    assert driver_reads == []
 
 
 def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_not_wait_for_it(ray_session,

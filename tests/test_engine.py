@@ -14,7 +14,7 @@ import dsgd
 from dsgd import ops
 from dsgd.cluster.cluster import WORKER_ENV_DEFAULTS, worker_env
 from dsgd.cluster.placement import actor_state
-from dsgd_test_models import (HIDDEN, IN, BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical,
+from dsgd_test_models import (BatchNormNet, PerReplicaInitNet, TanhNet, actor_pids, assert_all_identical,
                               assert_replicas_identical, assert_weights_close, batch, numpy_forward, numpy_step,
                               replica_weights, set_start_weights)
 
@@ -222,13 +222,15 @@ def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strate
     sgd = engines[strategy]
     start = {k: v.astype(np.float64) for k, v in set_start_weights(sgd).items()}
     expected = start
-    gradient_bytes = 4 * (IN * HIDDEN + HIDDEN + HIDDEN)  # TanhNet's float32 w, b and v: a worker's local mean
+    # TanhNet's float32 gradients: w (5 x 4), b (4) and v (4). "simple" sends them as they are, 112 bytes. "ps"
+    # sends its partitions of grad_shard_bytes=24, every piece starting on a 64-byte boundary: b, 12 floats of
+    # gap and v (20 floats), then w's 20 in 4 partitions of 5: 160 bytes.
+    sent_bytes = {"simple": 4 * (20 + 4 + 4), "ps": 4 * (4 + 12 + 4 + 20), "ps-python": 4 * (4 + 12 + 4 + 20)}
     for step in range(3):
         fetch = step % 2 == 0
         stats = sgd.step(fetch_stats=fetch)
         if fetch:
-            assert stats["sent_bytes"] == (gradient_bytes if strategy == "simple" else
-                                           sum(partition.nbytes for partition in server_group(sgd).layout))
+            assert stats["sent_bytes"] == sent_bytes[strategy]
         expected = numpy_step(expected, REPLICAS, step)
         assert_all_four_identical(sgd)
         assert_weights_close(sgd.get_weights(), expected)

@@ -44,6 +44,18 @@ RUNS = {
     "tf2": (dm.row_id_tf2_creator(ROWS), "ps", True),
 }
 
+# run -> what one worker pushes in a "ps" step: its gradients (and Keras 3's moving statistics) in one partition,
+# last layer first, each variable from a 64-byte boundary (16 values), as bf16, 2 bytes a value
+BF16_SENT_BYTES = {
+    "tf1": 2 * 2,  # RowIdRegression's w (2)
+    "tf_keras": 2 * (1 + 15 + 4 + 12 + 4 + 12 + 12),  # dense_net: Dense(1)'s bias and kernel (4 x 1), Dense(4)'s
+                                                      # bias and kernel (3 x 4), with their gaps
+    "keras3": 2 * (3 + 13 + 16 * 3 + 16 + 16 + 16 + 6 * 16 + 16 + 16),  # Dense(3)'s bias, kernel (16 x 3); batch
+                                         # normalization's beta, gamma; Dense(16)'s bias, kernel (6 x 16); the
+                                         # moving mean and variance
+    "tf2": 2 * 2,  # RowIdTF2Regression's w (2)
+}
+
 
 def a_kernel(weights: dict) -> str:
     """The name of a trainable weight every forward pass reads."""
@@ -83,25 +95,28 @@ def test_every_feature_in_one_elastic_engine_keeps_the_replicas_identical(ray_se
         # A traced step: every worker and parameter server on the trace; "ps": 16-bit partitions, one dropped.
         stats = step(sgd, write_timeline=str(tmp_path / "step.json"))
         processes, _ = load_trace(tmp_path / "step.json")
-        assert sorted(processes.values()) == sorted(["driver"] + [f"worker {w}" for w in range(3)]
-                                                    + [f"parameter server {j}" for j in range(len(ps_actors(sgd)))])
+        every_actor = sorted(["driver"] + [f"worker {w}" for w in range(3)]
+                             + [f"parameter server {j}" for j in range(len(ps_actors(sgd)))])
+        assert sorted(processes.values()) == every_actor
         assert stats["num_replicas"] == replicas_averaged(3)
         if ps:
             layout = server_group(sgd).layout
             assert all(partition.wire_nbytes * 2 == partition.nbytes for partition in layout)
-            assert stats["sent_bytes"] == sum(partition.wire_nbytes for partition in layout)
+            assert stats["sent_bytes"] == BF16_SENT_BYTES[run]
             assert stats["dropped_gradients"] >= 1
         assert_replicas_identical(sgd, 3 * DEVICES)
 
         # A weight made NaN: the step's mean is not finite, so every replica skips it (a backup worker that
-        # catches up on it too).
+        # catches up on it too). The step is traced: the skipped step's trace holds every actor's spans.
         good = sgd.get_weights()
         poisoned = {**good, a_kernel(good): np.full_like(good[a_kernel(good)], np.nan)}
         sgd.set_weights(poisoned)
-        step(sgd)
+        step(sgd, write_timeline=str(tmp_path / "skipped.json"))
         assert "skipped a step (nan_policy='skip')" in caplog.text
         after = sgd.get_weights()
         assert all(np.array_equal(after[k], poisoned[k], equal_nan=True) for k in poisoned)
+        processes, spans = load_trace(tmp_path / "skipped.json")
+        assert sorted(processes.values()) == every_actor and all(spans[name] for name in every_actor)
         sgd.set_weights(good)
 
         # A checkpoint, then a killed worker: replaced (there is room), the replicas identical.

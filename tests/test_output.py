@@ -1,6 +1,7 @@
 """What a user sees: the examples' own lines, TensorFlow's start-up lines only when asked for (dsgd.worker.tf_logs), and
 progress while the engine is being built."""
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -15,7 +16,7 @@ import dsgd
 from background_jobs import QUEUE, Call
 from dsgd.common import calls
 from dsgd.worker import tf_logs
-from dsgd_test_models import slow_to_build_on_worker_1
+from dsgd_test_models import Gate, held_to_build_on_worker_1, wait_until
 from job_processes import HIDDEN_DIR, run_command
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
@@ -106,12 +107,27 @@ def test_mnist_example_prints_its_own_lines_and_no_tensorflow_start_up_line(mnis
     assert not [m for m in START_UP_MARKERS if m in out], out  # driver and workers alike
 
 
-def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, caplog, monkeypatch):
-    monkeypatch.setattr(calls, "PROGRESS_AFTER_S", 1.0)  # worker 1 builds for 3 s longer
-    with caplog.at_level(logging.INFO, logger="dsgd"):
-        dsgd.DistributedSGD(slow_to_build_on_worker_1, num_workers=2, strategy="simple").shutdown()
-    waits = [r.getMessage() for r in caplog.records if r.name == "dsgd.common.calls" and r.getMessage().startswith("waiting")]
-    building = [m for m in waits if "for the workers to build their models: " in m]
-    not_yet = [m.split("; not yet: ")[1].split(", ") for m in building]
-    # worker 1 in every report; the last names it alone (a report that always listed every worker would fail)
-    assert not_yet and all("worker 1" in names for names in not_yet) and not_yet[-1] == ["worker 1"], waits
+def test_a_long_build_is_logged_naming_the_workers_still_building(ray_session, caplog, monkeypatch, tmp_path):
+    """Worker 1's build is held at a gate until a report names it alone (a report that always listed every
+    worker would never do so); every report names it."""
+    monkeypatch.setattr(calls, "PROGRESS_AFTER_S", 1.0)
+    gate = Gate(str(tmp_path / "build"))
+    gate.close()
+
+    def not_yet() -> list[list[str]]:
+        waits = [r.getMessage() for r in caplog.records
+                 if r.name == "dsgd.common.calls" and r.getMessage().startswith("waiting")]
+        return [m.split("; not yet: ")[1].split(", ") for m in waits
+                if "for the workers to build their models: " in m]
+
+    with caplog.at_level(logging.INFO, logger="dsgd"), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        building = pool.submit(dsgd.DistributedSGD, held_to_build_on_worker_1(gate), num_workers=2,
+                               strategy="simple")
+        try:
+            gate.wait_arrived()
+            wait_until(lambda: ["worker 1"] in not_yet() or building.done(), timeout_s=120)
+        finally:
+            gate.open()
+        building.result(timeout=120).shutdown()
+    reports = not_yet()
+    assert ["worker 1"] in reports and all("worker 1" in names for names in reports), reports

@@ -9,7 +9,8 @@ import ray
 import dsgd
 from dsgd.exchange import simple
 from dsgd_test_models import (FixedDataMomentumNet, TanhNet, actor_pids, assert_replicas_identical,
-                              assert_weights_close, kill, numpy_momentum_run, set_start_weights)
+                              assert_weights_close, batch, kill, numpy_forward, numpy_momentum_run, numpy_step,
+                              set_start_weights)
 
 
 @pytest.mark.parametrize("strategy", ["simple", "ps"])
@@ -37,6 +38,7 @@ def test_a_step_the_survivors_applied_before_a_worker_died_keeps_their_stats(ray
     no metrics)."""
     caplog.set_level(logging.WARNING, logger="dsgd")
     with dsgd.DistributedSGD(TanhNet, num_workers=3, strategy="simple") as sgd:
+        start = set_start_weights(sgd)
         normal = sgd.step(fetch_stats=True)
         victim, [pid] = sgd.workers[2], actor_pids(sgd.workers[2])
         average_into, killed = simple.average_into, []
@@ -52,7 +54,13 @@ def test_a_step_the_survivors_applied_before_a_worker_died_keeps_their_stats(ray
         monkeypatch.undo()
         assert killed and "worker 2 is dead" in caplog.text
         assert "its stats are lost" not in caplog.text
-        assert set(normal) <= set(stats) and np.isfinite(stats["loss"]) and np.isfinite(stats["abs_error"])
-        assert stats["step"] == 1 and sgd.num_steps == 2
+        assert set(normal) <= set(stats) and stats["step"] == 1 and sgd.num_steps == 2
+        # Step 1 applied once, the mean of all three gradients; its loss and error the survivors' mean.
+        all_three, survivors = [(w, 0) for w in range(3)], [(0, 0), (1, 0)]
+        before = numpy_step(start, all_three, 0)
+        assert_weights_close(sgd.get_weights(), numpy_step(before, all_three, 1))
+        forward = [numpy_forward(before, *batch(w, d, 1)) for w, d in survivors]
+        assert stats["loss"] == pytest.approx(np.mean([loss for _, _, loss, _ in forward]), rel=1e-5)
+        assert stats["abs_error"] == pytest.approx(np.mean([error for _, _, _, error in forward]), rel=1e-5)
         sgd.step()
         assert_replicas_identical(sgd, 3)

@@ -1,6 +1,7 @@
 """A worker's stream to a parameter server on another node (dsgd.transport.streams), both ends in this process,
 plain and over TLS (mutual, with a CA made for the test: dsgd.transport.tls)."""
 
+import errno
 import itertools
 import pickle
 import socket
@@ -112,6 +113,51 @@ def _ended_at_once(thread: threading.Thread, outcome: list) -> BaseException:
     return outcome[0]
 
 
+EOF_ERROR = "the stream's other end closed"  # what a stream's read raises at end-of-file (streams._receive_into)
+
+
+@pytest.fixture
+def read_errors(monkeypatch) -> list[tuple[object, OSError]]:
+    """What the streams' reads (both ends') raised, in order, with the connection read: why a wait or a server's
+    reading thread ended."""
+    raised = []
+    receive_into = streams._receive_into
+
+    def recorded(sock, target):
+        try:
+            receive_into(sock, target)
+        except OSError as e:
+            raised.append((sock, e))
+            raise
+
+    monkeypatch.setattr(streams, "_receive_into", recorded)
+    return raised
+
+
+@pytest.fixture
+def accept_errors(monkeypatch) -> list[OSError]:
+    """What the listeners' accepts raised: why a listener's accepting thread ended (closed, or timed out)."""
+    raised = []
+
+    class RecordedServerSocket(socket.socket):
+        def accept(self):
+            try:
+                return super().accept()
+            except OSError as e:
+                raised.append(e)
+                raise
+
+    def create_server(address):
+        server = RecordedServerSocket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(address)
+        server.listen()
+        return server
+
+    monkeypatch.setattr(streams.socket, "create_server", create_server)
+    return raised
+
+
 def test_a_push_lands_in_its_segments_and_the_mean_comes_back_into_the_workers_buffer(contexts):
     server = Server(contexts)
     stream, means = _connect(server)
@@ -180,29 +226,39 @@ def test_a_wait_for_a_push_forgotten_meanwhile_fails_at_once(contexts):
     assert stream.wait(0, 0, 10, epoch) == ("averaged", 0)
 
 
-def test_the_worker_sees_the_server_close_at_once(contexts):
+def test_the_worker_sees_the_server_close_at_once(contexts, read_errors):
+    """The wait ends because its read met the end of the stream, not at a timeout."""
     server = Server(contexts)
     stream, _ = _connect(server)
     server.release.clear()
     stream.send(0, 0, [np.ones(SIZE, np.float32)])
     thread, outcome = _waiting(stream, lambda: stream.wait(0, 0, LONG_S))
     server.listener.close()
-    assert isinstance(_ended_at_once(thread, outcome), ConnectionError), outcome
+    ended = _ended_at_once(thread, outcome)
+    assert isinstance(ended, ConnectionResetError) and "the parameter server closed" in str(ended), outcome
+    # The worker's read met the end of the stream (or, plain, the reset of a server closed with bytes unread).
+    [(_, error)] = [(sock, e) for sock, e in read_errors if sock is stream._socket]
+    assert str(error) == EOF_ERROR or error.errno == errno.ECONNRESET, error
     server.release.set()
 
 
-def test_the_server_sees_the_worker_close_at_once(contexts):
-    """Either side's death ends the stream: a worker that goes away ends the server's threads serving it."""
+def _join_threads(server) -> None:
+    for thread in _threads(server):
+        thread.join(AT_ONCE_S)
+    assert not _threads(server), f"the server's threads were still running {AT_ONCE_S} s later"
+
+
+def test_the_server_sees_the_worker_close_at_once(contexts, read_errors):
+    """Either side's death ends the stream: a worker that goes away ends the server's threads serving it, their
+    read having met the end of the stream."""
     server = Server(contexts, accept_timeout_s=LONG_S)
     stream, _ = _connect(server)
     stream.send(0, 0, [np.ones(SIZE, np.float32)])
     assert stream.wait(0, 0, 10) == ("averaged", 0)
     assert _threads(server)
     stream.close()
-    deadline = time.monotonic() + AT_ONCE_S
-    while _threads(server) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _threads(server), "the server still serves a worker that closed its stream"
+    _join_threads(server)
+    assert [str(e) for _, e in read_errors] == [EOF_ERROR]  # the server's read, at the end of the stream
 
 
 def test_only_the_holder_of_the_token_gets_in(contexts):
@@ -216,14 +272,14 @@ def test_only_the_holder_of_the_token_gets_in(contexts):
     assert stream.wait(0, 0, 10) == ("averaged", 0)
 
 
-def test_closing_a_listener_nobody_joined_ends_its_threads_at_once(contexts):
+def test_closing_a_listener_nobody_joined_ends_its_threads_at_once(contexts, accept_errors):
+    """Its accept ends because the socket was closed, not at its timeout."""
     server = Server(contexts, accept_timeout_s=LONG_S)
     assert len(_threads(server)) == 2  # the reader (accepting) and the answerer
     server.listener.close()
-    deadline = time.monotonic() + AT_ONCE_S
-    while _threads(server) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _threads(server)
+    _join_threads(server)
+    [closed] = accept_errors
+    assert isinstance(closed, OSError) and not isinstance(closed, TimeoutError), closed
     with pytest.raises(OSError):
         _connect(server)
 

@@ -298,7 +298,10 @@ def test_an_engine_reports_a_creator_that_raised_in_the_graph_and_eagerly_with_b
 
 
 def test_a_tf1_model_and_a_tf2_model_in_one_engine_are_refused(ray_session):
-    with pytest.raises(dsgd.WorkerMismatchError, match="worker 1 built a TF2 model .*one kind of model"):
+    """The error names both sides: what worker 1 built (TF2) and what worker 0 did (TF1)."""
+    with pytest.raises(dsgd.WorkerMismatchError, match=re.escape(
+            "worker 1 built a TF2 model (dsgd.TF2Model or a Keras 3 KerasModel), worker 0 a TF1 dsgd.Model (or "
+            "tf_keras KerasModel): build one kind of model in an engine")):
         dsgd.DistributedSGD(tf1_then_tf2, num_workers=2, strategy="simple")
 
 
@@ -365,18 +368,31 @@ def test_tf2_backup_workers_timeline_and_logdir_work_together(ray_session, tmp_p
     from readers import load_trace, names, read_scalars
 
     # One partition: the 2 workers it averages are the step's kept ones (with several, each may keep others).
+    # Both steps traced: the server's span names the workers it averaged, the replicas the reference averages.
     with dsgd.DistributedSGD(m.Regression, num_workers=3, strategy="ps", backup_workers=1, grad_shard_bytes=0,
                              logdir=str(tmp_path / "logs")) as sgd:
-        sgd.step()
+        start = sgd.get_weights()
+        sgd.step(write_timeline=str(tmp_path / "step0.json"))
         stats = sgd.step(fetch_stats=True, write_timeline=str(tmp_path / "step.json"))
         assert stats["num_replicas"] == 2 and stats["dropped_gradients"] == 1 and stats["mae"] > 0
         assert_replicas_identical(sgd, 3)
+        got = sgd.get_weights()
+    expected = start
+    for step, trace in enumerate(["step0.json", "step.json"]):
+        _, spans = load_trace(tmp_path / trace)
+        [averaged] = [re.fullmatch(r"average partition 0 of workers \[(\d+), (\d+)\]", e["name"])
+                      for e in spans["parameter server 0"] if e["name"].startswith("average partition")]
+        kept = [(int(w), 0) for w in averaged.groups()]
+        expected = m.regression_reference(expected, kept, 1, first_step=step)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
     _, spans = load_trace(tmp_path / "step.json")
     pushed = [w for w in range(3) if "send partition 0" in names(spans[f"worker {w}"])]
     assert len(pushed) >= 2  # the step's sends, from inside the traced TF2 step
     assert {"get_batch", "compute, exchange and apply"} <= names(spans[f"worker {pushed[0]}"])
     scalars = read_scalars(tmp_path / "logs")
-    assert {"loss", "mae", "num_replicas"} <= set(scalars) and [s for s, _, _ in scalars["loss"]] == [1]
+    assert {"loss", "mae", "num_replicas"} <= set(scalars)
+    assert [s for s, _, _ in scalars["loss"]] == [0, 1]  # a traced step's stats are fetched, so written
 
 
 def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_as_it_was(keras3_engine, caplog):
@@ -389,18 +405,26 @@ def test_keras3_warmup_and_a_skipped_step_leave_every_variable_of_every_replica_
 
 
 def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path):
+    """Each report's stats (its last step's) and the last checkpoint's weights are the numpy reference's, from
+    Regression's zeros."""
     from ray import tune
 
     import dsgd.tune as dsgd_tune
-    from tune_test_models import run
+    from tune_test_models import final_state, run
 
     trainable = dsgd_tune.trainable(m.regression_creator, num_workers=2, steps_per_report=2, checkpoint_every=1,
                                     strategy="simple", startup_timeout_s=120, timeout_s=60)  # "ps": test_tune's
     [result] = run(trainable, {"lr": tune.grid_search([0.05])}, tmp_path, iterations=2)
     history = result.metrics_dataframe.sort_values("training_iteration")
-    assert list(history["num_steps"]) == [2, 4] and (history["mae"] > 0).all()
-    assert history["loss"].iloc[-1] < history["loss"].iloc[0]
-    assert result.checkpoint is not None
+    assert list(history["num_steps"]) == [2, 4]
+    reps, zeros = replicas(2, 1), {"w": np.zeros(m.FEATURES), "b": np.float64(0.0)}
+    for report, last_step in enumerate([1, 3]):  # the step whose stats each report carries
+        expected = m.regression_stats(m.regression_reference(zeros, reps, last_step), reps, last_step)
+        for name, value in expected.items():
+            assert history[name].iloc[report] == pytest.approx(value, rel=1e-5), (report, name)
+    saved, expected = final_state(result), m.regression_reference(zeros, reps, 4)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(saved[f"weights/{name}"], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["MobileNetV2", pytest.param("ResNet50", marks=pytest.mark.slow),

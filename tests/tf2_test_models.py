@@ -143,11 +143,12 @@ class SizedRegression(Regression):
 
 
 def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int, fixed: bool = False,
-                         sizes: tuple[int, ...] | None = None) -> dict:
+                         sizes: tuple[int, ...] | None = None, first_step: int = 0) -> dict:
     """``Regression`` (``FixedRegression`` if ``fixed``, ``SizedRegression`` given ``SIZES``) trained by plain SGD
-    on the mean of the replicas' gradients, in numpy (float64)."""
+    on the mean of the replicas' gradients, in numpy (float64), the replicas reading the batches of steps
+    ``first_step`` on."""
     w, b = weights["w"].astype(np.float64), float(weights["b"])
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         gw, gb = np.zeros_like(w), 0.0
         for wi, d in reps:
             x, y = batch(wi, d, 0 if fixed else step)
@@ -158,6 +159,15 @@ def regression_reference(weights: dict, reps: list[tuple[int, int]], steps: int,
             gb += 2 * err.mean()
         w, b = w - 0.05 * gw / len(reps), b - 0.05 * gb / len(reps)
     return {"w": w, "b": np.float64(b)}
+
+
+def regression_stats(weights: dict, reps: list[tuple[int, int]], step: int) -> dict[str, float]:
+    """``Regression``'s loss and mae at ``weights`` on the replicas' batches of ``step``, the mean over replicas (as
+    a step's stats report them), in numpy."""
+    errors = [x @ weights["w"].astype(np.float64) + float(weights["b"]) - y
+              for x, y in (batch(wi, d, step) for wi, d in reps)]
+    return {"loss": float(np.mean([np.mean(e ** 2) for e in errors])),
+            "mae": float(np.mean([np.mean(np.abs(e)) for e in errors]))}
 
 
 def reference_run(net_name: str, optimizer_name: str, weights: dict[str, np.ndarray], replicas: list[tuple[int, int]],
