@@ -71,6 +71,7 @@ TAKEN = b"\x01"  # the server's reply to the right token: the stream is the push
 # A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
 # takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
 CONNECT_TIMEOUT_S = 10.0
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux's option; Python names it on few builds
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -236,6 +237,10 @@ class Stream:
                 self._answers.end()
                 raise
         return epoch
+
+    def pace(self, bytes_per_s: int) -> None:
+        """Have the kernel send at most ``bytes_per_s`` down this stream (TCP's own pacing, ``SO_MAX_PACING_RATE``)."""
+        self._socket.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, bytes_per_s)
 
     @property
     def broken(self) -> bool:
