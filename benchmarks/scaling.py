@@ -19,6 +19,8 @@ each way; the head, with this driver, runs no worker) and on it:
   ps-sched, ps-servers-sched  "ps" and "ps-servers" with the workers' send
             scheduler (``DSGD_SEND_SCHEDULE``: `--send-schedule`'s policy),
             beside the pushes chained into the step, to compare;
+  ps-servers-paced  "ps-servers" with the scheduler's equal-rate policy at
+            `--link-gbit` (every stream paced by the kernel at its share);
   simple    dsgd, strategy="simple" (the driver averages);
   raytrain  Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy,
             the same workers all-reducing a gradient of the same variables
@@ -85,7 +87,8 @@ from benchmarks.flows import FlowMonitor, print_flows
 from benchmarks.linked_cluster import (SERVER_RESOURCE, LinkedCluster, linked_cluster, measure_link,
                                        missing_requirements, worker_node_ids)
 
-SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "simple", "raytrain")
+SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "ps-servers-paced", "simple",
+           "raytrain")
 RESULTS = common.RESULTS_DIR / "scaling"
 TARGETS = {"ps/(M/B)": 1.3, "ps 8 nodes / 2 nodes": 1.15, "ps-bf16/ps": 0.6, "raytrain/ps at 8 nodes": 1.3,
            "ps-servers/(M/B)": 1.3}
@@ -208,9 +211,10 @@ class RayTrainSystem:
 
 
 def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_shard_bytes: int | None,
-          send_schedule: str = "streams") -> System:
+          send_schedule: str = "streams", link_gbit: float = 0.0) -> System:
     """System ``name`` (one of SYSTEMS) on the cluster, built and ready to step; ``grad_shard_bytes`` for the
-    "ps" systems (None: dsgd's default partitions), ``send_schedule`` for the "-sched" ones."""
+    "ps" systems (None: dsgd's default partitions), ``send_schedule`` for the "-sched" ones, ``link_gbit`` for
+    the "-paced" one."""
     start = time.perf_counter()
     if name == "raytrain":
         system = RayTrainSystem(variables, cfg.workers)
@@ -220,10 +224,14 @@ def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_s
         system = DsgdSystem(name, variables, cfg.workers, strategy="simple")
     else:
         extra = {"ps-bf16": {"compression": "bf16"}, "ps-servers": {"server_resource": SERVER_RESOURCE}}
-        scheduled = name.endswith("-sched")
-        with common.environment(**{SEND_SCHEDULE_ENV: send_schedule}) if scheduled else contextlib.nullcontext():
+        base, schedule = name, None
+        if name.endswith("-paced"):
+            base, schedule = name.removesuffix("-paced"), f"equal-rate:{link_gbit:g}"
+        elif name.endswith("-sched"):
+            base, schedule = name.removesuffix("-sched"), send_schedule
+        with common.environment(**{SEND_SCHEDULE_ENV: schedule}) if schedule else contextlib.nullcontext():
             system = DsgdSystem(name, variables, cfg.workers, strategy="ps", grad_shard_bytes=grad_shard_bytes,
-                                **extra.get(name.removesuffix("-sched"), {}))
+                                **extra.get(base, {}))
     print(f"  {name}: built in {time.perf_counter() - start:.1f} s", flush=True)
     return system
 
@@ -416,7 +424,8 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
     systems: list[System] = []
     try:
         for name in args.systems:
-            systems.append(build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule))
+            systems.append(build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule,
+                                 args.link_gbit))
         watch.refresh(systems)
         record["details"] = {s.name: s.details() for s in systems}
         record["memory"].append({"alive": [s.name for s in systems], **watch.memory()})
@@ -452,7 +461,7 @@ def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str
     record["order"] = []
     for repeat in range(args.repeats):
         for name in common.rotated(args.systems, repeat):
-            system = build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule)
+            system = build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule, args.link_gbit)
             try:
                 watch.refresh([system])
                 record["details"].setdefault(name, system.details())
