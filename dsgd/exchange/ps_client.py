@@ -94,12 +94,10 @@ class ParameterServerClient:
         """Attach to every server and pick each pair's transport; the number reached through shared memory.
 
         ``routes[j]`` (default: the placement): the server partition j is pushed to, its node's relay or its own.
-        ``rounds``: a new push order (only with a send schedule, whose policy takes it up; default: the one so far).
+        ``rounds``: a new push order, which a send schedule's policy takes up (without one, the rounds are built
+        into the step: ``SGDWorker.connect`` refuses others).
         """
-        if rounds is not None:
-            if not self.scheduled and self._checked(rounds) != self.rounds:
-                raise ValueError(f"worker {self.worker_index} pushes in rounds built into its step; it cannot "
-                                 "take new ones without a send schedule")
+        if rounds is not None and self.scheduled:
             self.rounds = self._checked(rounds)
         self._close_ends()
         self.servers = list(servers)

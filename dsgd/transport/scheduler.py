@@ -11,10 +11,14 @@ its server answers them, so each mean is read as it arrives and no server
 waits on this worker to drain its socket. The step picks each mean up
 (``result``), bounded.
 
-A lane's order is the layout order of its partitions, the same on every
-worker: a server answers a connection's pushes in order, so two workers
-pushing one server's partitions in different orders could each wait for the
-other's.
+A lane's order is the order of its partitions in the worker's rounds
+(``dsgd.cluster.server_plan.send_rounds``: layout order on every lane, but
+a node's relayed partitions first in each round on the lane to its relay),
+the same on every worker of a node: a server answers a channel's pushes in
+order, so two workers pushing one server's partitions in different orders
+could each wait for the other's; and the rounds policy, which lets one
+partition go at a time in the rounds' order, never waits for one queued
+behind another on its lane.
 
 A failed send or receive fails the step: every mean not yet read then
 raises that error, so the step ends at once, and ``forget`` drops what the
@@ -28,6 +32,7 @@ No TensorFlow here: the step's callbacks (``dsgd.exchange.ps``) call in.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -54,7 +59,8 @@ class SendScheduler:
     """Sends handed-over partitions down their lanes, each lane on a thread of its own, and reads their means."""
 
     def __init__(self, lanes: Lanes, lane_of: Sequence[Lane], pacing: Pacing, rounds: Sequence[Sequence[int]]):
-        """``lane_of[j]``: partition j's lane; ``rounds``: the worker's push order (for a policy that keeps it)."""
+        """``lane_of[j]``: partition j's lane; ``rounds``: the worker's push order, every partition once (each
+        lane's order, and the rounds policy's)."""
         self._lanes, self._pacing = lanes, pacing
         self._changed = threading.Condition()  # guards everything below
         self._generation = 0  # a failed step's forget starts the next
@@ -68,8 +74,8 @@ class SendScheduler:
         """Move partitions through ``lanes`` from now on (``lane_of`` as for the constructor): the old lanes'
         threads end and new ones start, between steps."""
         orders: dict[Lane, list[int]] = {}
-        for j, lane in enumerate(lane_of):
-            orders.setdefault(lane, []).append(j)
+        for j in itertools.chain(*rounds):
+            orders.setdefault(lane_of[j], []).append(j)
         with self._changed:
             self._lanes = lanes
             self._attachment += 1
@@ -150,7 +156,7 @@ class SendScheduler:
             ticket, error = None, None
             try:
                 ticket = self._lanes.push(j, step, payload)
-            except BaseException as e:  # noqa: B902 - it fails the step, whatever it is
+            except BaseException as e:  # it fails the step, whatever it is
                 error = e
             del payload
             if trace is not None:
@@ -167,14 +173,14 @@ class SendScheduler:
 
     def _read_all(self, lane: Lane, answers: queue.SimpleQueue) -> None:
         """The lane's reader: the answers to its pushes, in the order they were pushed."""
-        while (item := answers.get()) is not None:  # unbounded: the sender puts None when it ends
+        while (item := answers.get()) is not None:  # idle between steps; the sender puts None as it ends
             generation, j, step, ticket, trace, pushed = item
             if generation != self._generation:  # a failed step's: its end dropped the answer
                 continue
             mean, error = None, None
             try:
                 mean = self._lanes.mean(j, step, ticket)
-            except BaseException as e:  # noqa: B902 - it fails the step, whatever it is
+            except BaseException as e:  # it fails the step, whatever it is
                 error = e
             if trace is not None:
                 trace.add(f"answer of partition {j}", pushed, timeline.now_us(), f"lane {lane} reads")
