@@ -45,6 +45,9 @@ partitions travel as 16-bit floats), interleaved with the others.
 ``dsgd.TF2Model`` (eager variables, a Keras SGD optimizer, the step traced
 in a ``tf.function``), "ps" the TF2 way; its ratio to "ps" is reported
 (target <= 1.1). Not for the mnist shape.
+`--send-schedule POLICY` adds "ps-sched": "ps" with the workers' send
+scheduler (``DSGD_SEND_SCHEDULE``, e.g. "streams"), its ratio to "ps"
+reported (the scheduler must not add to the fixed cost).
 A step is `sgd.step(fetch_stats=True)` timed in the driver; with `--burst N`
 a system's turn is N steps back to back, all but the last without stats
 (as examples/mnist.py trains: steps in flight, stats every `--log-every`),
@@ -80,6 +83,7 @@ import numpy as np
 import tensorflow as tf
 
 import dsgd
+from dsgd.config import SEND_SCHEDULE_ENV
 from benchmarks import common
 from benchmarks.resnet import resnet_v1
 
@@ -91,7 +95,7 @@ TINY_SHAPE = [32, 8]
 SMALL_WIDTH = 0.3  # the small shape: ResNet-101's channel counts times this (4.0 M float32)
 LEARNING_RATE = 0.01
 TARGETS = {"ps/simple": 0.7, "(ps - floor)/bound": 2.0, "(ps - ideal)/bound": 1.5, "ps/union": 1.5,
-           "ps-tf2/ps": 1.1}
+           "ps-tf2/ps": 1.1, "ps-sched/ps": 1.05}
 
 
 def resnet_shapes(model: str) -> list[tuple[str, list[int]]]:
@@ -237,8 +241,9 @@ def summarize_phase(times: dict[str, list[float]], warmup: int) -> dict[str, Any
                        "(ps - ideal)/bound": (medians["ps"] - medians["ideal"]) / medians["bound"]})
         if medians.get("union") is not None:
             ratios["ps/union"] = medians["ps"] / medians["union"]
-        if medians.get("ps-tf2") is not None:
-            ratios["ps-tf2/ps"] = medians["ps-tf2"] / medians["ps"]
+        for other in ("ps-tf2", "ps-sched"):
+            if medians.get(other) is not None:
+                ratios[f"{other}/ps"] = medians[other] / medians["ps"]
     return {"warmup": warmup, "measured_steps": min(len(t[warmup:]) for t in times.values()),
             "median_ms": medians, "ratios": ratios, "step_s": times}
 
@@ -269,11 +274,16 @@ def run_shape(shape: str, args: argparse.Namespace, kwargs: dict[str, Any]) -> d
         builds += [(f"ps-{c}", args.num_workers, {"strategy": "ps", "compression": c}) for c in args.compression]
         if args.tf2 and union is None:
             builds.append(("ps-tf2", args.num_workers, {"strategy": "ps"}))
+        if args.send_schedule:
+            builds.append(("ps-sched", args.num_workers, {"strategy": "ps"}))
         for name, workers, strategy in builds:
             start = time.perf_counter()
             made_by = functools.partial(ExchangeModelTF2, shapes=variables) if name == "ps-tf2" else creator
-            engines[name] = engines_alive.enter_context(
-                dsgd.DistributedSGD(made_by, num_workers=workers, **strategy, **kwargs))
+            scheduled = common.environment(**{SEND_SCHEDULE_ENV: args.send_schedule}) if name == "ps-sched" else \
+                contextlib.nullcontext()
+            with scheduled:
+                engines[name] = engines_alive.enter_context(
+                    dsgd.DistributedSGD(made_by, num_workers=workers, **strategy, **kwargs))
             record["setup_s"][name] = time.perf_counter() - start
             print(f"  {name}: built in {record['setup_s'][name]:.1f} s", flush=True)
         ps = engines["ps"]
@@ -342,7 +352,8 @@ def summary_table(records: list[dict[str, Any]], args: argparse.Namespace) -> st
     """A markdown table of every shape and phase: medians, ratios, servers and partitions."""
     systems = list(dict.fromkeys(name for r in records for name in r["systems"])) or list(SYSTEMS)
     lines = ["| shape | steps | " + " | ".join(f"{n} ms" for n in systems)
-             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | ps/union | ps-tf2/ps | servers / partitions |",
+             + " | ps/simple | (ps − floor)/bound | (ps − ideal)/bound | ps/union | ps-tf2/ps | ps-sched/ps"
+               " | servers / partitions |",
              "|---" * (len(systems) + 3 + len(TARGETS)) + "|"]
     for r in records:
         for label, phase in phases(r, args):
@@ -376,6 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help='also "ps" with its float32 partitions sent as these 16-bit floats ("ps-bf16", ...)')
     common.add_ray_flags(p, "the CPUs the engines reserve: 3 x workers, and workers more per --compression value")
     p.add_argument("--tf2", action="store_true", help='also "ps" the TF2 way ("ps-tf2", a dsgd.TF2Model)')
+    p.add_argument("--send-schedule", default=None, metavar="POLICY",
+                   help='also "ps" with the workers\' send scheduler of this policy ("ps-sched"; e.g. streams)')
     p.add_argument("--object-store-memory", type=int, default=2 << 30,
                    help="bytes (per node with --nodes), when starting Ray here")
     p.add_argument("--nodes", type=int, default=1,
@@ -397,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kwargs = common.engine_kwargs(args)
     print(f"command: {command}\nengine arguments: {kwargs or 'defaults'}", flush=True)
     # floor and ideal: one engine of 1 worker per worker; simple, ps and each ps-<compression>: one of all workers
-    cpus = args.num_cpus or args.num_workers * (3 + len(args.compression) + args.tf2)
+    cpus = args.num_cpus or args.num_workers * (3 + len(args.compression) + args.tf2 + bool(args.send_schedule))
     if args.nodes > 1:
         cluster = common.local_cluster(args.nodes, math.ceil(cpus / args.nodes), args.object_store_memory)
     else:

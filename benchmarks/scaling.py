@@ -16,6 +16,11 @@ each way; the head, with this driver, runs no worker) and on it:
             (``server_resource``: BytePS's layout; each behind a link of
             the same rate, with 0 CPUs so that no worker of any system
             runs there), one server on each by default;
+  ps-sched, ps-servers-sched  "ps" and "ps-servers" with the workers' send
+            scheduler (``DSGD_SEND_SCHEDULE``: `--send-schedule`'s policy),
+            beside the pushes chained into the step, to compare;
+  ps-servers-paced  "ps-servers" with the scheduler's equal-rate policy at
+            `--link-gbit` (every stream paced by the kernel at its share);
   simple    dsgd, strategy="simple" (the driver averages);
   raytrain  Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy,
             the same workers all-reducing a gradient of the same variables
@@ -76,11 +81,14 @@ import numpy as np
 import tensorflow as tf
 
 import dsgd
+from dsgd.config import SEND_SCHEDULE_ENV
 from benchmarks import common, exchange, peers, processes
+from benchmarks.flows import FlowMonitor, print_flows
 from benchmarks.linked_cluster import (SERVER_RESOURCE, LinkedCluster, linked_cluster, measure_link,
                                        missing_requirements, worker_node_ids)
 
-SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "simple", "raytrain")
+SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "ps-servers-paced", "simple",
+           "raytrain")
 RESULTS = common.RESULTS_DIR / "scaling"
 TARGETS = {"ps/(M/B)": 1.3, "ps 8 nodes / 2 nodes": 1.15, "ps-bf16/ps": 0.6, "raytrain/ps at 8 nodes": 1.3,
            "ps-servers/(M/B)": 1.3}
@@ -202,9 +210,11 @@ class RayTrainSystem:
         self.run.close()
 
 
-def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_shard_bytes: int | None) -> System:
+def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_shard_bytes: int | None,
+          send_schedule: str = "streams", link_gbit: float = 0.0) -> System:
     """System ``name`` (one of SYSTEMS) on the cluster, built and ready to step; ``grad_shard_bytes`` for the
-    "ps" systems (None: dsgd's default partitions)."""
+    "ps" systems (None: dsgd's default partitions), ``send_schedule`` for the "-sched" ones, ``link_gbit`` for
+    the "-paced" one."""
     start = time.perf_counter()
     if name == "raytrain":
         system = RayTrainSystem(variables, cfg.workers)
@@ -214,8 +224,14 @@ def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_s
         system = DsgdSystem(name, variables, cfg.workers, strategy="simple")
     else:
         extra = {"ps-bf16": {"compression": "bf16"}, "ps-servers": {"server_resource": SERVER_RESOURCE}}
-        system = DsgdSystem(name, variables, cfg.workers, strategy="ps", grad_shard_bytes=grad_shard_bytes,
-                            **extra.get(name, {}))
+        base, schedule = name, None
+        if name.endswith("-paced"):
+            base, schedule = name.removesuffix("-paced"), f"equal-rate:{link_gbit:g}"
+        elif name.endswith("-sched"):
+            base, schedule = name.removesuffix("-sched"), send_schedule
+        with common.environment(**{SEND_SCHEDULE_ENV: schedule}) if schedule else contextlib.nullcontext():
+            system = DsgdSystem(name, variables, cfg.workers, strategy="ps", grad_shard_bytes=grad_shard_bytes,
+                                **extra.get(base, {}))
     print(f"  {name}: built in {time.perf_counter() - start:.1f} s", flush=True)
     return system
 
@@ -370,7 +386,10 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
         record["probe_gbit"] = {"min": min(rates), "max": max(rates)}
         print(f"  probe: {min(rates):.3f} - {max(rates):.3f} Gbit/s each way", flush=True)
         watch = Processes(cluster)
-        with LinkMonitor(cluster) if args.link_busy else contextlib.nullcontext() as links:
+        names = {cluster.node_ip(node): node_name(cluster, node) for node in cluster.linked}
+        with LinkMonitor(cluster) if args.link_busy else contextlib.nullcontext() as links, \
+                FlowMonitor(cluster, {cluster.head_ip: "head", **names}) if args.flows else \
+                contextlib.nullcontext() as flows:
             measured = (lambda name, step: links.timed(name, watch.charged(name, step))) if links else watch.charged
             if cfg in args.in_turn:
                 times = run_in_turn(cfg, args, variables, watch, measured, record)
@@ -378,6 +397,8 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
                 times = run_together(cfg, args, variables, watch, measured, record)
         if links:
             record["link_busy"] = {name: links.busy(name) for name in times}
+        if flows:
+            record["flows"] = {name: flows.per_step(links.steps[name]) for name in times}
     record["step_s"] = times
     record["median_ms"] = {name: statistics.median(t) * 1000 if t else None for name, t in times.items()}
     record["cpu_s_per_step"] = {name: watch.cpu_per_step(name) for name in times}
@@ -389,6 +410,8 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
     print_config(record)
     if "link_busy" in record:
         print_link_busy(record)
+    for name, rows in record.get("flows", {}).items():
+        print_flows(name, rows)
     return record
 
 
@@ -401,7 +424,8 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
     systems: list[System] = []
     try:
         for name in args.systems:
-            systems.append(build(name, variables, cfg, args.grad_shard_bytes))
+            systems.append(build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule,
+                                 args.link_gbit))
         watch.refresh(systems)
         record["details"] = {s.name: s.details() for s in systems}
         record["memory"].append({"alive": [s.name for s in systems], **watch.memory()})
@@ -437,7 +461,7 @@ def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str
     record["order"] = []
     for repeat in range(args.repeats):
         for name in common.rotated(args.systems, repeat):
-            system = build(name, variables, cfg, args.grad_shard_bytes)
+            system = build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule, args.link_gbit)
             try:
                 watch.refresh([system])
                 record["details"].setdefault(name, system.details())
@@ -594,6 +618,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-busy", action="store_true",
                    help=f"sample every link's byte counters every {LinkMonitor.SAMPLE_S * 1000:.0f} ms; record per "
                         "system how busy each link was during its measured steps")
+    p.add_argument("--send-schedule", default="streams",
+                   help="the send scheduler's policy of the -sched systems: rounds, streams, equal-rate:<Gbit/s>")
+    p.add_argument("--flows", action="store_true",
+                   help="(with --link-busy's timing) sample every TCP flow's delivered bytes in every node's namespace "
+                        "(`ss -tin`, benchmarks.flows); print per system when each flow of a step started and "
+                        "finished, and its rate")
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeline", type=Path, default=None, metavar="DIR",
@@ -605,9 +635,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.plot_from:
         return args
+    args.link_busy = args.link_busy or args.flows  # the flows are cut into the link monitor's timed steps
     if "floor" not in args.systems:
         p.error("--systems needs floor: the exchange time is a step less the floor's")
-    if ("ps-servers" in args.systems) != (args.server_nodes > 0):
+    if any(s.startswith("ps-servers") for s in args.systems) != (args.server_nodes > 0):
         p.error("ps-servers runs its parameter servers on nodes of their own: give --systems ps-servers and "
                 "--server-nodes K (K >= 1) together")
     return args

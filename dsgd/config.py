@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from dsgd.transport import pacing
 from dsgd.wire.codec import COMPRESSIONS
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,9 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("ps", "simple")
 ALL_REDUCE_ALGS = ("simple", "nccl")
 NAN_POLICIES = ("raise", "skip", "ignore")
+# "ps": the workers' send schedule (``dsgd.transport.pacing.policy``), read from the driver's environment while
+# the scheduler is measured against the pushes chained into the step (unset: those).
+SEND_SCHEDULE_ENV = "DSGD_SEND_SCHEDULE"
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class WorkerConfig:
     use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
     feed_concurrently: bool = False  # ask the replicas' get_feed_dict in threads of their own (Ray Data input)
     backup_workers: int = 0  # "ps": a step averages the first num_workers - backup_workers workers
+    send_schedule: str | None = None  # "ps": the send scheduler's policy (dsgd.transport.pacing); None: none
 
     @property
     def applies_fed(self) -> bool:
@@ -141,11 +147,15 @@ class Options:
 
     def worker_config(self, exchange: str, feed_concurrently: bool) -> WorkerConfig:
         """What a worker is built with, for the ``exchange`` of the engine's count now; ``use_ops`` resolved
-        (``ops_wanted``)."""
+        (``ops_wanted``), the send schedule read from ``SEND_SCHEDULE_ENV`` (checked)."""
+        schedule = os.environ.get(SEND_SCHEDULE_ENV) or None
+        if schedule is not None:
+            pacing.policy(schedule)
         return WorkerConfig(exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
                             self.cpus_per_worker, self.timeout_s, self.startup_timeout_s, self.nan_policy,
                             use_ops=self.strategy == "ps" and ops_wanted(self.use_ops),
-                            feed_concurrently=feed_concurrently, backup_workers=self.backup_workers)
+                            feed_concurrently=feed_concurrently, backup_workers=self.backup_workers,
+                            send_schedule=schedule)
 
 
 def ops_wanted(use_ops: bool | None) -> bool:

@@ -36,7 +36,9 @@ while they wait for ours). A local worker's pushes run on its channel's
 thread instead, one after another in the order it sends them (layout order,
 the same on every worker, so none waits behind another); a stream's, on its
 answering thread likewise, and a relay's partial sums each on a thread of
-its own.
+its own. A push down a stream is taken as it arrives, on the stream's
+reading thread (``take``: counted, and summed if it completes its step), so
+no sum waits for a mean that an answering thread is still sending.
 
 This module must not import TensorFlow: a parameter server is a light process.
 """
@@ -109,6 +111,8 @@ class ParameterServer:
         self.relayed = {r.partition.index: RelayedPartition.of(r) for r in relays}
         self.node_sums = NodeSums(server_index, node_sums, partitions)
         self.changed = threading.Condition()  # guards everything that changes below
+        # (worker, partition, step, epoch) -> a stream's push taken as it arrived (``take``), for its ``push``
+        self._taken: dict[tuple[int, int, int, int | None], tuple] = {}
         self.transports = Transports(server_index, num_workers, ray.get_runtime_context().get_node_id(),
                                      ray.util.get_node_ip_address(), self.layout, step_timeout_s)
         self.links = RelayLinks(server_index, step_timeout_s, self.changed, generation)
@@ -123,6 +127,10 @@ class ParameterServer:
 
     def _mean(self, step_id: int, j: int) -> np.ndarray:
         return self.layout.places[j].mean(step_id)
+
+    def _takes_of(self, key: int) -> Callable[[int, int, int], None]:
+        """``key``'s pushes down a stream as they arrive, ``(step_id, j, generation)`` (``take``)."""
+        return lambda step_id, j, generation: self.take(step_id, key, j, generation)
 
     def _pushes_of(self, key: int) -> Callable[..., tuple[list, tuple[int, ...]]]:
         """``key``'s pushes as a transport end makes them, ``(step_id, j)`` or, down a stream, ``(step_id, j,
@@ -165,7 +173,7 @@ class ParameterServer:
         """
         with self.changed:
             return self.transports.attach(worker_index, node_id, self._pushes_of(worker_index), self._mean,
-                                          list(self.relayed))
+                                          list(self.relayed), self._takes_of(worker_index))
 
     def attach_relay(self, relay: int, key: int, node_id: str | None,
                      indices: Sequence[int]) -> tuple[str, int, bytes] | None:
@@ -185,7 +193,7 @@ class ParameterServer:
                                      f"(from parameter server {relay})")
             end = self.transports.relay_end(key, node_id, [self.layout.places[j] for j in indices],
                                             self.node_sums.offsets, self.node_sums.nbytes, self._pushes_of(key),
-                                            self._mean)
+                                            self._mean, self._takes_of(key))
             self.node_sums.attach(relay, key, indices, end)
             return end.address()["stream"] if isinstance(end, StreamServerEnd) else None
 
@@ -209,32 +217,17 @@ class ParameterServer:
         was summed before this server's last reset, for the step that failed,
         and is refused (StepAborted) instead of counted in the step run again.
         """
-        start = timeline.now_us()
-        inputs = None
         with self.changed:
-            p = self._partition(j, worker_index)
-            self._check_not_aborted(p, step_id)
-            self._check_generation(j, step_id, worker_index, generation)
-            resets, summed_in = self.resets, self.generation
-            late = self.quorum < self.num_workers and p.is_late(step_id)
+            registered = self._taken.pop((worker_index, j, step_id, generation), None)
+            if registered is None:
+                registered = self._register(step_id, worker_index, j, stored, generation)
+            p, start, resets, summed_in, late = registered
+            inputs = None
             if not late:
-                self._take(p, step_id, worker_index, stored)
-                for w in p.contributors[worker_index]:
-                    self._note_begun(w, step_id)
                 inputs, averaged = self._wait_closable(p, step_id, resets)
                 recorder = self.traces.recorder(step_id)
         if inputs is not None:  # this push closes the step: sum outside the lock, so other partitions go on
-            try:
-                ref, averaged = self._sum(p, step_id, inputs, averaged, recorder, summed_in)
-            except Exception as e:  # e.g. a relay's server died: the step's other pushes fail now, not at a timeout
-                with self.changed:
-                    p.failures[step_id] = e
-                    self.changed.notify_all()
-                raise
-            with self.changed:
-                if self.resets == resets:
-                    p.keep(step_id, ref, averaged, self.layout.slots)
-                self.changed.notify_all()
+            self._sum_and_keep(p, step_id, inputs, averaged, recorder, summed_in, resets)
         with self.changed:
             self._wait_settled(p, step_id, resets)
             what = "late push" if late else "push"
@@ -244,6 +237,52 @@ class ParameterServer:
                                               start, timeline.now_us(), "pushes")
             ref, averaged = p.done[step_id]
             return self._end(p, worker_index).reply(ref), averaged
+
+    def take(self, step_id: int, worker_index: int, j: int, generation: int | None = None) -> None:
+        """A push down a stream, as it arrives (its reader's thread, ahead of the answers before it): counted
+        now, and summed now if it completes the step, so the step's sum waits for no answer this server still
+        has to send; its ``push`` (the stream's answering thread, in order) then only waits for the mean. Raises
+        as ``push`` would for a push it cannot take."""
+        with self.changed:
+            registered = self._register(step_id, worker_index, j, None, generation)
+            self._taken[worker_index, j, step_id, generation] = registered
+            p, _, resets, summed_in, late = registered
+            if late or self._settled(p, step_id) or not p.closes(step_id, self.begun, self.layout.slots):
+                return
+            inputs, averaged = p.close(step_id)
+            recorder = self.traces.recorder(step_id)
+        self._sum_and_keep(p, step_id, inputs, averaged, recorder, summed_in, resets)
+
+    def _register(self, step_id: int, worker_index: int, j: int, stored: list[np.ndarray] | None,
+                  generation: int | None) -> tuple[PartitionSteps, float, int, int, bool]:
+        """Check and count a push (under the lock): its partition, when it came, the resets and generation it
+        came in, and whether it is late (its step closed without it)."""
+        start = timeline.now_us()
+        p = self._partition(j, worker_index)
+        self._check_not_aborted(p, step_id)
+        self._check_generation(j, step_id, worker_index, generation)
+        late = self.quorum < self.num_workers and p.is_late(step_id)
+        if not late:
+            self._take(p, step_id, worker_index, stored)
+            for w in p.contributors[worker_index]:
+                self._note_begun(w, step_id)
+        return p, start, self.resets, self.generation, late
+
+    def _sum_and_keep(self, p: PartitionSteps, step_id: int, inputs: list[list[np.ndarray]],
+                      averaged: tuple[int, ...], recorder: timeline.Recorder, summed_in: int, resets: int) -> None:
+        """Sum a closed step (outside the lock) and keep its answer, unless a reset came meanwhile; a failure
+        fails the step's other pushes now, not at a timeout (e.g. a relay's server died), and is raised."""
+        try:
+            ref, averaged = self._sum(p, step_id, inputs, averaged, recorder, summed_in)
+        except Exception as e:
+            with self.changed:
+                p.failures[step_id] = e
+                self.changed.notify_all()
+            raise
+        with self.changed:
+            if self.resets == resets:
+                p.keep(step_id, ref, averaged, self.layout.slots)
+            self.changed.notify_all()
 
     def _check_generation(self, j: int, step_id: int, key: int, generation: int | None) -> None:
         """Refuse a node's partial sum summed in another generation than this server's (before its reset)."""
@@ -390,6 +429,7 @@ class ParameterServer:
             for p in self.partitions.values():
                 p.reset(step_id)
             self.begun = {w: step_id - 1 for w in range(self.num_workers)}
+            self._taken.clear()
             broken = self.links.forget(generation)  # the failed step's answers are dropped, its waits fail
             self.aborted = False
             self.changed.notify_all()

@@ -131,6 +131,27 @@ def test_a_worker_on_another_node_pushes_down_a_stream_and_reads_the_same_mean(r
     ray.kill(server)
 
 
+def test_a_push_down_a_stream_is_taken_as_it_arrives_not_when_the_answers_before_it_are_sent(ray_session):
+    """Two streams push the server's two partitions in opposite orders. Each stream's answers go out in order, so
+    worker 0's answer to partition 0 waits for worker 1's push of it, which comes after worker 1's partition 1;
+    that closes only because worker 0's partition 1, behind the waiting answer, was counted as it arrived. Had it
+    been counted only when its answer's turn came, each stream would wait for the other (until the timeout)."""
+    rng = np.random.default_rng(5)
+    server = _server(2)
+    ends = {w: _remote_worker(server, w) for w in (0, 1)}
+    parts = [_data(rng) for _ in range(2)]
+    expected = _expected(parts)
+    for w, order in ((0, LAYOUT), (1, LAYOUT[::-1])):
+        for partition in order:
+            ends[w].push(server, w, partition, 0, _segments_of(partition, parts[w][partition.index]))
+    for w, order in ((0, LAYOUT), (1, LAYOUT[::-1])):
+        for partition in order:
+            reply, averaged = ends[w].answer(partition, 0, timeout_s=30)
+            assert averaged == (0, 1)
+            np.testing.assert_array_equal(ends[w].read_mean(partition, 0, reply, None), expected[partition.index])
+    ray.kill(server)
+
+
 def test_a_stream_push_of_the_wrong_size_fails_the_step_and_the_stream_goes_on(ray_session):
     server = _server(2)
     partition = LAYOUT[1]

@@ -61,9 +61,10 @@ def replace_dead(cluster: Cluster) -> set[int]:
         rounds_before = group.rounds
         started = group.replace(dead_servers, cluster.worker_nodes, hosts)
         # A survivor pushes in the order its exchange was built with; where a new worker or server sits on another
-        # node, the order it needs now differs (else a relay could deadlock): it builds its exchange anew.
+        # node, the order it needs now differs (else a relay could deadlock): it builds its exchange anew. With a
+        # send schedule, the order is its scheduler's, which takes the new one as it connects.
         survivors = [i for i, (before, now) in enumerate(zip(rounds_before, group.rounds))
-                     if before != now and i not in rebuilt]
+                     if before != now and i not in rebuilt and cluster.worker_config.send_schedule is None]
         if survivors:
             logger.info("workers %s push in a new order (a worker or server moved node); they rebuild their exchange",
                         survivors)

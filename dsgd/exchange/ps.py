@@ -21,6 +21,11 @@ says whether it computed and which workers every partition averaged. With
 Ray Data input it still reads its replicas' batches, and drops them: a
 split starts an epoch only once every replica has read its own, so a worker
 that skipped batches would hold the others at the next epoch's start.
+
+With a send schedule (``ParameterServerClient.scheduled``), both only hand
+each partition to the client's send scheduler and pick its mean up: the
+order and pace of the pushes are the scheduler's, not built into the step,
+so a new push order (a worker or server moved node) rebuilds nothing.
 """
 
 from __future__ import annotations
@@ -80,12 +85,14 @@ class PsWorkerPython(PsWorker):
     def _compute(self, step_id: int, fetch_stats: bool) -> dict:
         runtime, client = self.runtime, self.client
         local_means, stats = runtime.compute(fetch_stats)
+        send, receive = ((client.hand_gradients, client.collect) if client.scheduled else
+                         (client.send_gradients, client.receive))
         try:
             with runtime.phase("pack and send"):
                 for j in itertools.chain(*client.rounds):
-                    client.send_gradients(client.layout[j], step_id, local_means, runtime.trace)
+                    send(client.layout[j], step_id, local_means, runtime.trace)
             with runtime.phase("receive"):
-                partition_means = [client.receive(partition, step_id, runtime.trace) for partition in client.layout]
+                partition_means = [receive(partition, step_id, runtime.trace) for partition in client.layout]
         except BaseException:
             client.forget_pushes()
             raise
@@ -114,8 +121,13 @@ class PsWorkerOps(PsWorker):
         partitions of rounds it has sent whole, and which every worker that
         has sent at least as many partitions has sent whole too: whichever
         worker has sent the least always gets its means, and no thread budget
-        can deadlock. The apply runs once every partition has arrived and
-        passed its non-finite check (one per partition, ``finite_partitions``).
+        can deadlock. With a send schedule, each send only hands its partition
+        to the scheduler, as soon as its gradients exist, and returns, so no
+        send waits for another and none holds a thread; partition j's receive
+        waits for its own hand-over, in layout order, at most
+        ``RECEIVE_THREADS`` at once. The apply runs once every partition has
+        arrived and passed its non-finite check (one per partition,
+        ``finite_partitions``).
         """
         import tensorflow as tf  # only the op path builds TensorFlow ops; the exchange's logic needs none
 
@@ -124,14 +136,21 @@ class PsWorkerOps(PsWorker):
 
         layout, runtime = self.client.layout, self.runtime
         received: list[Any] = [None] * len(layout)
-        last_sent, receives = [], []  # the last send built; the receives built, in order
-        for in_round in self.client.rounds:
-            for j in in_round:
-                with tf.control_dependencies(last_sent):
-                    last_sent = [ops.build_send(local_means, layout[j], self._send, [step_id])]
+        receives: list[Any] = []  # the receives built, in order
+        if self.client.scheduled:
+            rounds: list[list[int]] = [list(range(len(layout)))]
+            sent = {j: [ops.build_send(local_means, layout[j], self._hand, [step_id])] for j in rounds[0]}
+        else:
+            rounds, sent, last_sent = self.client.rounds, {}, []
+            for in_round in rounds:
+                for j in in_round:
+                    with tf.control_dependencies(last_sent):
+                        last_sent = [ops.build_send(local_means, layout[j], self._send, [step_id])]
+                sent.update(dict.fromkeys(in_round, last_sent))
+        for in_round in rounds:
             for j in in_round:
                 earlier = [receives[-RECEIVE_THREADS]] if len(receives) >= RECEIVE_THREADS else []
-                with tf.control_dependencies(last_sent + earlier):
+                with tf.control_dependencies(sent[j] + earlier):
                     received[j] = ops.receive_partition(functools.partial(self._receive, layout[j]), layout[j],
                                                         [step_id])
                 receives.append(received[j])
@@ -153,9 +172,16 @@ class PsWorkerOps(PsWorker):
         with self._callback(f"send partition {partition.index}"):
             self.client.send(partition, int(step), arrays, self.runtime.trace)
 
+    def _hand(self, partition: partitions.Partition, arrays: list[np.ndarray], step: np.ndarray) -> None:
+        """Hand the partition to the send scheduler; ``arrays`` own their tensors' memory, so they outlive the
+        call unchanged (TensorFlow gives a numpy function views that hold a reference to each tensor)."""
+        with self._callback(f"hand partition {partition.index} over"):
+            self.client.hand(partition, int(step), arrays, self.runtime.trace)
+
     def _receive(self, partition: partitions.Partition, step: np.ndarray) -> np.ndarray:
+        receive = self.client.collect if self.client.scheduled else self.client.receive
         with self._callback(f"receive partition {partition.index}"):
-            return self.client.receive(partition, int(step), self.runtime.trace)
+            return receive(partition, int(step), self.runtime.trace)
 
     def _compute(self, step_id: int, fetch_stats: bool) -> dict:
         import tensorflow as tf

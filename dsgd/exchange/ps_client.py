@@ -14,8 +14,15 @@ an actor call (``push``) and a wait for its reply. With backup workers, a
 step starts with ``begin``: one call per server, which says which partitions
 of the step are closed already.
 
-No TensorFlow here: the worker's exchanges (``dsgd.exchange.ps``) call
-``send`` / ``send_gradients`` and ``receive``.
+With a send schedule (``WorkerConfig.send_schedule``), the step only hands
+its partitions over (``hand``) and picks their means up (``collect``): a
+``dsgd.transport.scheduler.SendScheduler`` pushes them, a sender and a
+reader for each server this worker pushes to, paced by the schedule's
+policy (``dsgd.transport.pacing``); the client is its lanes (``push``,
+``mean``, ``pace``). Without one, the step calls ``send`` /
+``send_gradients`` and ``receive`` in the order it chose.
+
+No TensorFlow here: the worker's exchanges (``dsgd.exchange.ps``) call in.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from typing import Any, ContextManager, Sequence, Union
 import numpy as np
 import ray
 
-from dsgd.transport import shared_memory, signals, streams, tls
+from dsgd.transport import pacing, shared_memory, signals, streams, tls
 from dsgd.common import timeline
 from dsgd.common.calls import peer_errors
 from dsgd.errors import ActorFailure, DSGDError
 from dsgd.wire.partitions import Partition, segments
 from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd, connect_or_fall_back
+from dsgd.transport.scheduler import SendScheduler
 
 WorkerEnd = Union[SharedMemoryWorkerEnd, StreamWorkerEnd, ObjectStoreWorkerEnd]
 EXCHANGE_TRACK = "exchange"  # the timeline track of the sends and receives
@@ -40,11 +48,13 @@ class ParameterServerClient:
     """Pushes one worker's partitions to their servers and reads back the means."""
 
     def __init__(self, worker_index: int, layout: Sequence[Partition], placement: Sequence[int],
-                 step_timeout_s: float, startup_timeout_s: float, rounds: Sequence[Sequence[int]] | None = None):
+                 step_timeout_s: float, startup_timeout_s: float, rounds: Sequence[Sequence[int]] | None = None,
+                 schedule: str | None = None):
         """``placement[j]``: the index of the server that sums ``layout[j]``; ``rounds``: the partitions'
         indices in the order this worker pushes them, round by round (the driver's
         ``dsgd.cluster.server_plan.send_rounds``; the same round sets on every worker), by default layout order,
-        a partition a round.
+        a partition a round. ``schedule``: the send schedule's policy (``dsgd.transport.pacing.policy``), or
+        None for none (the step sends and receives itself).
 
         ``step_timeout_s`` bounds each wait for a mean, ``startup_timeout_s``
         each wait for a server to attach.
@@ -53,10 +63,9 @@ class ParameterServerClient:
         self.averaged: dict[int, tuple[int, ...]] = {}  # partition -> the workers its last mean averaged
         self.layout = list(layout)
         self.placement = list(placement)
-        self.rounds = [[j] for j in range(len(self.layout))] if rounds is None else [list(r) for r in rounds]
-        if sorted(j for r in self.rounds for j in r) != list(range(len(self.layout))) or not all(self.rounds):
-            raise ValueError(f"worker {worker_index}'s send rounds {self.rounds} must hold every partition index "
-                             f"0..{len(self.layout) - 1} once, in non-empty rounds")
+        self.rounds = self._checked(rounds)
+        self.pacing = None if schedule is None else pacing.policy(schedule)
+        self.scheduler: SendScheduler | None = None  # with a schedule, once connected
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.segments = [segments(partition) for partition in self.layout]
@@ -66,12 +75,31 @@ class ParameterServerClient:
         self.ends: list[WorkerEnd] = []  # per partition: its route's transport
         self.routes = list(self.placement)  # partition -> the server it is pushed to (``connect``)
 
-    def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None) -> int:
+    def _checked(self, rounds: Sequence[Sequence[int]] | None) -> list[list[int]]:
+        """``rounds`` (by default a partition a round, in layout order), checked to hold every partition once."""
+        checked = [[j] for j in range(len(self.layout))] if rounds is None else [list(r) for r in rounds]
+        if sorted(j for r in checked for j in r) != list(range(len(self.layout))) or not all(checked):
+            raise ValueError(f"worker {self.worker_index}'s send rounds {checked} must hold every partition index "
+                             f"0..{len(self.layout) - 1} once, in non-empty rounds")
+        return checked
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether a send scheduler moves the partitions (``hand``, ``collect``), not the step (``send``,
+        ``receive``)."""
+        return self.pacing is not None
+
+    def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None,
+                rounds: Sequence[Sequence[int]] | None = None) -> int:
         """Attach to every server and pick each pair's transport; the number reached through shared memory.
 
         ``routes[j]`` (default: the placement): the server partition j is pushed to, its node's relay or its own.
+        ``rounds``: a new push order, which a send schedule's policy takes up (without one, the rounds are built
+        into the step: ``SGDWorker.connect`` refuses others).
         """
-        self.close()
+        if rounds is not None and self.scheduled:
+            self.rounds = self._checked(rounds)
+        self._close_ends()
         self.servers = list(servers)
         self.routes = list(self.placement if routes is None else routes)
         node = ray.get_runtime_context().get_node_id()
@@ -80,14 +108,25 @@ class ParameterServerClient:
         self.server_ends = [self._end(index, server, info)
                             for index, (server, info) in enumerate(zip(self.servers, infos))]
         self.ends = [self.server_ends[server] for server in self.routes]
+        if self.pacing is not None:
+            if self.scheduler is None:
+                self.scheduler = SendScheduler(self, self.routes, self.pacing, self.rounds)
+            else:
+                self.scheduler.attach(self, self.routes, self.rounds)
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in self.server_ends)
 
     def close(self) -> None:
         """Close every transport end (its signal channel) and drop it, unmapping the servers' shared buffers: the
-        servers were replaced (a recovery re-attaches, a resize starts new ones).
+        servers were replaced (a recovery re-attaches, a resize starts new ones); the send scheduler's threads
+        end.
 
         The old exchange's graph ops may keep this client alive, but not its buffers or sockets.
         """
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self._close_ends()
+
+    def _close_ends(self) -> None:
         for end in self.server_ends:
             end.close()
         self.server_ends, self.ends, self.servers = [], [], []
@@ -114,37 +153,79 @@ class ParameterServerClient:
                                      info["slots"], partitions, signals.Channel(info["signal"], self.step_timeout_s))
 
     def send(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
-             trace: timeline.Recorder | None = None) -> None:
+             trace: timeline.Recorder | None = None) -> Any:
         """Push ``arrays``, one per segment of ``partition`` (``dsgd.wire.partitions.segments``); ``trace``: the step's
-        timeline, while one is recorded (the write and the push are spans of it)."""
+        timeline, while one is recorded (the write and the push are spans of it). The push's ticket (its end's)."""
         with timeline.maybe_span(trace, f"write partition {partition.index}", EXCHANGE_TRACK):
             stored = self.ends[partition.index].write(partition, self.segments[partition.index], arrays)
-        self._push(partition, step_id, stored, trace)
+        return self._push(partition, step_id, stored, trace)
 
     def send_gradients(self, partition: Partition, step_id: int, grads: Sequence[np.ndarray],
-                       trace: timeline.Recorder | None = None) -> None:
+                       trace: timeline.Recorder | None = None) -> Any:
         """Push ``partition``'s pieces of ``grads`` (every exchange tensor, in layout order)."""
         with timeline.maybe_span(trace, f"write partition {partition.index}", EXCHANGE_TRACK):
             stored = self.ends[partition.index].write_gradients(partition, self.segments[partition.index], grads)
-        self._push(partition, step_id, stored, trace)
+        return self._push(partition, step_id, stored, trace)
 
     def _push(self, partition: Partition, step_id: int, stored: ray.ObjectRef | None,
-              trace: timeline.Recorder | None) -> None:
+              trace: timeline.Recorder | None) -> Any:
         server = self.routes[partition.index]
         with timeline.maybe_span(trace, f"push partition {partition.index}", EXCHANGE_TRACK), \
                 self._bounded(f"parameter server {server} to take partition {partition.index}, step {step_id}",
                               self.step_timeout_s):
-            self.ends[partition.index].push(self.servers[server], self.worker_index, partition, step_id, stored)
+            return self.ends[partition.index].push(self.servers[server], self.worker_index, partition, step_id,
+                                                   stored)
 
-    def receive(self, partition: Partition, step_id: int, trace: timeline.Recorder | None = None) -> np.ndarray:
+    def receive(self, partition: Partition, step_id: int, trace: timeline.Recorder | None = None,
+                ticket: Any = None) -> np.ndarray:
         """The mean of ``partition`` for ``step_id`` (read-only; valid until the next step's push); ``trace`` as
-        for ``send`` (the wait for the answer and the read of the mean are spans of it)."""
+        for ``send`` (the wait for the answer and the read of the mean are spans of it); ``ticket``: the push's
+        (``send``'s), if known."""
         what = f"parameter server {self.routes[partition.index]}'s sum of partition {partition.index}, step {step_id}"
         with timeline.maybe_span(trace, f"wait for the answer of partition {partition.index}", EXCHANGE_TRACK), \
                 self._bounded(what, self.step_timeout_s):
-            answer = self.ends[partition.index].answer(partition, step_id, self.step_timeout_s)
+            answer = self.ends[partition.index].answer(partition, step_id, self.step_timeout_s, ticket)
         with timeline.maybe_span(trace, f"read the mean of partition {partition.index}", EXCHANGE_TRACK):
             return self.read(partition, step_id, answer)
+
+    # ---- with a send schedule: the step's side, then the scheduler's lanes ----
+
+    def hand(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
+             trace: timeline.Recorder | None = None) -> None:
+        """Hand ``arrays`` (as for ``send``) to the send scheduler, which pushes them; returns at once. The arrays
+        are kept until pushed: they must not change meanwhile."""
+        self.scheduler.hand(partition.index, step_id, (False, arrays), trace)
+
+    def hand_gradients(self, partition: Partition, step_id: int, grads: Sequence[np.ndarray],
+                       trace: timeline.Recorder | None = None) -> None:
+        """Hand ``partition``'s pieces of ``grads`` (as for ``send_gradients``) to the send scheduler."""
+        self.scheduler.hand(partition.index, step_id, (True, grads), trace)
+
+    def collect(self, partition: Partition, step_id: int, trace: timeline.Recorder | None = None) -> np.ndarray:
+        """The mean of ``partition`` for ``step_id`` once the scheduler has read it (as ``receive`` returns it);
+        the step's first error if a push or a read of it failed."""
+        what = f"parameter server {self.routes[partition.index]}'s sum of partition {partition.index}, step {step_id}"
+        with timeline.maybe_span(trace, f"collect the mean of partition {partition.index}", EXCHANGE_TRACK), \
+                self._bounded(what, self.step_timeout_s):
+            return self.scheduler.result(partition.index, step_id, self.step_timeout_s)
+
+    def push(self, j: int, step_id: int, payload: tuple[bool, Sequence[np.ndarray]]) -> Any:
+        """The scheduler's push of partition ``j``: ``payload`` as ``hand`` or ``hand_gradients`` gave it."""
+        gradients, arrays = payload
+        send = self.send_gradients if gradients else self.send
+        return send(self.layout[j], step_id, arrays)
+
+    def mean(self, j: int, step_id: int, ticket: Any) -> np.ndarray:
+        """The scheduler's read of partition ``j``'s mean (bounded as ``receive``)."""
+        return self.receive(self.layout[j], step_id, ticket=ticket)
+
+    def crosses_nodes(self, server: int) -> bool:
+        """Whether this worker's pushes to ``server`` cross nodes on a stream of their own (one a policy may pace)."""
+        return self.server_ends[server].crosses_nodes
+
+    def pace(self, server: int, bytes_per_s: int) -> None:
+        """Send at most ``bytes_per_s`` down the stream to ``server``."""
+        self.server_ends[server].pace(bytes_per_s)
 
     def read(self, partition: Partition, step_id: int, answer: tuple[list, tuple[int, ...]]) -> np.ndarray:
         """The mean of ``partition`` for ``step_id`` from its server's ``answer`` (to a push, or from ``begin``)."""
@@ -168,18 +249,22 @@ class ParameterServerClient:
         anew every stream that ended while its server may live on (a send cut short), so the re-run of the step
         does not fail on it again. A server that does not answer is dead: the recovery replaces it and
         ``connect`` attaches anew."""
+        if self.scheduler is not None:
+            self.scheduler.forget()
         for end in set(self.ends):  # one end per server, shared by its partitions
             end.forget()
         node = ray.get_runtime_context().get_node_id()
-        for index, end in enumerate(self.server_ends):
-            if end.broken:
-                end.close()
-                try:
-                    info = ray.get(self.servers[index].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
-                    self.server_ends[index] = self._end(index, self.servers[index], info)
-                except (ray.exceptions.RayError, OSError, DSGDError):
-                    pass  # left broken: a dead server, which the recovery replaces
+        broken = [index for index, end in enumerate(self.server_ends) if end.broken]
+        for index in broken:
+            self.server_ends[index].close()
+            try:
+                info = ray.get(self.servers[index].attach.remote(self.worker_index, node), timeout=self.step_timeout_s)
+                self.server_ends[index] = self._end(index, self.servers[index], info)
+            except (ray.exceptions.RayError, OSError, DSGDError):
+                pass  # left broken: a dead server, which the recovery replaces
         self.ends = [self.server_ends[server] for server in self.routes]
+        if self.scheduler is not None and broken:  # new streams: paced anew
+            self.scheduler.attach(self, self.routes, self.rounds)
 
     def _wait(self, refs, what: str, timeout_s: float | None = None):
         timeout_s = self.step_timeout_s if timeout_s is None else timeout_s

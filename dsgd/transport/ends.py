@@ -96,6 +96,7 @@ class SharedMemoryWorkerEnd:
     signal channel; means are read in place."""
 
     broken = False  # its channel ends only with its server's process, which a recovery replaces
+    crosses_nodes = False
 
     def __init__(self, input_memory, mean_memory, offsets: dict[int, int], slots: Sequence[int],
                  partitions: Sequence[Partition], channel: signals.Channel):
@@ -117,14 +118,17 @@ class SharedMemoryWorkerEnd:
         """Pack ``partition``'s pieces of ``grads`` straight into the input buffer, one copy (converting, if compressed)."""
         pack(grads, partition, self.inputs[partition.index])
 
-    def push(self, server: Any, worker_index: int, partition: Partition, step_id: int, stored: None) -> None:
-        """Say on the channel that ``partition`` of ``step_id`` is in the input buffer."""
-        self.channel.send(step_id, partition.index)
+    def push(self, server: Any, worker_index: int, partition: Partition, step_id: int, stored: None) -> int:
+        """Say on the channel that ``partition`` of ``step_id`` is in the input buffer; the push's ticket for
+        ``answer`` (the channel's epoch)."""
+        return self.channel.send(step_id, partition.index)
 
-    def answer(self, partition: Partition, step_id: int, timeout_s: float) -> tuple[list, tuple[int, ...]]:
+    def answer(self, partition: Partition, step_id: int, timeout_s: float,
+               ticket: int | None = None) -> tuple[list, tuple[int, ...]]:
         """The server's answer to the push (``ParameterServer.push``'s), or what it raised; TimeoutError after
-        ``timeout_s``, ConnectionError if the server died."""
-        return self.channel.wait(step_id, partition.index, timeout_s)
+        ``timeout_s``, ConnectionError if the server died, ``Forgotten`` if the push (its ``ticket``) was
+        forgotten meanwhile."""
+        return self.channel.wait(step_id, partition.index, timeout_s, ticket)
 
     def forget(self) -> None:
         """Drop the answers to the pushes so far (a failed step's)."""
@@ -159,6 +163,8 @@ class StreamWorkerEnd:
     """A worker's partitions go down the pair's stream, straight from its arrays; means come back into buffers
     of its own, one per partition and slot of the server's mean buffer."""
 
+    crosses_nodes = True
+
     def __init__(self, address: tuple[str, int, bytes], slots: int, partitions: Sequence[Partition],
                  connect_timeout_s: float, send_timeout_s: float, tls_context: ssl.SSLContext | None = None):
         """Connect to the server's stream (``StreamServerEnd.address``), over TLS with ``tls_context``; OSError if
@@ -177,14 +183,22 @@ class StreamWorkerEnd:
         """``partition``'s segments of ``grads``, for the push to send."""
         return self.segments.of(partition, parts, grads)
 
-    def push(self, server: Any, worker_index: int, partition: Partition, step_id: int, stored: Sequence[np.ndarray]) -> None:
-        """Send the partition's segments (``stored``) down the stream."""
-        self.stream.send(step_id, partition.index, stored)
+    def push(self, server: Any, worker_index: int, partition: Partition, step_id: int,
+             stored: Sequence[np.ndarray]) -> int:
+        """Send the partition's segments (``stored``) down the stream; the push's ticket for ``answer`` (the
+        stream's epoch)."""
+        return self.stream.send(step_id, partition.index, stored)
 
-    def answer(self, partition: Partition, step_id: int, timeout_s: float) -> tuple[list, tuple[int, ...]]:
+    def answer(self, partition: Partition, step_id: int, timeout_s: float,
+               ticket: int | None = None) -> tuple[list, tuple[int, ...]]:
         """The server's answer to the push (the workers its mean averages, or what it raised), the mean read
-        into this end's buffer; TimeoutError after ``timeout_s``, ConnectionError if the server died."""
-        return [], self.stream.wait(step_id, partition.index, timeout_s)
+        into this end's buffer; TimeoutError after ``timeout_s``, ConnectionError if the server died,
+        ``Forgotten`` if the push (its ``ticket``) was forgotten meanwhile."""
+        return [], self.stream.wait(step_id, partition.index, timeout_s, ticket)
+
+    def pace(self, bytes_per_s: int) -> None:
+        """Send at most ``bytes_per_s`` down the stream (``streams.Stream.pace``)."""
+        self.stream.pace(bytes_per_s)
 
     def forget(self) -> None:
         """Drop the answers to the pushes so far (a failed step's)."""
@@ -208,6 +222,7 @@ class ObjectStoreWorkerEnd:
     """A worker's partitions travel as one object per push; the mean comes back as one object."""
 
     broken = False  # nothing held open between pushes
+    crosses_nodes = False  # Ray's object manager moves the bytes: nothing here to pace
 
     def __init__(self):
         self.segments = _Segments()
@@ -221,13 +236,19 @@ class ObjectStoreWorkerEnd:
         """``partition``'s segments of ``grads`` (small pieces packed, large ones as views) as one object."""
         return object_store.put(self.segments.of(partition, parts, grads))
 
-    def push(self, server: Any, worker_index: int, partition: Partition, step_id: int, stored: ray.ObjectRef) -> None:
-        """The push call, carrying the reference of the partition's object (``stored``)."""
-        self._pushes[partition.index] = server.push.remote(step_id, worker_index, partition.index, stored)
+    def push(self, server: Any, worker_index: int, partition: Partition, step_id: int,
+             stored: ray.ObjectRef) -> ray.ObjectRef:
+        """The push call, carrying the reference of the partition's object (``stored``); its reply's reference
+        is the push's ticket for ``answer``."""
+        self._pushes[partition.index] = reply = server.push.remote(step_id, worker_index, partition.index, stored)
+        return reply
 
-    def answer(self, partition: Partition, step_id: int, timeout_s: float) -> tuple[list, tuple[int, ...]]:
-        """The push call's reply; TimeoutError (Ray's) after ``timeout_s``."""
-        return ray.get(self._pushes.pop(partition.index), timeout=timeout_s)
+    def answer(self, partition: Partition, step_id: int, timeout_s: float,
+               ticket: ray.ObjectRef | None = None) -> tuple[list, tuple[int, ...]]:
+        """The push call's reply (the call ``ticket`` names, by default the partition's last); TimeoutError
+        (Ray's) after ``timeout_s``."""
+        reply = self._pushes.pop(partition.index) if ticket is None else ticket
+        return ray.get(reply, timeout=timeout_s)
 
     def forget(self) -> None:
         """Drop the calls of the pushes so far (a failed step's)."""
@@ -311,12 +332,14 @@ class StreamServerEnd:
                  places: dict[int, list[tuple[int, int]]],
                  push: Callable[[int, int, int], tuple[list, tuple[int, ...]]],
                  mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = (),
-                 tls_context: ssl.SSLContext | None = None):
+                 tls_context: ssl.SSLContext | None = None, take: Callable[[int, int, int], None] | None = None):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
         byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for
         ``SharedMemoryServerEnd``, with the epoch the push was sent in (a relaying server's generation) as third
-        argument; ``mean(step_id, j)`` the mean it answered with (sent after it); ``host``: this
-        node's address, where the stream listens, over TLS with ``tls_context``."""
+        argument; ``mean(step_id, j)`` the mean it answered with (sent after it); ``take(step_id, j, epoch)``,
+        if given, the server's count of a push as it arrives, before the answers ahead of it
+        (``streams.StreamListener``); ``host``: this node's address, where the stream listens, over TLS with
+        ``tls_context``."""
         self.buffer = bytearray(nbytes)
         self.places = places
         relayed = frozenset(relayed)
@@ -324,7 +347,7 @@ class StreamServerEnd:
         self.listener = streams.StreamListener(
             f"ps{server_index}-w{worker_index}", host, self._target,
             lambda step_id, j, epoch: (push(step_id, j, epoch)[1], mean(step_id, j)),
-            connect_timeout_s, apart=lambda step_id, j: j in relayed, tls_context=tls_context)
+            connect_timeout_s, apart=lambda step_id, j: j in relayed, tls_context=tls_context, take=take)
 
     def _target(self, j: int, nbytes: int) -> list[memoryview]:
         """Where the segments of a push of partition j (``nbytes`` in all) go; ValueError for one this server

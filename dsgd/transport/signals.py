@@ -128,14 +128,17 @@ class Channel:
             raise
         self._answers = Answers(self._read_answer, "the channel")
 
-    def send(self, a: int, b: int) -> None:
-        """Request ``(a, b)``; ConnectionError if the server is gone."""
-        self._socket.send(REQUEST.pack(self._answers.epoch, a, b))
+    def send(self, a: int, b: int) -> int:
+        """Request ``(a, b)``; the epoch it was sent in (for ``wait``). ConnectionError if the server is gone."""
+        epoch = self._answers.epoch
+        self._socket.send(REQUEST.pack(epoch, a, b))
+        return epoch
 
-    def wait(self, a: int, b: int, timeout_s: float) -> Any:
+    def wait(self, a: int, b: int, timeout_s: float, epoch: int | None = None) -> Any:
         """The answer to request ``(a, b)``, raised if it is an exception; TimeoutError after ``timeout_s``,
-        ConnectionError if the server closed the channel (it died, or the worker re-attached)."""
-        return self._answers.wait((a, b), timeout_s, f"request {(a, b)}")
+        ConnectionError if the server closed the channel (it died, or the worker re-attached), ``Forgotten`` if
+        the request (sent in ``epoch``) was forgotten meanwhile."""
+        return self._answers.wait((a, b), timeout_s, f"request {(a, b)}", epoch)
 
     def _read_answer(self, timeout_s: float) -> tuple[int, tuple[int, int], Any] | None:
         """The next answer, if one arrives within ``timeout_s``; OSError at end of file."""

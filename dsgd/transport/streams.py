@@ -34,9 +34,11 @@ back from its mean buffer into the worker's.
   decrypted straight into their buffers. The rest is the same.
 - **Order.** One thread per stream on the server reads pushes as they come
   (so a worker's next partition is never held up behind a sum that waits for
-  other workers) and queues them; another answers them in order, except
-  those its ``apart`` test picks, each answered on a thread of its own (a
-  relayed partition, which waits on another node).
+  other workers), has the server take each as it arrives (``take``: counted,
+  and summed if it completes its step) and queues them; another answers them
+  in order, except those its ``apart`` test picks, each answered on a thread
+  of its own (a relayed partition, which waits on another node): a sum never
+  waits for a mean still going out ahead of it.
 - **Failures.** Either side's death closes the stream: the other reads
   end-of-file at once. A wait for an answer is bounded by its caller, a send
   by ``send_timeout_s``. Answers to a failed step's pushes (an earlier
@@ -71,6 +73,7 @@ TAKEN = b"\x01"  # the server's reply to the right token: the stream is the push
 # A server listens before its attach returns, so the kernel completes a stream's connection at once; one that
 # takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
 CONNECT_TIMEOUT_S = 10.0
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux's option; Python names it on few builds
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -101,14 +104,17 @@ class StreamListener(Listener):
 
     def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
                  answer: Callable[[int, int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
-                 apart: Callable[[int, int], bool] = lambda step, j: False, tls_context: ssl.SSLContext | None = None):
+                 apart: Callable[[int, int], bool] = lambda step, j: False, tls_context: ssl.SSLContext | None = None,
+                 take: Callable[[int, int, int], None] | None = None):
         """``target(j, nbytes)``: where a push of partition j goes, its bytes filling each view in turn
         (ValueError if ``nbytes`` is not their size); ``answer(step, j, epoch)``: the server's push (``epoch``:
         the one it was sent in), returning what goes back and the mean to send (or raising, which goes back
         too). The worker must connect within ``accept_timeout_s``; over TLS if ``tls_context`` is given (a
-        server's, ``tls.Contexts.server``)."""
+        server's, ``tls.Contexts.server``). ``take(step, j, epoch)``, if given, is called as each push has
+        arrived, on the reading thread; what it raises is the push's answer."""
         super().__init__(f"dsgd stream {name}", answer, apart, read_ahead=True)
         self._target = target
+        self._take = take
         self._tls = tls_context
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._server = socket.create_server((host, 0))
@@ -162,6 +168,11 @@ class StreamListener(Listener):
             return epoch, step, j, e
         for target in targets:
             _receive_into(connection, target)
+        if self._take is not None:
+            try:
+                self._take(step, j, epoch)
+            except Exception as e:  # the pusher raises it
+                return epoch, step, j, e
         return epoch, step, j, None
 
     def _answer_of(self, epoch: int, step: int, j: int) -> Any:
@@ -236,6 +247,10 @@ class Stream:
                 self._answers.end()
                 raise
         return epoch
+
+    def pace(self, bytes_per_s: int) -> None:
+        """Have the kernel send at most ``bytes_per_s`` down this stream (TCP's own pacing, ``SO_MAX_PACING_RATE``)."""
+        self._socket.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, bytes_per_s)
 
     @property
     def broken(self) -> bool:

@@ -143,6 +143,9 @@ class TlsSocket:
     def fileno(self) -> int:
         return self._tls.fileno()
 
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self._tls.setsockopt(level, option, value)
+
     def pending(self) -> int:
         """Bytes decrypted already and not read: the socket may have none left while these wait."""
         with self._lock:
