@@ -124,6 +124,7 @@ class NumpyServers:
         self.calls: list[tuple[str, int]] = []  # ("send" or "receive", partition index), in order
         self.sent_bytes = sum(p.size * p.dtype.itemsize for p in layout)
         self.forgotten = 0
+        self.scheduled = False  # the chained sends, not a send scheduler (ParameterServerClient.scheduled)
 
     def send_gradients(self, partition, step_id, grads, trace=None):
         self.sent[partition.index] = partitions.pack(grads, partition, np.zeros(partition.size, partition.dtype))
