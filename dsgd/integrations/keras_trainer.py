@@ -192,7 +192,9 @@ class KerasTrainer:
                                                      model=self.model)
         _refuse_callbacks(callback_list, keras)
         batch_callbacks = _use_batches(callback_list, keras)
-        validation = _validation_arrays(validation_data)
+        validation = None if validation_data is None else self._evaluation(
+            *_validation_arrays(validation_data), validation_batch_size or batch_size or 32, validation_steps,
+            label_columns, feature_columns)  # prepared once, evaluated at the epochs validation_freq names
         self.model.stop_training = False
         callback_list.on_train_begin()
         epoch_logs: dict = {}
@@ -222,11 +224,7 @@ class KerasTrainer:
             epoch_logs = self._finish_epoch(following)
             positioned = None if following is None else (following, self.engine.num_steps)
             if validation is not None and self.model._should_eval(epoch, validation_freq):
-                val_x, val_y, val_weight = validation
-                val_logs = self.evaluate(val_x, val_y, sample_weight=val_weight,
-                                         batch_size=validation_batch_size or batch_size or 32,
-                                         verbose=0, steps=validation_steps, return_dict=True,
-                                         label_columns=label_columns, feature_columns=feature_columns)
+                val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, epoch_logs)
             if self.model.stop_training:
@@ -289,48 +287,50 @@ class KerasTrainer:
         with Keras's own ``evaluate``, and their metric states are summed, so the result equals one process's
         ``evaluate`` of the same weights on the same data. Returns what Keras returns. ``x`` may be a Ray Dataset
         (its columns named as for ``fit``): each worker evaluates a split of it, streaming."""
-        keras = import_keras()
-        batch_size = batch_size or 32
+        evaluation = self._evaluation(x, y, sample_weight, batch_size or 32, steps, label_columns, feature_columns)
+        return self._evaluate(evaluation, verbose, callbacks, return_dict)
+
+    def _evaluation(self, x: Any, y: Any, sample_weight: Any, batch_size: int, steps: int | None,
+                    label_columns: Any, feature_columns: Any) -> Callable[[], Callable[[Any], Any]]:
+        """The data to evaluate, prepared once (the engine started if not yet): arrays put in the object store, or
+        a Ray Dataset and its columns. Each call of the result gives what each worker runs for one evaluation:
+        its replicas' contiguous parts of the arrays, or its split of the dataset, streamed through its first
+        replica (both made anew, for the replicas there are then)."""
         if _is_ray_dataset(x):
-            evaluate_on_workers = self._ray_data_evaluation(x, batch_size, steps, Columns.of(
-                x, label_columns, feature_columns, None))
-        elif label_columns is not None or feature_columns is not None:
+            columns = Columns.of(x, label_columns, feature_columns, None)
+            dataset = x if steps is None else x.limit(steps * batch_size)
+            if self._engine is None:
+                first = columns.batch(dataset.take_batch(1, batch_format="numpy"))
+                self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
+            return lambda: functools.partial(_evaluate_split, dataset.streaming_split(self.engine.num_workers,
+                                                                                       equal=False),
+                                             columns, max(1, batch_size // self.engine.num_workers))
+        if label_columns is not None or feature_columns is not None:
             raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x; x is "
                              f"{type(x).__name__}")
-        else:
-            evaluate_on_workers = self._arrays_evaluation(_arrays(x, y, sample_weight, None), batch_size, steps)
+        arrays = _arrays(x, y, sample_weight, None)
+        if steps is not None:
+            arrays = take(arrays, slice(0, steps * batch_size))
+        ref, rows = _put(arrays), num_rows(arrays)
+        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0))
+        return lambda: functools.partial(_evaluate_parts, ref, _contiguous_parts(rows, self.replicas),
+                                         max(1, batch_size // self.replicas))
+
+    def _evaluate(self, evaluation: Callable[[], Callable[[Any], Any]], verbose: str | int, callbacks: list | None,
+                  return_dict: bool) -> Any:
+        """One evaluation of ``evaluation``'s data (``_evaluation``'s) on the workers: Keras's logs."""
+        keras = import_keras()
         self._push_changes()
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
                                                      epochs=1, steps=1, model=self.model)
         callback_list.on_test_begin()
-        logs = self._results(self.engine.foreach_worker(evaluate_on_workers))
+        logs = self._results(self.engine.foreach_worker(evaluation()))
         callback_list.on_test_batch_end(0, logs)
         callback_list.on_test_end(logs)
         if return_dict:
             return logs
         return self.model._flatten_metrics_in_order(logs)
-
-    def _arrays_evaluation(self, arrays: tuple, batch_size: int, steps: int | None) -> Callable[[Any], Any]:
-        """What each worker runs to evaluate ``arrays`` (the engine started if not yet): its replicas' parts."""
-        if steps is not None:
-            arrays = take(arrays, slice(0, steps * batch_size))
-        ref = _put(arrays)
-        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
-        bounds = _contiguous_parts(num_rows(arrays), self.replicas)
-        return functools.partial(_evaluate_parts, ref, bounds, max(1, batch_size // self.replicas))
-
-    def _ray_data_evaluation(self, dataset: Any, batch_size: int, steps: int | None,
-                             columns: Columns) -> Callable[[Any], Any]:
-        """What each worker runs to evaluate a Ray Dataset (the engine started if not yet): its split, one per
-        worker, streamed through its first replica."""
-        if steps is not None:
-            dataset = dataset.limit(steps * batch_size)
-        if self._engine is None:
-            first = columns.batch(dataset.take_batch(1, batch_format="numpy"))
-            self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
-        splits = dataset.streaming_split(self.engine.num_workers, equal=False)
-        return functools.partial(_evaluate_split, splits, columns, max(1, batch_size // self.engine.num_workers))
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
                 steps: int | None = None, callbacks: list | None = None) -> Any:
@@ -513,10 +513,8 @@ def _first_batch(dataset_fn: Callable[[int, int], Any]) -> tuple:
     return with_weights(next(dataset.take(1).as_numpy_iterator()))
 
 
-def _validation_arrays(validation_data: Any) -> tuple | None:
+def _validation_arrays(validation_data: Any) -> tuple:
     """``validation_data`` as (x, y, sample_weight), as Keras unpacks it."""
-    if validation_data is None:
-        return None
     if _is_ray_dataset(validation_data):
         return validation_data, None, None
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
