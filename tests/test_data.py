@@ -134,6 +134,7 @@ def test_after_a_worker_is_replaced_every_replica_reads_a_new_split_from_the_sta
     assert_replicas_identical(sgd, 4)
 
 
+@pytest.mark.slow  # the suite's time budget (19 s); a replaced worker's split by default: the state-it-had test
 def test_a_worker_lost_at_an_epochs_start_does_not_leave_the_survivor_waiting_for_it(row_ids, die_flag):
     """Worker 1 dies before asking for its next epoch; worker 0 waits in Ray's epoch barrier until recovery."""
     sgd = row_ids

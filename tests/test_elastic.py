@@ -61,7 +61,8 @@ def run_steps(sgd, steps: int) -> dict:
     return stats
 
 
-@pytest.mark.parametrize("strategy", ["ps", "simple"])
+# "simple" in the slow tier (the suite's time budget): the resize path is the same, its exchange has no servers
+@pytest.mark.parametrize("strategy", ["ps", pytest.param("simple", marks=pytest.mark.slow)])
 def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_session, strategy, caplog):
     """"ps" through the op library (the Python path is in the next test)."""
     caplog.set_level(logging.INFO, logger="dsgd")
@@ -199,6 +200,7 @@ def test_a_survivor_that_dies_while_the_servers_are_re_planned_is_replaced(share
     assert_replicas_identical(sgd, 3)
 
 
+@pytest.mark.slow  # the suite's time budget (24 s); a worker lost mid-resize by default: the re-planned servers' test
 def test_worker_0_killed_before_a_grow_reads_its_state_is_replaced_and_the_grow_tried_again(shared_engine,
                                                                                             monkeypatch):
     """Growing 2 -> 3, worker 0 dies as the resize starts: the new worker cannot read its state, so the grow fails
@@ -318,6 +320,7 @@ def test_ctrl_c_while_new_workers_build_leaves_the_engine_at_its_old_size(shared
     assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2)]))
 
 
+@pytest.mark.slow  # the suite's time budget (13 s); Ctrl-C mid-resize by default: the test above (while they build)
 def test_ctrl_c_after_the_new_workers_are_built_finishes_the_resize_at_the_next_call(shared_engine, monkeypatch):
     sgd = shared_engine
     start = set_start_weights(sgd)

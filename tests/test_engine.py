@@ -424,7 +424,8 @@ def single_worker_ps(ray_session):
     sgd.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["simple", "ps"])
+# "simple" in the slow tier (the suite's time budget): one worker's "ps" runs as "simple" does, and says so
+@pytest.mark.parametrize("strategy", [pytest.param("simple", marks=pytest.mark.slow), "ps"])
 def test_single_worker_steps_equal_numpy_reference(request, strategy):
     with contextlib.ExitStack() as own:
         if strategy == "ps":

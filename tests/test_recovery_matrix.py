@@ -13,7 +13,8 @@ from dsgd_test_models import (FixedDataMomentumNet, TanhNet, actor_pids, assert_
                               set_start_weights)
 
 
-@pytest.mark.parametrize("strategy", ["simple", "ps"])
+# "simple" in the slow tier (the suite's time budget): the replacement is the same, "ps" re-plans servers too
+@pytest.mark.parametrize("strategy", [pytest.param("simple", marks=pytest.mark.slow), "ps"])
 def test_worker_killed_with_two_devices_is_replaced_and_training_goes_on_exactly(ray_session, caplog, strategy):
     caplog.set_level(logging.WARNING, logger="dsgd")
     replicas = [(w, d) for w in range(2) for d in range(2)]

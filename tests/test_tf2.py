@@ -427,7 +427,10 @@ def test_tf2_model_trains_as_a_tune_trial_and_checkpoints(ray_session, tmp_path)
         np.testing.assert_allclose(saved[f"weights/{name}"], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["MobileNetV2", pytest.param("ResNet50", marks=pytest.mark.slow),
+# All in the slow tier (the suite's time budget: 40 s for the smallest); the default run's batch-norm models are
+# the small ones of test_keras3_models_train_like_the_eager_reference_with_identical_replicas
+@pytest.mark.parametrize("name", [pytest.param("MobileNetV2", marks=pytest.mark.slow),
+                                  pytest.param("ResNet50", marks=pytest.mark.slow),
                                   pytest.param("EfficientNetB0", marks=pytest.mark.slow)])
 def test_keras_applications_with_batch_norm_train_with_identical_replicas(ray_session, name):
     with dsgd.DistributedSGD(m.application_creator(name), num_workers=1, devices_per_worker=2,

@@ -7,7 +7,7 @@ from dsgd_test_models import TanhNet, ps_actors, server_group
 from readers import load_trace, names
 
 
-@pytest.mark.parametrize("use_ops", [True, False])
+@pytest.mark.parametrize("use_ops", [True, pytest.param(False, marks=pytest.mark.slow)])  # Python path: slow tier
 def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use_ops):
     path = tmp_path / "step.json"
     with dsgd.DistributedSGD(TanhNet, num_workers=2, strategy="ps", grad_shard_bytes=40, use_ops=use_ops) as sgd:

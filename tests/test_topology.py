@@ -3,6 +3,8 @@
 import functools
 import os
 
+import pytest
+
 import dsgd
 from dsgd_test_models import Gate, GatedWorker1Net, assert_replicas_identical
 
@@ -19,6 +21,7 @@ def _step_with_worker_1_held(sgd, gate: Gate) -> dict:
         gate.open()
 
 
+@pytest.mark.slow  # the suite's time budget (29 s); by default, test_features_together resizes a backup-worker engine
 def test_after_a_resize_a_step_closes_on_the_new_count_without_the_held_worker(ray_session, tmp_path):
     gate = Gate(str(tmp_path / "gate"))
     creator = functools.partial(GatedWorker1Net, gate=gate)

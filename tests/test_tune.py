@@ -105,6 +105,8 @@ def test_engine_in_a_trial_replaces_its_dead_worker_without_failing_the_trial(ra
     np.testing.assert_allclose(final_state(result)["weights/w"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow  # the suite's time budget (31 s); a trial restored from a checkpoint runs by default in
+# test_trial_whose_worker_dies_resumes_from_its_checkpoint
 @pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")
 def test_pbt_moves_a_checkpoint_between_trials(ray_session, tmp_path):
     # At iteration 2 the trial with lr=0.001 is in the bottom half: PBT restarts it from the other
