@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import time
 from typing import Iterator
 
 import keras
@@ -16,7 +17,7 @@ import dsgd
 import keras_trainer_models as km
 from dsgd.integrations.keras_compiled import CompiledReplica
 from dsgd.integrations.keras_feed import EpochPlan
-from dsgd_test_models import assert_replicas_identical, kill, local_worker
+from dsgd_test_models import actors_started_since, assert_replicas_identical, kill, known_actors, local_worker
 
 BATCH = 64  # the global batch: 32 a replica on 2 workers
 
@@ -506,10 +507,19 @@ def test_every_epoch_of_a_ray_dataset_reads_each_row_once_and_evaluate_reads_it_
         assert history.history[f"{prefix}label_sum"] == pytest.approx([y.sum()] * 2, rel=1e-6), prefix
         assert history.history[f"{prefix}label_squares"] == pytest.approx([(y ** 2).sum()] * 2, rel=1e-5), prefix
     expected = trainer.model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    before = known_actors()
     assert_logs_equal(trainer.evaluate(dataset, label_columns="y", batch_size=BATCH, return_dict=True,
                                        verbose=0), expected)
     assert_weights_equal(trainer.engine.get_weights().values(), trainer.model.get_weights())
     assert_replicas_identical(trainer.engine, 2)
+    # The evaluation's split of the dataset (its coordinator actor) ends with it: an epoch's validation leaks none.
+    deadline = time.monotonic() + 60
+    while True:
+        split = [state for name, state in actors_started_since(before) if name == "SplitCoordinator"]
+        if split == ["DEAD"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert split == ["DEAD"], split
 
 
 def test_a_ray_dataset_trainer_names_what_its_engine_reads_and_what_a_dataset_needs(rows):

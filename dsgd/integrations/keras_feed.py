@@ -224,13 +224,18 @@ class Columns:
                     else tuple(c for c in have if c not in tf.nest.flatten(labels)))
         missing = [c for c in tf.nest.flatten(features) + tf.nest.flatten(labels) if c not in have]
         if missing or not features:
-            raise ValueError(f"the Ray Dataset has columns {have}; {'no column ' + repr(missing[0]) if missing else 'no feature column'} "
+            lacks = f"no column {missing[0]!r}" if missing else "no feature column"
+            raise ValueError(f"the Ray Dataset has columns {have}; {lacks} "
                              f"(label_columns={label_columns!r}, feature_columns={feature_columns!r})")
         if len(features) == 1 and feature_columns is None:
             features = features[0]
         if class_weight is not None and not isinstance(labels, str):
             raise ValueError("class_weight is for a model with one output (as keras.Model.fit): give one label column")
         return cls(features, labels, class_weight)
+
+    def first(self, dataset: Any) -> tuple:
+        """``dataset``'s first row as a batch of one (what builds the driver model's metrics)."""
+        return self.batch(dataset.take_batch(1, batch_format="numpy"))
 
     def batch(self, columns: dict[str, np.ndarray]) -> tuple:
         """A Ray Data batch (a dict of column arrays) as ``(x, y, sample_weight)``."""

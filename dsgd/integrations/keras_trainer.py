@@ -270,8 +270,8 @@ class KerasTrainer:
         """``fit``'s input from a Ray Dataset: the engine started reading it (or reading it already)."""
         if self._engine is None:
             replicas = self._options.get("num_workers", 1) * self._options.get("devices_per_worker", 1)
-            first = columns.batch(dataset.take_batch(1, batch_format="numpy"))
-            self._start(first, RayDataStart(columns, _part(batch_size, replicas)), datasets={DATASET: dataset})
+            self._start(columns.first(dataset), RayDataStart(columns, _part(batch_size, replicas)),
+                        datasets={DATASET: dataset})
             self._dataset = dataset
         if steps_per_epoch is None:  # a pass over every replica's split (each as long: an equal split)
             steps_per_epoch = -(-(dataset.count() // self.replicas) // _part(batch_size, self.replicas))
@@ -300,7 +300,7 @@ class KerasTrainer:
             columns = Columns.of(x, label_columns, feature_columns, None)
             dataset = x if steps is None else x.limit(steps * batch_size)
             if self._engine is None:
-                first = columns.batch(dataset.take_batch(1, batch_format="numpy"))
+                first = columns.first(dataset)
                 self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
             return lambda: functools.partial(_evaluate_split, dataset.streaming_split(self.engine.num_workers,
                                                                                        equal=False),
