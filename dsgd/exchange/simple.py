@@ -24,22 +24,23 @@ class SimpleWorker(Exchange):
     """"simple": the driver gathers every worker's gradients and sends back their mean.
 
     The first call of a step returns the gradients; the second, given
-    ``means``, applies them and returns the step's result, with the stats
-    kept from the first.
+    ``means``, applies them and returns the step's result: the loss and
+    metrics kept from the first, and the phases of both.
     """
 
     def __init__(self, runtime: ReplicaRuntime):
         super().__init__(runtime)
-        self._stats: dict[str, Value] = {}  # the step's stats, from its gradients' call to its apply
+        self._values: dict[str, Value] = {}  # the step's loss and metrics, from its gradients' call to its apply
+        self._sent_bytes = 0
 
     def step(self, step_id: int, fetch_stats: bool,
              means: Sequence[np.ndarray] | None = None) -> StepResult | list[np.ndarray]:
         runtime = self.runtime
         if means is None:
-            local_means, stats = runtime.compute(fetch_stats)
-            self._stats = runtime.stats(stats, sent_bytes=sum(m.nbytes for m in local_means))
+            local_means, self._values = runtime.compute(fetch_stats)
+            self._sent_bytes = sum(m.nbytes for m in local_means)
             return local_means
-        return StepResult(self._stats, runtime.apply(means).get("skipped"))
+        return runtime.result(self._values, runtime.apply(means), self._sent_bytes)
 
 
 class SimpleDriver(DriverHalf):
