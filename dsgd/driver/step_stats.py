@@ -18,17 +18,22 @@ def combine(step_id: int, per_worker: list[StepResult], topology: Topology,
     that computed the step; phase times and ``sent_bytes``: means over those workers), and ``num_replicas``;
     with backup workers, ``dropped_gradients``. ``per_worker`` is [] if recovery completed the step and none
     of the workers that computed it returned: its stats are lost (the loss is NaN)."""
-    if not per_worker:
+    if per_worker:
+        stats = _reduced(per_worker)
+    else:
         logger.warning("step %d was completed by recovery on some workers; its stats are lost", step_id)
-        return {"loss": float("nan"), "num_replicas": float(topology.num_workers * devices_per_worker)}
+        stats = {"loss": float("nan")}
+    backup = bool(per_worker) and all(r.backup is not None for r in per_worker)
+    stats["num_replicas"] = float((topology.quorum if backup else topology.num_workers) * devices_per_worker)
+    if backup:  # every worker done with the step knows which workers every partition averaged
+        stats["dropped_gradients"] = float(topology.num_workers - len(per_worker[0].backup.kept))
+    return stats
+
+
+def _reduced(per_worker: list[StepResult]) -> dict[str, float]:
+    """The workers' values, reduced once (a worker that caught up without computing adds nothing)."""
     try:
-        stats = results.combine(per_worker).floats()  # a worker that caught up (backup workers) adds nothing
+        return results.combine(per_worker).floats()
     except ValueError as e:
         raise WorkerMismatchError(f"the workers' models report different metrics: {e}; every replica must "
                                   "report the same names (get_metrics, or the dict get_loss returns)") from None
-    stats["num_replicas"] = float(topology.num_workers * devices_per_worker)
-    if all(r.backup is not None for r in per_worker):
-        # every worker done with the step knows which workers every partition averaged
-        stats["num_replicas"] = float(topology.quorum * devices_per_worker)
-        stats["dropped_gradients"] = float(topology.num_workers - len(per_worker[0].backup.kept))
-    return stats

@@ -180,18 +180,13 @@ class ReplicaRuntime(abc.ABC):
             key = name.replace(",", "").replace(" ", "_") + "_s"
             self._phase_s[key] = self._phase_s.get(key, 0.0) + time.perf_counter() - start
 
-    def stats(self, values: dict[str, Value], sent_bytes: int) -> dict[str, Value]:
-        """The step's stats: ``values`` (loss and metrics) with its phase times and ``sent_bytes`` (what this
-        worker pushed to the servers or the driver), each this worker's one contribution to its mean over the
-        workers; {} if ``values`` is (no stats fetched)."""
-        if not values:
-            return {}
-        own = {**self._phase_s, "sent_bytes": float(sent_bytes)}
-        return {**values, **{name: Value.mean([figure]) for name, figure in own.items()}}
-
     def result(self, values: dict[str, Value], applied: dict, sent_bytes: int) -> StepResult:
-        """A step's result: its stats (``stats``), and why if the apply skipped it."""
-        return StepResult(self.stats(values, sent_bytes), applied.get("skipped"))
+        """A step's result: ``values`` (loss and metrics) with its phase times and ``sent_bytes`` (what this
+        worker pushed to the servers or the driver), each this worker's one contribution to its mean over the
+        workers (no values if ``values`` has none: no stats fetched); and why if the apply skipped it."""
+        own = {**self._phase_s, "sent_bytes": float(sent_bytes)} if values else {}
+        return StepResult({**values, **{name: Value.mean([figure]) for name, figure in own.items()}},
+                          applied.get("skipped"))
 
     def skipped(self, error_text: str) -> dict | None:
         """The outcome of an apply whose run failed with ``error_text``: {"skipped": why} (counted as applied) if
