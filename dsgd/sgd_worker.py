@@ -24,6 +24,7 @@ import tensorflow as tf
 from dsgd.common import actor_identity, timeline
 from dsgd.config import WorkerConfig
 from dsgd.common.calls import peer_errors
+from dsgd.common.results import StepResult
 from dsgd.errors import DSGDError, ModelCreatorError
 from dsgd.exchange import registry
 from dsgd.exchange.base import Exchange
@@ -220,7 +221,7 @@ class SGDWorker:
     # ---- stepping -----------------------------------------------------------
 
     def step(self, step_id: int, fetch_stats: bool,
-             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
+             means: Sequence[np.ndarray] | None = None) -> StepResult | list[np.ndarray]:
         """One step through the worker's exchange (``means``: the driver's, for "simple"'s second call)."""
         return self.exchange.step(step_id, fetch_stats, means)
 

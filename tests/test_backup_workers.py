@@ -11,6 +11,7 @@ import ray
 
 import dsgd
 from dsgd.cluster.topology import Topology
+from dsgd.common.results import Backup, StepResult, Value
 from dsgd.driver import checkpoint, step_stats
 from dsgd.transport import object_store
 from dsgd import ps_actor
@@ -87,18 +88,24 @@ def test_a_server_with_backup_workers_chooses_the_workers_of_each_partition_apar
         ray.kill(server)
 
 
+def worker_result(loss: list[float], abs_error: list[float], computed: bool = True) -> StepResult:
+    """A worker's step result: each replica's loss and metric, and its backup outcome (workers 0 and 2 kept)."""
+    values = {"loss": Value.mean(loss), "abs_error": Value.mean(abs_error)} if computed else {}
+    return StepResult(values, backup=Backup(computed, (0, 2)))
+
+
 def test_a_steps_loss_and_metrics_are_the_means_of_the_workers_that_computed_it():
     """A worker that caught up on the step (it applied the servers' means without computing) returns no loss."""
-    caught_up = {"backup": {"computed": False, "kept": [0, 2]}}
-    per_worker = [{"loss": 1.0, "abs_error": 4.0, "backup": {"computed": True, "kept": [0, 2]}}, caught_up,
-                  {"loss": 3.0, "abs_error": 8.0, "backup": {"computed": True, "kept": [0, 2]}}]
+    per_worker = [worker_result([1.0, 1.0], [4.0, 4.0]), worker_result([], [], computed=False),
+                  worker_result([3.0, 3.0], [8.0, 8.0])]
     stats = step_stats.combine(5, per_worker, Topology("ps", 3, 1), devices_per_worker=2)
     assert stats == {"loss": 2.0, "abs_error": 6.0, "num_replicas": 4.0, "dropped_gradients": 1.0}
 
 
 def test_workers_that_report_different_metrics_are_named_not_averaged():
-    per_worker = [{"loss": 1.0, "abs_error": 4.0}, {"loss": 3.0, "accuracy": 0.5}]
-    with pytest.raises(dsgd.WorkerMismatchError, match=r"different metrics: \['abs_error', 'loss'\] and "
+    per_worker = [StepResult({"loss": Value.mean([1.0]), "abs_error": Value.mean([4.0])}),
+                  StepResult({"loss": Value.mean([3.0]), "accuracy": Value.mean([0.5])})]
+    with pytest.raises(dsgd.WorkerMismatchError, match=r"different metrics: .*\['abs_error', 'loss'\] and "
                                                        r"\['accuracy', 'loss'\]"):
         step_stats.combine(5, per_worker, Topology("ps", 2, 0), devices_per_worker=1)
 

@@ -48,7 +48,7 @@ def test_model_trains_like_an_eager_reference_applying_the_mean_gradient(kind):
     across worker processes: the next test)."""
     with kind_worker(kind, devices=2) as worker:
         start = start_weights(worker)
-        stats = [worker.step(step, fetch_stats=True) for step in range(km.STEPS)]
+        stats = [worker.step(step, fetch_stats=True).floats() for step in range(km.STEPS)]
         got, replicas = worker.get_weights(), worker.runtime.replica_weights()
     expected, first_loss = km.eager_reference(kind, start, [(0, 0), (0, 1)], km.STEPS)
     assert got.keys() == expected.keys()

@@ -371,7 +371,7 @@ def assert_steps_like_keras(build, batches: list, rel: float = 1e-5) -> None:
     for step, batch in enumerate(batches):
         x, y, *weight = batch
         expected = reference.train_on_batch(x, y, sample_weight=weight[0] if weight else None, return_dict=True)
-        stats = worker.step(step, fetch_stats=True)
+        stats = worker.step(step, fetch_stats=True).floats()
         for name, value in expected.items():
             assert stats[name] == pytest.approx(float(value), rel=rel, abs=1e-6), (step, name)
     assert_weights_equal(list(worker.get_weights().values()), reference.get_weights(), rtol=rel, atol=1e-6)
@@ -436,7 +436,7 @@ def test_keras_model_compiles_through_keras_int_labels_a_loss_name_and_a_metric_
                       metrics=["accuracy", keras.metrics.BinaryAccuracy(threshold=0.7, name="sure")])
     for step in range(2):
         expected = reference.train_on_batch(x, y, return_dict=True)
-        stats = worker.step(step, fetch_stats=True)
+        stats = worker.step(step, fetch_stats=True).floats()
         for name in ("loss", "accuracy", "sure"):
             assert stats[name] == pytest.approx(float(expected[name]), rel=1e-5), name
 

@@ -98,7 +98,7 @@ def test_get_metrics_that_evaluates_returns_numbers(ray_session):
 def test_metric_tensors_are_stats_and_numbers_are_not():
     worker = local_worker(MixedMetricsNet)
     assert worker.runtime.signature.metrics == ("accuracy",)
-    stats = worker.step(0, fetch_stats=True)
+    stats = worker.step(0, fetch_stats=True).floats()
     assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
     assert set(worker.get_weights()) == WEIGHT_NAMES
 

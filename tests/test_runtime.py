@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from dsgd.common.results import Backup, StepResult, Value
 from dsgd.config import WorkerConfig
 from dsgd.errors import NonFiniteGradientError
 from dsgd.exchange import registry
@@ -62,7 +63,7 @@ class NumpyRuntime(ReplicaRuntime):
     def compute(self, fetch_stats):
         self.start_step()
         with self.phase("compute"):
-            return [m.copy() for m in self.local], ({"loss": 1.5} if fetch_stats else {})
+            return [m.copy() for m in self.local], (self.replica_stats([1.0, 2.0], {}) if fetch_stats else {})
 
     def apply(self, means):
         with self.phase("apply"):
@@ -184,13 +185,15 @@ def test_simple_returns_the_runtimes_local_means_then_applies_the_drivers_mean()
     local = arrays(0)
     runtime = NumpyRuntime(config("simple"), local)
     exchange = registry.worker_half("simple", runtime)
-    means, stats = exchange.step(3, fetch_stats=True)
+    means = exchange.step(3, fetch_stats=True)
     assert all(np.array_equal(m, l) for m, l in zip(means, local))
-    assert stats["loss"] == 1.5 and stats["sent_bytes"] == sum(m.nbytes for m in local) and "compute_s" in stats
     driver_mean = arrays(1)
     result = exchange.step(3, True, driver_mean)
     assert [np.array_equal(a, m) for a, m in zip(runtime.applies[0], driver_mean)] == [True, True]
-    assert result["loss"] == 1.5 and runtime.applied_steps == 1
+    assert result.values["loss"] == Value.mean([1.0, 2.0]) and runtime.applied_steps == 1
+    stats = result.floats()
+    assert stats["loss"] == 1.5 and stats["sent_bytes"] == sum(m.nbytes for m in local)
+    assert {"compute_s", "apply_s"} <= set(stats)  # the phases of both calls
 
 
 ROUNDS = [[1, 0], [3, 2]]  # the 4 partitions of ``plan_partitions(SPECS, 16)``, in an order of a worker's own
@@ -204,13 +207,13 @@ def test_the_python_ps_exchange_sends_every_partition_in_its_rounds_and_applies_
     servers = NumpyServers(layout, peer, ROUNDS)
     exchange = registry.worker_half("ps", runtime, servers)
     assert isinstance(exchange, PsWorkerPython)
-    result = exchange.step(0, fetch_stats=True)
+    result = exchange.step(0, fetch_stats=True).floats()
     for applied, mine, theirs in zip(runtime.applies[0], local, peer):
         np.testing.assert_allclose(applied, (mine + theirs) / 2, rtol=1e-6)
     assert result["sent_bytes"] == servers.sent_bytes and result["loss"] == 1.5
     assert {"compute_s", "pack_and_send_s", "receive_s", "apply_s"} <= set(result)
     servers.check_rounds_kept()
-    assert exchange.step(1, fetch_stats=False) == {} and runtime.applied_steps == 2
+    assert exchange.step(1, fetch_stats=False) == StepResult() and runtime.applied_steps == 2
 
 
 @pytest.mark.parametrize("ray_data", [False, True], ids=["own input", "Ray Data input"])
@@ -220,7 +223,7 @@ def test_a_backup_worker_catching_up_applies_the_closed_means_and_reads_its_batc
     peer = arrays(1)
     runtime = NumpyRuntime(config("ps", backup_workers=1, feed_concurrently=ray_data), arrays(0))
     exchange = registry.worker_half("ps", runtime, ClosedStepServers(partitions.plan_partitions(SPECS, 16), peer))
-    assert exchange.step(0, fetch_stats=False)["backup"] == {"computed": False, "kept": [1, 2]}
+    assert exchange.step(0, fetch_stats=False) == StepResult(backup=Backup(computed=False, kept=(1, 2)))
     assert [np.array_equal(a, m) for a, m in zip(runtime.applies[0], peer)] == [True, True]
     assert runtime.dropped == (1 if ray_data else 0)
 
@@ -240,7 +243,7 @@ def test_alone_runs_one_fused_step_which_a_resize_plans_ahead():
     exchange = registry.worker_half("alone", runtime)
     exchange.prepare(True, runtime.feed_names)
     assert runtime.fused_steps[0].planned == [(True, ("x:0",))]
-    result = exchange.step(0, fetch_stats=True)
+    result = exchange.step(0, fetch_stats=True).floats()
     assert result["sent_bytes"] == 0 and result["loss"] == 1.5
     assert all(np.array_equal(a, m) for a, m in zip(runtime.applies[0], runtime.local))
 
@@ -341,7 +344,7 @@ def test_the_tf1_runtime_computes_the_local_mean_and_applies_a_given_mean_on_eve
     local, stats = runtime.compute(fetch_stats=True)
     for name, got in zip(names, local):
         np.testing.assert_allclose(got, mean[name], rtol=1e-5)
-    assert stats["loss"] == pytest.approx(loss, rel=1e-5)
+    assert stats["loss"].result() == pytest.approx(loss, rel=1e-5) and stats["loss"].count == 2  # both replicas'
     assert runtime.feed_names is not None and len(runtime.feed_names) == 4  # x and y of both replicas
     given = {"w": np.array([1.0, -2.0], np.float32), "b": np.float32(0.5)}
     assert runtime.apply([np.asarray(given[n]) for n in names]) == {} and runtime.applied_steps == 1
@@ -368,7 +371,7 @@ def test_a_non_finite_mean_raises_or_skips_the_step_by_nan_policy(nan_policy):
     it, fails the runtime's own check, which raises or skips the step by nan_policy; no replica applies any of it."""
     runtime = tf1_runtime(nan_policy=nan_policy)
     exchange = registry.worker_half("simple", runtime)
-    local, _ = exchange.step(0, fetch_stats=True)
+    local = exchange.step(0, fetch_stats=True)
     bad = [np.array(m) for m in local]
     bad[[s.name for s in runtime.signature.exchange].index("w")][0] = np.nan
     if nan_policy == "raise":
@@ -377,7 +380,7 @@ def test_a_non_finite_mean_raises_or_skips_the_step_by_nan_policy(nan_policy):
         assert runtime.applied_steps == 0
     else:
         result = exchange.step(0, True, bad)
-        assert result["skipped"] == "non-finite gradient of variable 'w' in step 0"
+        assert result.skipped == "non-finite gradient of variable 'w' in step 0"
         assert runtime.applied_steps == 1  # every worker skips it and counts it alike
     for replica in runtime.replica_weights():
         np.testing.assert_array_equal(replica["w"], W0)
@@ -427,7 +430,7 @@ def test_the_tf1_runtime_builds_an_in_step_exchange_into_one_fused_step_and_plan
     fused = runtime.fused_step(times_three)
     stats, applied = fused.run(7, fetch_stats=True)
     mean, loss = by_hand()
-    assert steps_seen == [7] and applied == {} and stats["loss"] == pytest.approx(loss, rel=1e-5)
+    assert steps_seen == [7] and applied == {} and stats["loss"].result() == pytest.approx(loss, rel=1e-5)
     for replica in runtime.replica_weights():
         np.testing.assert_allclose(replica["w"], W0 - LR * 3 * mean["w"], rtol=1e-5)
         np.testing.assert_allclose(replica["b"], B0 - LR * 3 * mean["b"], rtol=1e-5)

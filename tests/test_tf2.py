@@ -250,7 +250,7 @@ def test_a_keras3_creator_with_eager_only_code_before_the_model_trains():
     worker is built in this process (``local_worker``: ``SGDWorker.setup``, as an engine's worker runs it)."""
     worker = local_worker(m.tf_data_creator)
     assert type(worker.runtime).__name__ == "Tf2Runtime"
-    losses = [worker.step(step, fetch_stats=True)["loss"] for step in range(20)]
+    losses = [worker.step(step, fetch_stats=True).floats()["loss"] for step in range(20)]
     assert np.mean(losses[-5:]) < losses[0] / 4, losses  # a noise-free linear target: batch losses fall to ~0
 
 

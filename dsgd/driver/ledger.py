@@ -37,6 +37,7 @@ import ray
 from dsgd.exchange import registry
 from dsgd.exchange.base import DriverHalf
 from dsgd.common.calls import sending
+from dsgd.common.results import StepResult
 from dsgd.cluster.cluster import Cluster
 from dsgd.driver.recovery import Recovery
 from dsgd.driver.resizer import Resizer
@@ -46,9 +47,9 @@ from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
 logger = logging.getLogger(__name__)
 
 
-def warn_if_skipped(results: Sequence[dict]) -> None:
+def warn_if_skipped(results: Sequence[StepResult]) -> None:
     """Log the reason when the workers' results say they skipped the step (nan_policy="skip")."""
-    skipped = [r["skipped"] for r in results if isinstance(r, dict) and "skipped" in r]
+    skipped = [r.skipped for r in results if isinstance(r, StepResult) and r.skipped is not None]
     if skipped:
         logger.warning("skipped a step (nan_policy='skip'): %s", skipped[0])
 
@@ -188,7 +189,7 @@ class StepLedger:
         topology = self.cluster.topology
 
         def enough(results: list) -> bool:
-            return sum(r["backup"]["computed"] for r in results) >= topology.quorum
+            return sum(r.backup.computed for r in results) >= topology.quorum
 
         done, rest = self.cluster.calls.call_until(
             refs, enough, f"step {step_id} on {topology.quorum} of the workers",
@@ -280,7 +281,7 @@ class StepLedger:
                 applied = self.recovery.settle(in_flight, replace_dead=True)
                 if applied == self.num_steps and newest is not None and newest[0] == applied - 1:
                     # The survivors applied the newest step before the fault: its stats are theirs.
-                    return [r for r in self.cluster.calls.answers(newest[1], 0) if isinstance(r, dict)]
+                    return [r for r in self.cluster.calls.answers(newest[1], 0) if isinstance(r, StepResult)]
                 results = []
                 for step_id in range(applied, self.num_steps):
                     in_flight = self.driver_half.submit(self.cluster.workers, step_id, True)

@@ -6,6 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dsgd.common.results import StepResult
 from dsgd.exchange.base import Exchange
 from dsgd.worker.runtime import ReplicaRuntime
 
@@ -17,6 +18,6 @@ class AloneWorker(Exchange):
         super().__init__(runtime)
         self.fused = runtime.fused_step()
 
-    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> StepResult:
         stats, applied = self.fused.run(step_id, fetch_stats)
         return self.runtime.result(stats, applied, sent_bytes=0)

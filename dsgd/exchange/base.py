@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import ray
 
+from dsgd.common.results import StepResult
+
 if TYPE_CHECKING:
     from dsgd.worker.runtime import FusedStep, ReplicaRuntime
 
@@ -46,13 +48,13 @@ class Exchange:
             self.fused.prepare(fetch_stats, feed_names)
 
     def step(self, step_id: int, fetch_stats: bool,
-             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
-        """One step of this worker; its result dict (stats, and "skipped" if the apply skipped it)."""
+             means: Sequence[np.ndarray] | None = None) -> StepResult | list[np.ndarray]:
+        """One step of this worker; its result (``StepResult``)."""
         raise NotImplementedError
 
 
 class DriverHalf:
-    """Runs one step on every worker: ``submit`` returns refs of each worker's result dict."""
+    """Runs one step on every worker: ``submit`` returns refs of each worker's ``StepResult``."""
 
     def submit(self, workers: Sequence[Any], step_id: int, fetch_stats: bool) -> list[ray.ObjectRef]:
         raise NotImplementedError

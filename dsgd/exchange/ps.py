@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dsgd.common import timeline
+from dsgd.common.results import Backup, StepResult
 from dsgd.exchange.base import Exchange
 from dsgd.exchange.ps_client import EXCHANGE_TRACK, ParameterServerClient
 from dsgd.wire import partitions
@@ -53,7 +54,7 @@ class PsWorker(Exchange):
         self.client = client
         self.backup = runtime.config.backup_workers > 0
 
-    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> dict:
+    def step(self, step_id: int, fetch_stats: bool, means: Sequence[np.ndarray] | None = None) -> StepResult:
         if not self.backup:
             return self._compute(step_id, fetch_stats)
         closed = self.client.begin(step_id)
@@ -67,10 +68,10 @@ class PsWorker(Exchange):
                 partition_means = [self.client.read(partition, step_id, closed[partition.index])
                                    for partition in self.client.layout]
             result = self.runtime.result({}, self._apply(partition_means), sent_bytes=0)
-        result["backup"] = {"computed": computed, "kept": self.client.kept()}
+        result.backup = Backup(computed, tuple(self.client.kept()))
         return result
 
-    def _compute(self, step_id: int, fetch_stats: bool) -> dict:
+    def _compute(self, step_id: int, fetch_stats: bool) -> StepResult:
         raise NotImplementedError
 
     def _apply(self, partition_means: Sequence[np.ndarray]) -> dict:
@@ -82,7 +83,7 @@ class PsWorker(Exchange):
 class PsWorkerPython(PsWorker):
     """Compute, push the partitions from Python, receive their means, apply."""
 
-    def _compute(self, step_id: int, fetch_stats: bool) -> dict:
+    def _compute(self, step_id: int, fetch_stats: bool) -> StepResult:
         runtime, client = self.runtime, self.client
         local_means, stats = runtime.compute(fetch_stats)
         send, receive = ((client.hand_gradients, client.collect) if client.scheduled else
@@ -183,7 +184,7 @@ class PsWorkerOps(PsWorker):
         with self._callback(f"receive partition {partition.index}"):
             return receive(partition, int(step), self.runtime.trace)
 
-    def _compute(self, step_id: int, fetch_stats: bool) -> dict:
+    def _compute(self, step_id: int, fetch_stats: bool) -> StepResult:
         import tensorflow as tf
 
         from dsgd import ops

@@ -14,6 +14,7 @@ from typing import Callable, ContextManager, Sequence
 import numpy as np
 import ray
 
+from dsgd.common.results import StepResult, Value
 from dsgd.exchange.base import DriverHalf, Exchange
 from dsgd.wire.arrays import average_into
 from dsgd.worker.runtime import ReplicaRuntime
@@ -22,22 +23,24 @@ from dsgd.worker.runtime import ReplicaRuntime
 class SimpleWorker(Exchange):
     """"simple": the driver gathers every worker's gradients and sends back their mean.
 
-    The first call of a step returns ``(gradients, stats)``; the second,
-    given ``means``, applies them and returns the stats kept from the first.
+    The first call of a step returns the gradients; the second, given
+    ``means``, applies them and returns the step's result: the loss and
+    metrics kept from the first, and the phases of both.
     """
 
     def __init__(self, runtime: ReplicaRuntime):
         super().__init__(runtime)
-        self._stats: dict[str, float] = {}  # the step's stats, from its gradients' call to its apply
+        self._values: dict[str, Value] = {}  # the step's loss and metrics, from its gradients' call to its apply
+        self._sent_bytes = 0
 
     def step(self, step_id: int, fetch_stats: bool,
-             means: Sequence[np.ndarray] | None = None) -> dict | tuple[list[np.ndarray], dict[str, float]]:
+             means: Sequence[np.ndarray] | None = None) -> StepResult | list[np.ndarray]:
         runtime = self.runtime
         if means is None:
-            local_means, stats = runtime.compute(fetch_stats)
-            self._stats = runtime.stats(stats, sent_bytes=sum(m.nbytes for m in local_means))
-            return local_means, self._stats
-        return {**self._stats, **runtime.result({}, runtime.apply(means), sent_bytes=0)}
+            local_means, self._values = runtime.compute(fetch_stats)
+            self._sent_bytes = sum(m.nbytes for m in local_means)
+            return local_means
+        return runtime.result(self._values, runtime.apply(means), self._sent_bytes)
 
 
 class SimpleDriver(DriverHalf):
@@ -56,8 +59,7 @@ class SimpleDriver(DriverHalf):
             results = self.call([w.step.remote(step_id, fetch_stats) for w in workers],
                                 f"the workers' gradients of step {step_id}")
         with self.span("average"):
-            per_worker = [grads for grads, _ in results]
-            means = [average_into(np.empty_like(g), [grads[k] for grads in per_worker])
-                     for k, g in enumerate(per_worker[0])]
+            means = [average_into(np.empty_like(g), [grads[k] for grads in results])
+                     for k, g in enumerate(results[0])]
             means_ref = ray.put(means)
         return [w.step.remote(step_id, fetch_stats, means_ref) for w in workers]

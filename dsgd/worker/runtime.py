@@ -18,10 +18,12 @@ A step is one of:
 
 Every apply checks the means (``dsgd.worker.finite_checks``): a non-finite
 one raises or skips the step on every replica, by ``nan_policy``
-(``dsgd.worker.nonfinite``). A step's result dict (``result``) holds the
-loss and metrics (means over replicas), the time of each phase
-(``<phase>_s``, from ``phase``) and ``sent_bytes``, when stats were fetched,
-and "skipped" when the apply skipped the step.
+(``dsgd.worker.nonfinite``). A step's result (``result``, a
+``dsgd.common.results.StepResult``) holds, when stats were fetched, the loss
+and metrics (means over replicas, as total and count), the time of each
+phase (``<phase>_s``, from ``phase``) and ``sent_bytes`` (this worker's, one
+contribution each to their means over the workers), and why the apply
+skipped the step if it did. The driver reduces the workers' results once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 import numpy as np
 
 from dsgd.common import timeline
+from dsgd.common.results import StepResult, Value
 from dsgd.config import WorkerConfig
 from dsgd.worker import nonfinite
 from dsgd.worker.signature import WorkerSignature
@@ -62,7 +65,7 @@ class FusedStep(abc.ABC):
     """A step that computes, exchanges in-step (if built with an ``InStepExchange``) and applies, in one go."""
 
     @abc.abstractmethod
-    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, float], dict]:
+    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, Value], dict]:
         """Start a step (``ReplicaRuntime.start_step``) and run it: its loss and metrics ({} without
         ``fetch_stats``) and the apply's outcome ({} or {"skipped": why})."""
 
@@ -130,7 +133,7 @@ class ReplicaRuntime(abc.ABC):
     # ---- stepping -----------------------------------------------------------
 
     @abc.abstractmethod
-    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, Value]]:
         """Start a step (``start_step``), ask every replica for its batch and compute: the local means (one array
         per exchange tensor, in ``signature.exchange`` order) and the loss and metrics ({} without
         ``fetch_stats``)."""
@@ -177,19 +180,13 @@ class ReplicaRuntime(abc.ABC):
             key = name.replace(",", "").replace(" ", "_") + "_s"
             self._phase_s[key] = self._phase_s.get(key, 0.0) + time.perf_counter() - start
 
-    def stats(self, values: dict[str, float], sent_bytes: int) -> dict[str, float]:
-        """The step's stats: ``values`` (loss and metrics) with its phase times and ``sent_bytes`` (what this
-        worker pushed to the servers or the driver); {} if ``values`` is (no stats fetched)."""
-        if not values:
-            return {}
-        return {**values, **self._phase_s, "sent_bytes": float(sent_bytes)}
-
-    def result(self, values: dict[str, float], applied: dict, sent_bytes: int) -> dict:
-        """A step's result: its stats (``stats``), and "skipped" if the apply skipped it."""
-        result = self.stats(values, sent_bytes)
-        if "skipped" in applied:
-            result["skipped"] = applied["skipped"]
-        return result
+    def result(self, values: dict[str, Value], applied: dict, sent_bytes: int) -> StepResult:
+        """A step's result: ``values`` (loss and metrics) with its phase times and ``sent_bytes`` (what this
+        worker pushed to the servers or the driver), each this worker's one contribution to its mean over the
+        workers (no values if ``values`` has none: no stats fetched); and why if the apply skipped it."""
+        own = {**self._phase_s, "sent_bytes": float(sent_bytes)} if values else {}
+        return StepResult({**values, **{name: Value.mean([figure]) for name, figure in own.items()}},
+                          applied.get("skipped"))
 
     def skipped(self, error_text: str) -> dict | None:
         """The outcome of an apply whose run failed with ``error_text``: {"skipped": why} (counted as applied) if
@@ -202,9 +199,9 @@ class ReplicaRuntime(abc.ABC):
         return {"skipped": why}
 
     @staticmethod
-    def reduce_stats(losses: Sequence[float], metrics: dict[str, Sequence[float]]) -> dict[str, float]:
-        """Loss and metrics: the means of every replica's."""
-        return {"loss": float(np.mean(losses)), **{k: float(np.mean(v)) for k, v in metrics.items()}}
+    def replica_stats(losses: Sequence[float], metrics: dict[str, Sequence[float]]) -> dict[str, Value]:
+        """Loss and metrics: means over the replicas, one contribution each."""
+        return {"loss": Value.mean(losses), **{k: Value.mean(v) for k, v in metrics.items()}}
 
     # ---- state ------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from dsgd.config import WorkerConfig
 from dsgd.model import Model
+from dsgd.common.results import Value
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf1 import feeds, session_runs, worker_graph
@@ -75,7 +76,7 @@ class Tf1Runtime(ReplicaRuntime):
 
     # ---- stepping -------------------------------------------------------------
 
-    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, Value]]:
         out = self.run({"means": self.worker_graph.local_means, "stats": self.stats_fetches(fetch_stats)},
                        self.feed_dict(), "compute")
         return out["means"], self.reduce(out["stats"])
@@ -132,9 +133,9 @@ class Tf1Runtime(ReplicaRuntime):
         return {"loss": [r.loss for r in replicas],
                 "metrics": {k: [r.metrics[k] for r in replicas] for k in replicas[0].metrics}}
 
-    def reduce(self, fetched: dict) -> dict[str, float]:
+    def reduce(self, fetched: dict) -> dict[str, Value]:
         """``stats_fetches``'s values as the step's loss and metrics ({} if none were fetched)."""
-        return self.reduce_stats(fetched["loss"], fetched["metrics"]) if fetched else {}
+        return self.replica_stats(fetched["loss"], fetched["metrics"]) if fetched else {}
 
     # ---- state --------------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class Tf1FusedStep(FusedStep):
         self.phase = "compute and apply" if exchange is None else "compute, exchange and apply"
         self._prepared: dict[bool, session_runs.PreparedRun] = {}
 
-    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, float], dict]:
+    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, Value], dict]:
         runtime = self.runtime
         feed = runtime.feed_dict()
         if self.step_input is not None:

@@ -38,6 +38,7 @@ from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, ModelCreatorError
 from dsgd.worker import put_back
 from dsgd.worker.finite_checks import finite_tensors
+from dsgd.common.results import Value
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf2 import process, replicas as replica_builds
@@ -216,7 +217,7 @@ class Tf2Runtime(ReplicaRuntime):
             self._stepped = True
             return [_tensor(a, spec, self.worker_index) for a, spec in zip(flat, self._batch_specs)]
 
-    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+    def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, Value]]:
         flat = self.batches()
         with self.phase("compute"):
             means, losses, metrics = self._traced_compute()(*flat)
@@ -240,8 +241,8 @@ class Tf2Runtime(ReplicaRuntime):
         self.applied_steps += 1
         return out, {}
 
-    def stats_values(self, losses: tf.Tensor, metrics: dict[str, tf.Tensor]) -> dict[str, float]:
-        return self.reduce_stats(losses.numpy(), {k: v.numpy() for k, v in metrics.items()})
+    def stats_values(self, losses: tf.Tensor, metrics: dict[str, tf.Tensor]) -> dict[str, Value]:
+        return self.replica_stats(losses.numpy(), {k: v.numpy() for k, v in metrics.items()})
 
     def fused_step(self, exchange: InStepExchange | None = None) -> Tf2FusedStep:
         return Tf2FusedStep(self, exchange)
@@ -310,7 +311,7 @@ class Tf2FusedStep(FusedStep):
         self.phase = "compute and apply" if exchange is None else "compute, exchange and apply"
         self._function: Any = None
 
-    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, float], dict]:
+    def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, Value], dict]:
         runtime = self.runtime
         flat = runtime.batches()
         self.prepare(fetch_stats, ())
