@@ -74,18 +74,25 @@ class StepResult:
         return {name: value.result() for name, value in self.values.items()}
 
 
+class DifferentNames(ValueError):
+    """Two results with values name different ones (``names``: both, sorted)."""
+
+    def __init__(self, first: list[str], other: list[str]):
+        super().__init__(f"step results name different values: {first} and {other}")
+        self.names = first, other
+
+
 def combine(results: Sequence[StepResult]) -> StepResult:
     """The values of ``results`` reduced as each declares; a result without values adds nothing. The first
-    reason to skip is kept; backup outcomes are each worker's own and are not. Raises ``ValueError`` naming both
-    sets of names when two results with values name different ones."""
+    reason to skip is kept; backup outcomes are each worker's own and are not. Raises ``DifferentNames`` when two
+    results with values name different ones."""
     combined: dict[str, Value] = {}
     skipped = next((r.skipped for r in results if r.skipped is not None), None)
     for result in results:
         if not result.values:
             continue
         if combined and sorted(combined) != sorted(result.values):
-            raise ValueError(f"step results name different values: {sorted(combined)} and "
-                             f"{sorted(result.values)}")
+            raise DifferentNames(sorted(combined), sorted(result.values))
         combined = ({name: value.combine(result.values[name]) for name, value in combined.items()}
                     if combined else dict(result.values))
     return StepResult(combined, skipped)

@@ -34,6 +34,8 @@ def _reduced(per_worker: list[StepResult]) -> dict[str, float]:
     """The workers' values, reduced once (a worker that caught up without computing adds nothing)."""
     try:
         return results.combine(per_worker).floats()
-    except ValueError as e:
-        raise WorkerMismatchError(f"the workers' models report different metrics: {e}; every replica must "
-                                  "report the same names (get_metrics, or the dict get_loss returns)") from None
+    except results.DifferentNames as e:
+        first, other = e.names
+        raise WorkerMismatchError(f"the workers' models report different metrics: {first} and {other}; every "
+                                  "replica must report the same names (get_metrics, or the dict get_loss "
+                                  "returns)") from None
