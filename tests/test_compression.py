@@ -221,6 +221,8 @@ def test_sent_bytes_of_float32_and_of_a_compressed_engine_with_nothing_to_send(r
         assert sgd.step(fetch_stats=True)["sent_bytes"] == 0
 
 
+@pytest.mark.slow  # the suite's time budget (29 s); bf16 with a checkpoint and a killed worker by default: test 43 of
+# docs/features.md (test_features_together[tf1]); exact recovery by default: test_recovery_matrix (float32)
 def test_recovery_and_checkpoints_with_compression(ray_session, tmp_path, caplog):
     """From a checkpoint, a run whose worker is killed equals the uninterrupted one bit for bit."""
     caplog.set_level(logging.WARNING, logger="dsgd")

@@ -197,6 +197,8 @@ def test_with_a_ray_dataset_every_replica_reads_a_new_split_after_a_resize(row_i
     assert driver_reads == []
 
 
+@pytest.mark.slow  # the suite's time budget (32 s); Ray Data with a backup worker by default: test 43 of
+# docs/features.md (test_features_together[tf1])
 def test_a_backup_worker_that_catches_up_reads_its_batch_so_the_next_epoch_does_not_wait_for_it(ray_session,
                                                                                                   tmp_path):
     """Worker 2 is held at a gate once it has read its first batch, while the others take two steps without it

@@ -64,7 +64,7 @@ def run_steps(sgd, steps: int) -> dict:
 # "simple" in the slow tier (the suite's time budget): the resize path is the same, its exchange has no servers
 @pytest.mark.parametrize("strategy", ["ps", pytest.param("simple", marks=pytest.mark.slow)])
 def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_session, strategy, caplog):
-    """"ps" through the op library (the Python path is in the next test)."""
+    """"ps" through the op library (the Python path is in the next test, in the slow tier)."""
     caplog.set_level(logging.INFO, logger="dsgd")
     with engine(2, strategy) as sgd:
         start = set_start_weights(sgd)
@@ -95,6 +95,8 @@ def test_2_3_1_workers_match_the_mean_of_the_replicas_alive_at_each_step(ray_ses
         assert_weights_close(sgd.get_weights(), momentum_reference(start, [(2, 2), (2, 3), (1, 1)]))
 
 
+@pytest.mark.slow  # the suite's time budget (19 s); 2 devices through a shrink and a grow, the replica count in
+# the logdir, by default: test 43 of docs/features.md (test_features_together[tf1], through the op library)
 def test_devices_per_worker_2_grows_from_one_worker_and_shrinks_back(ray_session, tmp_path):
     """1 -> 2 -> 1 workers of 2 devices; "ps" through Python (the op library's path is in the test above); the
     replica count is a TensorBoard scalar."""
@@ -375,6 +377,8 @@ def test_inside_a_placement_group_resize_elastic_engines_and_server_nodes_are_re
     assert num_workers == 1
 
 
+@pytest.mark.slow  # the suite's time budget (24 s); an elastic engine that starts at its maximum, shrinks and grows
+# back once resize_interval_s has passed, by default: test 43 of docs/features.md (test_features_together[tf1])
 def test_elastic_engine_in_one_ray_instance_starts_at_max_refuses_sizes_outside_and_grows_back(ray_session, caplog):
     caplog.set_level(logging.INFO, logger="dsgd")
     interval = 3600.0  # the test moves the engine's clock, not the wall clock
