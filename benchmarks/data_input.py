@@ -45,9 +45,10 @@ sys.path.insert(0, str(common.REPO_ROOT / "examples"))
 import mnist_keras  # noqa: E402  examples/mnist_keras.py: the flags
 import mnist_tf_keras  # noqa: E402  examples/mnist_tf_keras.py: the tf_keras model and its two inputs
 
-# The example's model creators are sent to the workers by value (examples/ is not on their path).
-ray.cloudpickle.register_pickle_by_value(mnist_keras)
-ray.cloudpickle.register_pickle_by_value(mnist_tf_keras)
+# The example's model creators are sent to the workers by value (examples/ is not on their path), with the
+# example modules they reach: mnist_tf_keras imports mnist_keras, which imports mnist.
+for example in (mnist_keras.mnist, mnist_keras, mnist_tf_keras):
+    ray.cloudpickle.register_pickle_by_value(example)
 
 SYSTEMS = ("numpy", "ray-data")
 
