@@ -14,7 +14,9 @@ which unscales them (``dsgd.worker.tf2.runtime``).
 The metrics' state lives on each replica. ``KerasModel`` reports per-step
 values (the state is reset at every step, as its step stats are per step);
 ``KerasTrainer`` lets the state accumulate over an epoch and sums it across
-the replicas on the driver (``dsgd.integrations.metric_states``).
+the replicas on the driver (``dsgd.integrations.metric_states``). A step
+the engine runs again after a fault counts its batch in that state once
+(``CountedOnce``).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class CompiledReplica(TF2Model):
         batches: its training batches.
         per_step_metrics: report each step's metric values (the state reset
             at every step), else none (the state accumulates until
-            ``reset_metrics``).
+            ``reset_metrics``, each step counted once however often it is run).
     """
 
     def __init__(self, model: Any, batches: BatchSource, per_step_metrics: bool):
@@ -87,6 +89,7 @@ class CompiledReplica(TF2Model):
                              f"batches' labels: {e} (Keras pairs a list of losses or metrics with the outputs: give "
                              "one per output, or a dict keyed by output name)") from e
         model.reset_metrics()
+        self._counted_once = None if per_step_metrics else CountedOnce(model.metrics_variables)
 
     def _find_state(self, x: Any) -> list:
         """The non-trainable float weights a call on ``x`` in training mode writes (put back as they were);
@@ -118,6 +121,11 @@ class CompiledReplica(TF2Model):
     def get_optimizer(self) -> Any:
         return self.optimizer
 
+    def _dsgd_seek(self, step: int) -> bool:
+        if self._counted_once is not None:
+            self._counted_once.begin(step)
+        return False
+
     def get_batch(self) -> Batch:
         if self._first is not None:
             batch, self._first = self._first, None
@@ -129,6 +137,8 @@ class CompiledReplica(TF2Model):
         model = self.model
         if self._per_step_metrics:
             model.reset_metrics()  # before the loss: it tracks each output's loss as a metric
+        elif self._counted_once is not None:
+            self._counted_once.before_updates()
         y_pred = model(x, training=True)
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
         model._loss_tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
@@ -178,6 +188,37 @@ class CompiledReplica(TF2Model):
         """The model's outputs for ``x`` in inference mode (``keras.Model.predict``), as numpy; call it on a
         replica, e.g. ``sgd.for_model(lambda m: m.predict(x_test))``."""
         return self.model.predict(x, batch_size=batch_size, verbose=0)
+
+
+class CountedOnce:
+    """Metric state that counts each of the engine's steps once, however often a replica computes it.
+
+    After a fault the engine runs again the step no worker applied, and a
+    surviving replica computes its batch a second time. Before each step's
+    metric updates (``before_updates``, traced into the step) the state is
+    saved, tagged with the step (``begin``, called before the step's batch
+    is read); a step computed again starts from the state saved before its
+    first run. Copies of a few small variables, inside the step.
+    """
+
+    def __init__(self, variables: list):
+        self._variables = list(variables)
+        self._saved = [tf.Variable(tf.zeros_like(v.value), trainable=False) for v in self._variables]
+        self._saved_step = tf.Variable(-1, dtype=tf.int64, trainable=False)  # the step the saved state precedes
+        self._step = tf.Variable(-1, dtype=tf.int64, trainable=False)  # the step being computed
+
+    def begin(self, step: int) -> None:
+        """The engine's step (its count of applied steps) that the replica computes next."""
+        self._step.assign(step)
+
+    def before_updates(self) -> None:
+        """Traced before the step's metric updates: the state saved before this step's first run if it ran
+        before, else the state now saved."""
+        again = tf.equal(self._saved_step, self._step)
+        for variable, saved in zip(self._variables, self._saved):
+            variable.assign(tf.where(again, saved, variable.value))
+            saved.assign(variable.value)
+        self._saved_step.assign(self._step)
 
 
 def _unpack(batch: Batch) -> tuple[Any, Any, Any]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 import time
 from typing import Any, Callable
@@ -37,6 +38,8 @@ from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
 from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
                                           RayDataStart, num_rows, take, with_weights)
 
+logger = logging.getLogger(__name__)
+
 PROGRESS_INTERVAL_S = 1.0  # the progress bar's logs are fetched at most this often (every batch for batch callbacks)
 _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fit(...) (or evaluate) first")
 
@@ -48,6 +51,10 @@ class TrainerReplica(CompiledReplica):
 
     def __init__(self, model: Any, feed: Feed):
         super().__init__(model, feed, per_step_metrics=False)
+        # Built while an epoch was under way (a replacement for a lost worker), so its metrics hold none of the
+        # epoch's earlier steps, until it begins an epoch with the others (``begin_epoch``).
+        self._built_mid_epoch = True
+        self.joined_at: int | None = None  # the engine's step it first computed, if built mid-epoch
 
     @property
     def feed(self) -> Feed:
@@ -57,7 +64,16 @@ class TrainerReplica(CompiledReplica):
     def feed(self, feed: Feed) -> None:
         self._batches = feed
 
+    def begin_epoch(self, start: EpochStart, replica: int, worker_index: int, device_index: int) -> None:
+        """Metrics reset, the feed at ``start``'s epoch, with every other replica."""
+        self.reset_metrics()
+        self.feed = start.feed(self.feed, replica, worker_index, device_index)
+        self._built_mid_epoch, self.joined_at = False, None
+
     def _dsgd_seek(self, step: int) -> bool:
+        super()._dsgd_seek(step)
+        if self._built_mid_epoch and self.joined_at is None:
+            self.joined_at = step
         return self.feed.seek(step)
 
 
@@ -207,7 +223,7 @@ class KerasTrainer:
             # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
             # scheduled learning rate, restored weights) reaches every replica before its first step.
             self._push_changes()
-            logs, fetched = {}, time.monotonic()
+            logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps, self.engine.failures)
             for step in range(steps):
                 callback_list.on_train_batch_begin(step)
                 if batch_callbacks:
@@ -221,7 +237,7 @@ class KerasTrainer:
                 if self.model.stop_training:
                     break
             following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
-            epoch_logs = self._finish_epoch(following)
+            epoch_logs = self._finish_epoch(epoch, begun, following)
             positioned = None if following is None else (following, self.engine.num_steps)
             if validation is not None and self.model._should_eval(epoch, validation_freq):
                 val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True)
@@ -367,15 +383,24 @@ class KerasTrainer:
         self._names = list(self._engine.get_weights())
         self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
 
-    def _finish_epoch(self, following: EpochStart | None) -> dict:
-        """One call on the workers ends an epoch: its logs from their metrics' state, worker 0's weights onto
-        ``trainer.model``, and every replica at ``following``'s start if another epoch follows (a replacement
-        built from here on joins that epoch too)."""
+    def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None) -> dict:
+        """One call on the workers ends epoch ``epoch`` (begun at the engine's step count and failure count
+        ``begun``): its logs from their metrics' state, worker 0's weights onto ``trainer.model``, and every
+        replica at ``following``'s start if another epoch follows (a replacement built from here on joins that
+        epoch too). A replacement that joined the epoch late is named in a warning: the logs leave out what the
+        worker it replaced had computed."""
         if following is not None:
             self._creator.start = following
         ended = self.engine.foreach_worker(functools.partial(_end_epoch, following))
-        self._set_pulled(ended[0][1])
-        return self._results([state for state, _ in ended])
+        first_step, failures = begun
+        late = {w: end.joined_at - first_step for w, end in enumerate(ended)
+                if end.joined_at is not None and end.joined_at > first_step}
+        if late and self.engine.failures > failures:  # replacements (a worker grown mid-epoch lost nothing)
+            logger.warning("epoch %d's metrics leave out %s: a replacement's metrics start empty (the lost "
+                           "worker's state went with it); the weights are exact", epoch + 1,
+                           ", ".join(f"worker {w}'s first {n} steps" for w, n in late.items()))
+        self._set_pulled(ended[0].weights)
+        return self._results([end.state for end in ended])
 
     def _logs(self) -> dict:
         """The epoch's metrics so far, over every replica's samples, by Keras's own results."""
@@ -414,17 +439,26 @@ def _begin_epoch(start: EpochStart, worker: Any) -> None:
     """Every replica of ``worker``: its metrics reset, its feed at ``start``'s epoch."""
     devices = len(worker.models)
     for device, replica in enumerate(worker.models):
-        replica.reset_metrics()
-        replica.feed = start.feed(replica.feed, worker.worker_index * devices + device, worker.worker_index, device)
+        replica.begin_epoch(start, worker.worker_index * devices + device, worker.worker_index, device)
 
 
-def _end_epoch(following: EpochStart | None, worker: Any) -> tuple[metric_states.State, dict | None]:
-    """The epoch's end on ``worker``: its metric state, and worker 0's weights; then every replica at
-    ``following``'s start, if another epoch follows."""
-    state = _worker_metric_state(worker)
+@dataclasses.dataclass
+class EpochEnd:
+    """What a worker reports at an epoch's end."""
+
+    state: metric_states.State  # its replicas' metric state, reduced
+    weights: dict | None  # worker 0's weights (None from the others)
+    joined_at: int | None  # the engine's step it first computed in the epoch, if it was built during it
+
+
+def _end_epoch(following: EpochStart | None, worker: Any) -> EpochEnd:
+    """The epoch's end on ``worker``: what it reports; then every replica at ``following``'s start, if another
+    epoch follows."""
+    ended = EpochEnd(_worker_metric_state(worker), worker.get_weights() if worker.worker_index == 0 else None,
+                     worker.models[0].joined_at)
     if following is not None:
         _begin_epoch(following, worker)
-    return state, worker.get_weights() if worker.worker_index == 0 else None
+    return ended
 
 
 def _worker_metric_state(worker: Any) -> metric_states.State:
