@@ -120,3 +120,32 @@ class StringMetricNet(CachedBatchNet):
 class ListMetricsNet(CachedBatchNet):
     def get_metrics(self):
         return [self.accuracy]
+
+
+SLOPE = np.arange(1, 5, dtype=np.float32)
+
+
+class LateWeightNormNet(dsgd.Model):
+    """loss = sum(slope * w), plain SGD; its metric "weight_sum" reads w itself (off the gradients' path), and
+    only after a chain of matrix products, so an apply that did not wait for it would have written w by then:
+    step k's weight_sum must be the weights' before step k, ``sum(w0) - k * LR * sum(slope)``."""
+
+    W0 = np.ones(4, np.float32)
+
+    def __init__(self, worker_index: int, device_index: int):
+        self.w = tf.compat.v1.get_variable("w", initializer=self.W0)
+        self.loss = tf.reduce_sum(self.w * SLOPE)
+        busy = tf.ones([256, 256]) / 256.0
+        for _ in range(30):
+            busy = tf.matmul(busy, busy)
+        with tf.control_dependencies([busy]):
+            self.weight_sum = tf.reduce_sum(self.w.read_value())
+
+    def get_loss(self):
+        return self.loss
+
+    def get_optimizer(self):
+        return tf.compat.v1.train.GradientDescentOptimizer(LR)
+
+    def get_metrics(self):
+        return {"weight_sum": self.weight_sum}

@@ -15,8 +15,8 @@ import pytest
 
 import dsgd
 from dsgd_test_models import assert_replicas_identical, local_worker
-from ray06_test_models import (BATCH, CachedBatchNet, EvaluatedMetricsNet, ListMetricsNet, MixedMetricsNet,
-                               StringMetricNet)
+from ray06_test_models import (BATCH, LR, SLOPE, CachedBatchNet, EvaluatedMetricsNet, LateWeightNormNet,
+                               ListMetricsNet, MixedMetricsNet, StringMetricNet)
 
 STEPS = 20
 WEIGHT_NAMES = {"dense/w", "dense/b"}
@@ -101,6 +101,16 @@ def test_metric_tensors_are_stats_and_numbers_are_not():
     stats = worker.step(0, fetch_stats=True).floats()
     assert 0.0 <= stats["accuracy"] <= 1.0 and "test_accuracy" not in stats
     assert set(worker.get_weights()) == WEIGHT_NAMES
+
+
+def test_a_metric_that_reads_a_weight_is_computed_before_the_apply_writes_it():
+    """A fused step (compute and apply in one session run) fetching stats: the apply waits for the metric tensors,
+    so a metric that reads a variable sees the weights its step's loss saw, not the ones the apply wrote."""
+    worker = local_worker(LateWeightNormNet)
+    for k in range(6):
+        stats = worker.step(k, fetch_stats=True).floats()
+        assert stats["weight_sum"] == pytest.approx(LateWeightNormNet.W0.sum() - k * LR * SLOPE.sum()), k
+    assert worker.get_weights()["w"] == pytest.approx(LateWeightNormNet.W0 - 6 * LR * SLOPE)
 
 
 def test_metrics_neither_tensors_nor_numbers_are_refused_by_name():

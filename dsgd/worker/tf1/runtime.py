@@ -157,6 +157,9 @@ class Tf1Runtime(ReplicaRuntime):
 class Tf1FusedStep(FusedStep):
     """One session run: compute, the in-step exchange if any (fed the step id), and the apply.
 
+    A run that fetches the step's stats applies through an apply of its own
+    that waits for them: in one run nothing else orders a metric that reads
+    a variable (not on the gradients' path) before the apply writes it.
     ``_prepared`` holds the runs planned ahead, by ``fetch_stats``.
     """
 
@@ -166,13 +169,19 @@ class Tf1FusedStep(FusedStep):
         with runtime.user_context():
             if exchange is None:
                 self.step_input = None
-                self.apply = build_apply(built, built.replica_means, runtime.config)
+                self._means, self._checks = built.replica_means, None
             else:
                 self.step_input = tf.compat.v1.placeholder(tf.int64, [], name="step_id")
-                means, checks = exchange(built.local_means, self.step_input)
-                self.apply = build_apply(built, [means] * len(built.replicas), runtime.config, checks)
+                means, self._checks = exchange(built.local_means, self.step_input)
+                self._means = [means] * len(built.replicas)
+        self._applies = {False: self._build_apply(())}  # by fetch_stats; the other is built when first run
         self.phase = "compute and apply" if exchange is None else "compute, exchange and apply"
         self._prepared: dict[bool, session_runs.PreparedRun] = {}
+
+    def _build_apply(self, after: Sequence[tf.Tensor]) -> tf.Operation:
+        runtime = self.runtime
+        with runtime.user_context():
+            return build_apply(runtime.worker_graph, self._means, runtime.config, self._checks, after)
 
     def run(self, step_id: int, fetch_stats: bool) -> tuple[dict[str, Value], dict]:
         runtime = self.runtime
@@ -189,7 +198,10 @@ class Tf1FusedStep(FusedStep):
             self._prepared[fetch_stats] = session_runs.plan(self.runtime.sess, self._fetches(fetch_stats), names)
 
     def _fetches(self, fetch_stats: bool) -> dict:
-        return {"apply": self.apply, "stats": self.runtime.stats_fetches(fetch_stats)}
+        stats = self.runtime.stats_fetches(fetch_stats)
+        if fetch_stats not in self._applies:
+            self._applies[fetch_stats] = self._build_apply(tf.nest.flatten(stats))
+        return {"apply": self._applies[fetch_stats], "stats": stats}
 
 
 def _outcome(out: dict) -> dict:
