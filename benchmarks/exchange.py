@@ -136,21 +136,43 @@ def narrower(dims: list[int], width: float) -> list[int]:
     return dims[:kept] + [max(1, round(d * width)) for d in dims[kept:]]
 
 
+MIX_WIDTH = 64  # the compute's layers: MIX_WIDTH x MIX_WIDTH matrices
+MIX = np.linalg.qr(np.random.default_rng(0).normal(size=(MIX_WIDTH, MIX_WIDTH)))[0].astype(np.float32)
+
+
 class ExchangeModel(dsgd.Model):
     """Variables of the given shapes; loss = sum_k reduce_sum(v_k) * x_k, x random each step.
 
     TensorFlow computes each gradient, x_k broadcast to v_k's shape: a new
     full-size tensor every step (nothing fed, nothing aliased), for the cost
-    of one read and one write of every weight.
+    of one read and one write of every weight. With ``compute_rows`` r > 0
+    the variables are also a network: each one's elements, as many whole
+    ``MIX_WIDTH`` x ``MIX_WIDTH`` matrices as it holds, are layers
+    tanh(z @ (MIX + w)) that a batch z of r rows goes through, variable by
+    variable in order (MIX a fixed orthogonal matrix), the batch's mean
+    output added to the loss. Back-propagation then runs layer by layer from
+    the last variable to the first, each gradient ready when its layers are
+    done, as in a real network, in time that grows with r: what the
+    exchange can hide behind.
     """
 
-    def __init__(self, worker_index: int, device_index: int, shapes: list[tuple[str, list[int]]]):
+    def __init__(self, worker_index: int, device_index: int, shapes: list[tuple[str, list[int]]],
+                 compute_rows: int = 0):
         scales = tf.unstack(tf.random.uniform([len(shapes)], 0.5, 1.5))
         terms = []
+        z = tf.constant(np.random.default_rng(1).normal(size=(compute_rows, MIX_WIDTH)).astype(np.float32))
         for (name, shape), scale in zip(shapes, scales):
             variable = tf.compat.v1.get_variable(name, shape, tf.float32,
                                                  initializer=tf.compat.v1.zeros_initializer())
             terms.append(tf.reduce_sum(variable) * scale)
+            layers = int(np.prod(shape)) // MIX_WIDTH ** 2 if compute_rows else 0
+            if layers:
+                matrices = tf.reshape(tf.reshape(variable, [-1])[:layers * MIX_WIDTH ** 2],
+                                      [layers, MIX_WIDTH, MIX_WIDTH])
+                for layer in tf.unstack(matrices):
+                    z = tf.tanh(tf.matmul(z, MIX + layer))
+        if compute_rows:
+            terms.append(tf.reduce_mean(z))
         self.loss = tf.add_n(terms)
 
     def get_loss(self) -> tf.Tensor:

@@ -24,11 +24,23 @@ each way; the head, with this driver, runs no worker) and on it:
   simple    dsgd, strategy="simple" (the driver averages);
   raytrain  Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy,
             the same workers all-reducing a gradient of the same variables
-            (``benchmarks.peers.RayTrainRun``; its step timed in rank 0).
+            (``benchmarks.peers.RayTrainRun``; its step timed in rank 0);
+  floor+compute  the model with real compute (`--compute-rows`), a
+            1-worker engine per worker of the config, all stepped at once:
+            the compute alone, its workers sharing this machine's cores as
+            ps+compute's do;
+  ps+compute  "ps" on that model: its step against max(compute,
+            exchange), the exchange hidden behind back-propagation or not.
 
 The model is `benchmarks.exchange`'s "resnet101" shape: ResNet-101's 314
 variables, loss sum_k reduce_sum(v_k) * x_k, so compute is one read and
-write of the weights and the step is the exchange. `--scale` shrinks every
+write of the weights and the step is the exchange; the "+compute" systems
+make the variables a network of 64 x 64 layers that a batch of
+`--compute-rows` rows goes through (back-propagation layer by layer, last
+variable first), and print ps+compute's step against max(floor+compute, ps): the
+step within 1.1 x the larger of compute and exchange means they overlap.
+Every node shares this machine's 2 cores, so the compute is measured with
+as many workers computing at once (floor+compute). `--scale` shrinks every
 variable (1-D, that fraction of its elements) so that 8 nodes stay
 link-bound on this 2-core machine. M is one worker's float32 gradient
 bytes, B the link rate: "ps" moves M each way per worker with servers of
@@ -73,6 +85,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,10 +101,11 @@ from benchmarks.linked_cluster import (SERVER_RESOURCE, LinkedCluster, linked_cl
                                        missing_requirements, worker_node_ids)
 
 SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "ps-servers-paced", "simple",
-           "raytrain")
+           "raytrain", "floor+compute", "ps+compute")
+COMPUTE = "+compute"  # the suffix of the systems on the model with real compute
 RESULTS = common.RESULTS_DIR / "scaling"
 TARGETS = {"ps/(M/B)": 1.3, "ps 8 nodes / 2 nodes": 1.15, "ps-bf16/ps": 0.6, "raytrain/ps at 8 nodes": 1.3,
-           "ps-servers/(M/B)": 1.3}
+           "ps-servers/(M/B)": 1.3, "ps+compute/max(compute, exchange)": 1.1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +149,10 @@ class System(Protocol):
 class DsgdSystem:
     """A dsgd engine on the exchange model; a step is ``step(fetch_stats=True)``, timed in the driver."""
 
-    def __init__(self, name: str, variables: list[tuple[str, list[int]]], workers: int, **engine_kwargs: Any):
+    def __init__(self, name: str, variables: list[tuple[str, list[int]]], workers: int, compute_rows: int = 0,
+                 **engine_kwargs: Any):
         self.name = name
-        creator = functools.partial(exchange.ExchangeModel, shapes=variables)
+        creator = functools.partial(exchange.ExchangeModel, shapes=variables, compute_rows=compute_rows)
         self.sgd = dsgd.DistributedSGD(creator, num_workers=workers, **engine_kwargs)
         self.step = common.timed(functools.partial(self.sgd.step, fetch_stats=True))
 
@@ -161,6 +176,31 @@ class DsgdSystem:
 
     def close(self) -> None:
         self.sgd.shutdown()
+
+
+class ComputeFloor:
+    """The compute alone, under the CPU sharing ps+compute's workers see: one 1-worker engine (no exchange) on
+    the model with compute per worker of the config, all stepped at once (their workers share this machine's
+    cores as the config's do, whichever nodes they are on); a step's time is the slowest's."""
+
+    def __init__(self, name: str, variables: list[tuple[str, list[int]]], workers: int, compute_rows: int):
+        self.name = name
+        self.floors = [DsgdSystem(f"{name} {i}", variables, 1, compute_rows) for i in range(workers)]
+        self._pool = ThreadPoolExecutor(workers)
+
+    def step(self) -> float:
+        return max(self._pool.map(lambda floor: floor.step(), self.floors))
+
+    def roles(self) -> dict[int, str]:
+        return {pid: role for floor in self.floors for pid, role in floor.roles().items()}
+
+    def details(self) -> dict[str, Any]:
+        return {"engines": len(self.floors), "timed": "the slowest of the engines' steps, taken at once"}
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for floor in self.floors:
+            floor.close()
 
 
 def all_reduce_loop(variables: list[tuple[str, list[int]]]) -> Callable[[dict[str, Any]], None]:
@@ -211,15 +251,20 @@ class RayTrainSystem:
 
 
 def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_shard_bytes: int | None,
-          send_schedule: str = "streams", link_gbit: float = 0.0) -> System:
+          send_schedule: str = "streams", link_gbit: float = 0.0, compute_rows: int = 0) -> System:
     """System ``name`` (one of SYSTEMS) on the cluster, built and ready to step; ``grad_shard_bytes`` for the
     "ps" systems (None: dsgd's default partitions), ``send_schedule`` for the "-sched" ones, ``link_gbit`` for
-    the "-paced" one."""
+    the "-paced" one, ``compute_rows`` for the "+compute" ones."""
     start = time.perf_counter()
     if name == "raytrain":
         system = RayTrainSystem(variables, cfg.workers)
     elif name == "floor":
         system = DsgdSystem(name, variables, 1)
+    elif name == "floor" + COMPUTE:
+        system = ComputeFloor(name, variables, cfg.workers, compute_rows)
+    elif name == "ps" + COMPUTE:
+        system = DsgdSystem(name, variables, cfg.workers, compute_rows, strategy="ps",
+                            grad_shard_bytes=grad_shard_bytes)
     elif name == "simple":
         system = DsgdSystem(name, variables, cfg.workers, strategy="simple")
     else:
@@ -402,17 +447,38 @@ def run_config(cfg: Config, args: argparse.Namespace, variables: list[tuple[str,
     record["step_s"] = times
     record["median_ms"] = {name: statistics.median(t) * 1000 if t else None for name, t in times.items()}
     record["cpu_s_per_step"] = {name: watch.cpu_per_step(name) for name in times}
-    floor = record["median_ms"].get("floor")
     m_over_b = m_bytes * 8 / (args.link_gbit * 1e9) * 1000
     record.update(m_over_b_ms=m_over_b, ring_ms=2 * (cfg.nodes - 1) / cfg.nodes * m_over_b,
-                  exchange_ms={name: ms - floor if ms is not None and floor is not None else None
-                               for name, ms in record["median_ms"].items() if name != "floor"})
+                  exchange_ms=exchange_times(record["median_ms"]), overlap=overlap(record["median_ms"]))
     print_config(record)
     if "link_busy" in record:
         print_link_busy(record)
     for name, rows in record.get("flows", {}).items():
         print_flows(name, rows)
     return record
+
+
+def exchange_times(median_ms: dict[str, float | None]) -> dict[str, float | None]:
+    """Per system but the floors: its median step less its model's floor (the "+compute" systems' is
+    floor+compute): the exchange time a step does not hide."""
+    times = {}
+    for name, ms in median_ms.items():
+        if name.startswith("floor"):
+            continue
+        floor = median_ms.get("floor" + COMPUTE if name.endswith(COMPUTE) else "floor")
+        times[name] = ms - floor if ms is not None and floor is not None else None
+    return times
+
+
+def overlap(median_ms: dict[str, float | None]) -> dict[str, float] | None:
+    """ps+compute's step against its compute alone (floor+compute) and the exchange alone ("ps", whose compute
+    is one read of the weights): ``ratio`` = step / max(compute, exchange), 1.0 if they overlap fully, up to
+    (compute + exchange) / max if not at all. None without the three systems."""
+    step, compute, exchange_ms = (median_ms.get(n) for n in ("ps" + COMPUTE, "floor" + COMPUTE, "ps"))
+    if step is None or compute is None or exchange_ms is None:
+        return None
+    return {"step_ms": step, "compute_ms": compute, "exchange_ms": exchange_ms,
+            "ratio": step / max(compute, exchange_ms), "serial": (compute + exchange_ms) / max(compute, exchange_ms)}
 
 
 Measured = Callable[[str, Callable[[], float]], Callable[[], float]]  # (system, step) -> the step, measured
@@ -425,7 +491,7 @@ def run_together(cfg: Config, args: argparse.Namespace, variables: list[tuple[st
     try:
         for name in args.systems:
             systems.append(build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule,
-                                 args.link_gbit))
+                                 args.link_gbit, args.compute_rows))
         watch.refresh(systems)
         record["details"] = {s.name: s.details() for s in systems}
         record["memory"].append({"alive": [s.name for s in systems], **watch.memory()})
@@ -461,7 +527,8 @@ def run_in_turn(cfg: Config, args: argparse.Namespace, variables: list[tuple[str
     record["order"] = []
     for repeat in range(args.repeats):
         for name in common.rotated(args.systems, repeat):
-            system = build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule, args.link_gbit)
+            system = build(name, variables, cfg, args.grad_shard_bytes, args.send_schedule, args.link_gbit,
+                           args.compute_rows)
             try:
                 watch.refresh([system])
                 record["details"].setdefault(name, system.details())
@@ -505,6 +572,11 @@ TABLE_HEAD = ["| nodes x workers | system | median step ms | less floor ms | M/B
 
 def print_config(record: dict[str, Any]) -> None:
     print("\n" + "\n".join(TABLE_HEAD + config_rows(record)), flush=True)
+    found = record.get("overlap")
+    if found:
+        print(f"\noverlap: ps+compute {found['step_ms']:.0f} ms against compute {found['compute_ms']:.0f} ms "
+              f"(floor+compute) and exchange {found['exchange_ms']:.0f} ms (ps): {found['ratio']:.2f} x the larger "
+              f"(1.00 if they overlap fully, {found['serial']:.2f} if not at all)", flush=True)
 
 
 def verdicts(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -524,6 +596,8 @@ def verdicts(records: list[dict[str, Any]]) -> dict[str, Any]:
                            if r["exchange_ms"].get("ps-bf16") and r["exchange_ms"].get("ps")}
     if 8 in single and single[8]["median_ms"].get("raytrain") and single[8]["median_ms"].get("ps"):
         found["raytrain/ps at 8 nodes"] = single[8]["median_ms"]["raytrain"] / single[8]["median_ms"]["ps"]
+    found["ps+compute/max(compute, exchange)"] = {r["config"]: r["overlap"]["ratio"] for r in records
+                                                  if r.get("overlap")}
     return found
 
 
@@ -556,7 +630,8 @@ def scaling_figure(records: list[dict[str, Any]]):
     ax = fig.add_subplot()
     single = sorted((r for r in records if r["workers"] == r["nodes"]), key=lambda r: r["nodes"])
     nodes = [r["nodes"] for r in single]
-    systems = [s for s in SYSTEMS if s != "floor" and any(r["exchange_ms"].get(s) is not None for r in records)]
+    systems = [s for s in SYSTEMS if not s.startswith("floor") and not s.endswith(COMPUTE)
+               and any(r["exchange_ms"].get(s) is not None for r in records)]
     colors = dict(zip(systems, ("tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red")))
     for name in systems:
         points = [(r["nodes"], r["exchange_ms"][name] / 1000) for r in single if r["exchange_ms"].get(name)]
@@ -613,6 +688,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grad-shard-bytes", type=int, default=None,
                    help="the \"ps\" systems' partition bytes (default: dsgd's; across nodes about 16 a server, at "
                         "least 1 MiB)")
+    p.add_argument("--compute-rows", type=int, default=1536,
+                   help="the \"+compute\" systems' batch rows through the variables' layers "
+                        "(benchmarks.exchange.ExchangeModel)")
     p.add_argument("--probe-mb", type=float, default=16.0)
     p.add_argument("--object-store-memory", type=int, default=1 << 30, help="bytes per node")
     p.add_argument("--link-busy", action="store_true",
@@ -638,6 +716,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.link_busy = args.link_busy or args.flows  # the flows are cut into the link monitor's timed steps
     if "floor" not in args.systems:
         p.error("--systems needs floor: the exchange time is a step less the floor's")
+    if "ps" + COMPUTE in args.systems and not {"floor" + COMPUTE, "ps"} <= set(args.systems):
+        p.error("ps+compute is measured against floor+compute (the compute) and ps (the exchange): give all three")
     if any(s.startswith("ps-servers") for s in args.systems) != (args.server_nodes > 0):
         p.error("ps-servers runs its parameter servers on nodes of their own: give --systems ps-servers and "
                 "--server-nodes K (K >= 1) together")

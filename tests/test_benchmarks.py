@@ -496,6 +496,17 @@ def test_scaling_verdicts_table_and_plot(tmp_path):
     assert list(lines_drawn["M/B"].get_ydata()) == [1.0, 1.0, 1.0]
 
 
+def test_scaling_measures_the_overlap_of_compute_and_exchange_against_the_compute_models_own_floor():
+    median_ms = {"floor": 100.0, "ps": 1100.0, "floor+compute": 900.0, "ps+compute": 1320.0}
+    assert scaling.exchange_times(median_ms) == {"ps": 1000.0, "ps+compute": 420.0}  # the compute model's floor
+    found = scaling.overlap(median_ms)
+    assert found["ratio"] == pytest.approx(1320 / 1100) and found["serial"] == pytest.approx(2000 / 1100)
+    record = {**_scaling_record(2, 1, {"ps": 1.0}), "overlap": found}
+    line = scaling.verdict_lines(scaling.verdicts([record]))[-1]
+    assert line == "ps+compute/max(compute, exchange): 2x1 1.20 (misses <= 1.1)"
+    assert scaling.overlap({"floor": 100.0, "ps": 1100.0}) is None
+
+
 def test_scaling_plots_several_runs_each_system_from_the_last_record_that_measured_it(tmp_path, monkeypatch):
     old, new, bf16, other = (tmp_path / f"{name}.json" for name in ("old", "new", "bf16", "other"))
     old.write_text(json.dumps({"configs": [_scaling_record(2, 1, {"ps": 1.1, "raytrain": 1.2}),
