@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -164,19 +165,18 @@ def connect_ray(args: argparse.Namespace, default_cpus: int, **init_kwargs: Any)
         start_ray(args.address, num_cpus=args.num_cpus or default_cpus, **init_kwargs)
 
 
-def mnist_example() -> Any:
-    """examples/mnist.py as a module, pickled by value (the workers may lack examples/ on their path)."""
+def example(name: str) -> Any:
+    """examples/<name>.py as a module, pickled by value (the workers may lack examples/ on their path)."""
     if str(EXAMPLES_DIR) not in sys.path:
         sys.path.insert(0, str(EXAMPLES_DIR))
-    import mnist
-
-    cloudpickle.register_pickle_by_value(mnist)
-    return mnist
+    module = importlib.import_module(name)
+    cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def mnist_creator(num_workers: int, batch_size: int) -> Callable[[int, int], Any]:
     """examples/mnist.py's ConvNet, ``batch_size`` per replica, its data sliced for up to ``num_workers`` workers."""
-    mnist = mnist_example()
+    mnist = example("mnist")
     args = mnist.parse_args(["--num-workers", str(num_workers), "--batch-size", str(batch_size)])
     return lambda worker_index, device_index: mnist.ConvNet(worker_index, device_index, args)
 

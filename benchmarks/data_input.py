@@ -30,25 +30,19 @@ if not __package__:  # run as `python benchmarks/data_input.py`
 import argparse
 import contextlib
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
-import ray.cloudpickle
 
 import dsgd
 from benchmarks import common
 
-sys.path.insert(0, str(common.REPO_ROOT / "examples"))
-import mnist_keras  # noqa: E402  examples/mnist_keras.py: the flags
-import mnist_tf_keras  # noqa: E402  examples/mnist_tf_keras.py: the tf_keras model and its two inputs
-
-# The example's model creators are sent to the workers by value (examples/ is not on their path), with the
-# example modules they reach: mnist_tf_keras imports mnist_keras, which imports mnist.
-for example in (mnist_keras.mnist, mnist_keras, mnist_tf_keras):
-    ray.cloudpickle.register_pickle_by_value(example)
+# The example's model creators go to the workers by value, with every example module they reach.
+common.example("mnist")  # which mnist_keras imports
+mnist_keras = common.example("mnist_keras")  # the flags
+mnist_tf_keras = common.example("mnist_tf_keras")  # the tf_keras model and its two inputs
 
 SYSTEMS = ("numpy", "ray-data")
 

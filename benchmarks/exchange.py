@@ -226,7 +226,7 @@ class UnionBatch:
     ``workers`` batches of ``batch_size``: one batch of ``workers x batch_size``, loss and accuracy fetched."""
 
     def __init__(self, workers: int, batch_size: int):
-        mnist = common.mnist_example()
+        mnist = common.example("mnist")
         args = mnist.parse_args(["--num-workers", "1", "--batch-size", str(workers * batch_size)])
         graph = tf.Graph()
         with graph.as_default():

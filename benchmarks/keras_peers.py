@@ -119,7 +119,7 @@ def build_model(framework: str, model: str, image_shape: tuple[int, ...]) -> Any
 
 def training_data(program: Program) -> tuple[np.ndarray, np.ndarray]:
     """`program.rows` digits (repeated if there are fewer), at `image_size` px with three channels for ResNet-50."""
-    _, digits = common.mnist_example().load_digits(None)
+    _, digits = common.example("mnist").load_digits(None)
     x, y = digits["x_train"], digits["y_train"]
     repeats = math.ceil(program.rows / len(x))
     x, y = np.concatenate([x] * repeats)[:program.rows], np.concatenate([y] * repeats)[:program.rows]
@@ -360,7 +360,7 @@ def program_for(model: str, args: argparse.Namespace) -> Program:
     batch_size = args.batch_size or DEFAULT_BATCH[model]
     steps = args.steps or DEFAULT_STEPS[model]
     if steps is None:  # every digit once
-        steps = len(common.mnist_example().load_digits(None)[1]["y_train"]) // batch_size
+        steps = len(common.example("mnist").load_digits(None)[1]["y_train"]) // batch_size
     image_size = args.image_size if model == "resnet50" else 0
     return Program(model, image_size, batch_size, steps, args.warmup + args.rounds)
 

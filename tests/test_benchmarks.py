@@ -119,8 +119,8 @@ def test_exchange_gradients_are_computed_by_tensorflow():
 def digits_loaded_here(monkeypatch):
     """examples/mnist.py's model loads its data (scikit-learn's digits, offline) where it is built, on the session's
     Ray workers, which find no scikit-learn (tests/job_processes.py). The same digits loaded here instead: the example
-    goes to the workers by value (``common.mnist_example``), with this ``load_digits``."""
-    mnist = common.mnist_example()
+    goes to the workers by value (``common.example``), with this ``load_digits``."""
+    mnist = common.example("mnist")
     loaded = mnist.load_digits(None)
     monkeypatch.setattr(mnist, "load_digits", lambda data_dir: loaded)
 
