@@ -159,20 +159,11 @@ class ExchangeModel(dsgd.Model):
     def __init__(self, worker_index: int, device_index: int, shapes: list[tuple[str, list[int]]],
                  compute_rows: int = 0):
         scales = tf.unstack(tf.random.uniform([len(shapes)], 0.5, 1.5))
-        terms = []
-        z = tf.constant(np.random.default_rng(1).normal(size=(compute_rows, MIX_WIDTH)).astype(np.float32))
-        for (name, shape), scale in zip(shapes, scales):
-            variable = tf.compat.v1.get_variable(name, shape, tf.float32,
-                                                 initializer=tf.compat.v1.zeros_initializer())
-            terms.append(tf.reduce_sum(variable) * scale)
-            layers = int(np.prod(shape)) // MIX_WIDTH ** 2 if compute_rows else 0
-            if layers:
-                matrices = tf.reshape(tf.reshape(variable, [-1])[:layers * MIX_WIDTH ** 2],
-                                      [layers, MIX_WIDTH, MIX_WIDTH])
-                for layer in tf.unstack(matrices):
-                    z = tf.tanh(tf.matmul(z, MIX + layer))
+        variables = [tf.compat.v1.get_variable(name, shape, tf.float32, initializer=tf.compat.v1.zeros_initializer())
+                     for name, shape in shapes]
+        terms = [tf.reduce_sum(variable) * scale for variable, scale in zip(variables, scales)]
         if compute_rows:
-            terms.append(tf.reduce_mean(z))
+            terms.append(tf.reduce_mean(_network_output(variables, compute_rows)))
         self.loss = tf.add_n(terms)
 
     def get_loss(self) -> tf.Tensor:
@@ -180,6 +171,19 @@ class ExchangeModel(dsgd.Model):
 
     def get_optimizer(self) -> tf.compat.v1.train.Optimizer:
         return tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE)
+
+
+def _network_output(variables: list, rows: int) -> tf.Tensor:
+    """A batch of ``rows`` rows through every variable's whole ``MIX_WIDTH`` x ``MIX_WIDTH`` matrices, in order,
+    each a layer tanh(z @ (MIX + w)) (``ExchangeModel``'s compute)."""
+    z = tf.constant(np.random.default_rng(1).normal(size=(rows, MIX_WIDTH)).astype(np.float32))
+    for variable in variables:
+        layers = variable.shape.num_elements() // MIX_WIDTH ** 2
+        if layers:
+            matrices = tf.reshape(tf.reshape(variable, [-1])[:layers * MIX_WIDTH ** 2], [layers, MIX_WIDTH, MIX_WIDTH])
+            for layer in tf.unstack(matrices):
+                z = tf.tanh(tf.matmul(z, MIX + layer))
+    return z
 
 
 class ExchangeModelTF2(dsgd.TF2Model):

@@ -137,7 +137,7 @@ class CompiledReplica(TF2Model):
         model = self.model
         if self._per_step_metrics:
             model.reset_metrics()  # before the loss: it tracks each output's loss as a metric
-        elif self._counted_once is not None:
+        else:
             self._counted_once.before_updates()
         y_pred = model(x, training=True)
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
