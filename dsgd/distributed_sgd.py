@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 import ray
+import tensorflow as tf
 
+from dsgd.common.results import Evaluation, Means
 from dsgd.driver import checkpoint, step_stats
 from dsgd.integrations import data
 from dsgd.cluster import placement
@@ -26,6 +28,7 @@ from dsgd.errors import DSGDError
 from dsgd.driver.ledger import StepLedger
 from dsgd.model import Model
 from dsgd.sgd_worker import SGDWorker
+from dsgd.worker import inputs
 
 logger = logging.getLogger(__name__)
 
@@ -492,6 +495,69 @@ class DistributedSGD:
             DSGDError: worker 0 died while ``fn`` ran (as in ``foreach_worker``).
         """
         return self._on_worker_0("for_model", fn, what="for_model", rerun=False)
+
+    # ---- evaluation and prediction -------------------------------------------
+
+    def evaluate(self, x: Any, batch_size: int = 32, steps: int | None = None) -> dict[str, float]:
+        """The model's loss and metrics over ``x``, every replica evaluating its part, reduced once over all of
+        them: what one process evaluating all of ``x`` with these weights gets. No weight or state changes.
+
+        A ``dsgd.TF2Model`` is evaluated by its ``get_loss(batch)``: each
+        batch's loss and metrics weighted by its rows, so a loss that is a
+        mean over the batch gives the mean over every row. A Keras 3
+        ``dsgd.KerasModel`` by Keras's own ``evaluate``, its compiled
+        metrics' state summed across replicas (an AUC over every row). A
+        TF1 ``dsgd.Model`` is refused. Waits for the steps in flight first.
+
+        Example:
+            ```python
+            sgd.evaluate((x_test, y_test), batch_size=256)   # {"loss": ..., "accuracy": ...}
+            ```
+
+        Args:
+            x: numpy arrays structured as a batch (as ``get_batch`` returns
+                one; for a ``KerasModel``, ``(x, y)`` or ``(x, y,
+                sample_weight)``), each replica taking a contiguous part of
+                the rows; a Ray Dataset (a split per worker, batches as dicts
+                of columns); or a function ``(worker_index, device_index) ->
+                tf.data.Dataset`` of each replica's batches.
+            batch_size: the global batch; a replica's batches have
+                ``batch_size // replicas`` rows (at least 1).
+            steps: evaluate at most this many global batches (all if None).
+        """
+        evaluation = self._evaluate(inputs.source(x, batch_size, steps, self.num_workers, self.devices_per_worker))
+        if isinstance(evaluation, Means):
+            return evaluation.logs()
+        return self._on_worker_0("evaluation_logs", evaluation, what="the evaluation's logs")
+
+    def predict(self, x: Any, batch_size: int = 32) -> Any:
+        """The model's outputs for ``x`` (numpy arrays, structured as the model's inputs), every replica
+        predicting a contiguous part of the rows; the rows in input order. For a Keras model (Keras's own
+        ``predict``, inference mode), or a ``dsgd.TF2Model`` with ``predict_batches(batches)``. Waits for the
+        steps in flight first.
+
+        Example:
+            ```python
+            probabilities = sgd.predict(x_test, batch_size=256)
+            ```
+        """
+        if callable(x) or inputs.is_ray_dataset(x):
+            raise TypeError("predict takes numpy arrays (its rows come back in input order), got "
+                            f"{type(x).__name__}; for a Ray Dataset, predict inside the dataset's map_batches")
+        return self._predict(inputs.source(x, batch_size, None, self.num_workers, self.devices_per_worker))
+
+    def _evaluate(self, source: inputs.InputSource) -> Evaluation:
+        """Every replica's evaluation of its batches from ``source``, reduced once."""
+        per_worker = self._on_workers("evaluate", source, what="evaluate",
+                                      rerun=not isinstance(source, inputs.RayDataSplits))  # a split is read once
+        parts = [part for worker in per_worker for part in worker]
+        return type(parts[0]).reduce(parts)
+
+    def _predict(self, source: inputs.ArrayParts) -> Any:
+        """Every replica's outputs for its part of ``source``'s rows, concatenated in replica order."""
+        per_worker = self._on_workers("predict", source, what="predict")
+        parts = [part for worker in per_worker for part in worker if part is not None]
+        return tf.nest.map_structure(lambda *outputs: np.concatenate(outputs), *parts)
 
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it.

@@ -24,7 +24,7 @@ import tensorflow as tf
 from dsgd.common import actor_identity, timeline
 from dsgd.config import WorkerConfig
 from dsgd.common.calls import peer_errors
-from dsgd.common.results import StepResult
+from dsgd.common.results import Evaluation, StepResult
 from dsgd.errors import DSGDError, ModelCreatorError
 from dsgd.exchange import registry
 from dsgd.exchange.base import Exchange
@@ -32,6 +32,7 @@ from dsgd.exchange.ps_client import ParameterServerClient
 from dsgd.model import Model, TF1ModelOutsideGraph, TF2ModelInGraph
 from dsgd.wire import partitions
 from dsgd.worker import tf_logs
+from dsgd.worker.inputs import InputSource
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.runtime import ReplicaRuntime
 from dsgd.worker.tf1.runtime import Tf1Runtime
@@ -236,6 +237,23 @@ class SGDWorker:
     def collect_trace(self) -> list[timeline.Event]:
         trace, self.runtime.trace = self.runtime.trace, None
         return trace.events if trace else []
+
+    # ---- evaluation and prediction ------------------------------------------
+
+    def evaluate(self, source: InputSource) -> list[Evaluation]:
+        """Every replica's evaluation of its batches from ``source`` (``ReplicaRuntime.evaluate``)."""
+        with self.runtime.user_context():
+            return self.runtime.evaluate(source)
+
+    def evaluation_logs(self, evaluation: Evaluation) -> dict[str, Any]:
+        """The logs of ``evaluation``, every replica's reduced (``ReplicaRuntime.evaluation_logs``)."""
+        with self.runtime.user_context():
+            return self.runtime.evaluation_logs(evaluation)
+
+    def predict(self, source: InputSource) -> list[Any]:
+        """Every replica's outputs for its batches from ``source`` (``ReplicaRuntime.predict``)."""
+        with self.runtime.user_context():
+            return self.runtime.predict(source)
 
     # ---- state and user callbacks ----------------------------------------
 

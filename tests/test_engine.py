@@ -216,6 +216,19 @@ def test_for_model_runs_on_worker_0_device_0_in_the_workers_session(engines):
     assert sgd.foreach_worker(_default_session_is_the_workers) == [True] * WORKERS
 
 
+def test_evaluate_and_predict_refuse_a_tf1_model_by_name(engines):
+    sgd = engines["simple"]
+    x = np.zeros((8, 4), np.float32)
+    with pytest.raises(dsgd.DSGDError, match="evaluate needs a TF2 model .*TanhNet is a TF1 dsgd.Model.*foreach_model"):
+        sgd.evaluate(x)
+    with pytest.raises(dsgd.DSGDError, match="predict needs a model with outputs: TanhNet has no predict_batches"):
+        sgd.predict(x)
+    with pytest.raises(ValueError, match="batch_size must be a positive int .*got 0"):
+        sgd.evaluate(x, batch_size=0)
+    with pytest.raises(TypeError, match="predict takes numpy arrays .*got function"):
+        sgd.predict(lambda w, d: None)
+
+
 @pytest.mark.parametrize("strategy", ["simple", "ps", "ps-python"])
 def test_steps_equal_numpy_reference_and_keep_replicas_identical(engines, strategy):
     """And what a step sends: "simple", a worker's float32 gradients to the driver; "ps", its partitions."""

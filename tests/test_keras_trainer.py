@@ -109,6 +109,12 @@ def test_a_tf_data_function_of_each_replicas_batches_trains_as_the_arrays_do(fre
     assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
     with pytest.raises(ValueError, match="needs steps_per_epoch"):
         fresh.fit(km.binary_replica_dataset, epochs=1, verbose=0)
+    # evaluate reads the same function: the replicas' datasets together are the first rows, in global batches.
+    rows = len(x) // BATCH * BATCH
+    assert_logs_equal(fresh.evaluate(km.binary_replica_dataset, verbose=0, return_dict=True),
+                      reference.evaluate(x[:rows], y[:rows], batch_size=BATCH, verbose=0, return_dict=True))
+    assert_logs_equal(fresh.evaluate(km.binary_replica_dataset, steps=2, verbose=0, return_dict=True),
+                      reference.evaluate(x[:2 * BATCH], y[:2 * BATCH], batch_size=BATCH, verbose=0, return_dict=True))
 
 
 class BatchLogs(keras.callbacks.Callback):

@@ -120,6 +120,25 @@ def test_keras3_checkpoint_round_trip_restores_weights_and_adam_state(keras3_eng
                 np.testing.assert_array_equal(state[group][name], saved[group][name], err_msg=name)
 
 
+def test_a_keras3_model_evaluates_by_its_metric_state_and_predicts_rows_in_input_order(keras3_engine):
+    """``evaluate`` and ``predict`` of a Keras 3 ``KerasModel`` on 2 workers x 2 devices (batch normalization):
+    Keras's own evaluate on each replica's part, the metric states summed, equal one process's ``evaluate`` and
+    ``predict`` with the engine's weights; no weight (moving statistics included) changes."""
+    sgd = keras3_engine.sgd
+    weights = sgd.get_weights()
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(50, m.FEATURES)).astype(np.float32)
+    y = np.abs(x[:, :m.CLASSES]).argmax(1)
+    reference = m.NETS["sequential"]()
+    reference.compile(loss=m.loss_of("sequential"), metrics=m.metrics_of("sequential"))
+    reference.set_weights(list(weights.values()))
+    expected = reference.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert sgd.evaluate((x, y), batch_size=32) == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(sgd.predict(x, batch_size=16), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    for name, value in sgd.get_weights().items():
+        np.testing.assert_array_equal(value, weights[name], err_msg=name)
+
+
 def test_tf2_model_reports_its_metrics_and_trains_like_the_reference(ray_session):
     with dsgd.DistributedSGD(m.Regression, num_workers=2, devices_per_worker=2, strategy="ps") as sgd:
         assert list(sgd.get_weights()) == ["w", "b"]
@@ -156,6 +175,34 @@ def on_two_workers(sgd: dsgd.DistributedSGD) -> dsgd.DistributedSGD:
     if sgd.num_workers != 2:
         sgd.resize(2)
     return sgd
+
+
+def test_a_tf2_model_evaluates_its_loss_and_metrics_over_every_row_on_the_workers(fixed_regression_engine):
+    """``evaluate`` of a ``TF2Model`` by its ``get_loss``: arrays split over the replicas (101 rows: unequal parts, a
+    short last batch) and a tf.data function of each replica's batches both give the means over every row, as
+    numpy computes them from the engine's weights, which it leaves as they were."""
+    sgd = on_two_workers(fixed_regression_engine)
+    sgd.step()
+    weights = sgd.get_weights()
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(101, m.FEATURES)).astype(np.float32)
+    y = rng.normal(size=101).astype(np.float32)
+
+    def expected(rows: slice) -> dict:
+        err = x[rows].astype(np.float64) @ weights["w"] + float(weights["b"]) - y[rows]
+        return {"loss": np.mean(err ** 2), "mae": np.mean(np.abs(err))}
+
+    got = sgd.evaluate({"x": x, "y": y}, batch_size=16)
+    assert got == pytest.approx(expected(slice(None)), rel=1e-5)
+    assert sgd.evaluate({"x": x, "y": y}, batch_size=16, steps=2) == pytest.approx(expected(slice(0, 32)), rel=1e-5)
+    halves = {0: slice(0, 60), 1: slice(60, 101)}  # worker w's replica reads rows halves[w], in batches of 7
+    by_function = sgd.evaluate(lambda w, d: tf.data.Dataset.from_tensor_slices(
+        {"x": x[halves[w]], "y": y[halves[w]]}).batch(7))
+    assert by_function == pytest.approx(expected(slice(None)), rel=1e-5)
+    for name, value in sgd.get_weights().items():
+        np.testing.assert_array_equal(value, weights[name], err_msg=name)
+    with pytest.raises(dsgd.DSGDError, match="predict needs a model with outputs: NaNOnCue has no predict_batches"):
+        sgd.predict(x)
 
 
 def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_reference(fixed_regression_engine):

@@ -5,7 +5,10 @@ times, ``sent_bytes``), each a ``Value`` with its ``Reduction``. A mean is
 kept as its total (an exact fraction of the floats summed) and count, so
 results combine exactly and in any grouping: replicas inside a worker, then
 workers on the driver, give the mean over every contribution, however many
-each worker had, rounded once. No TensorFlow here.
+each worker had, rounded once. An evaluation (``evaluate``) is reduced the
+same way, once, from every replica's: ``Means`` of the model's own loss and
+metrics over every row, or a Keras model's metric state
+(``dsgd.integrations.metric_states.MetricState``). No TensorFlow here.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 
 class Reduction(enum.Enum):
@@ -40,6 +43,13 @@ class Value:
         finite = [Fraction(v) for v in values if math.isfinite(v)]
         return cls(Reduction.MEAN, sum(finite, Fraction(0)), len(values),
                    sum(v for v in values if not math.isfinite(v)))
+
+    @classmethod
+    def repeated(cls, value: float, times: int) -> Value:
+        """``times`` contributions of ``value`` each (e.g. a batch's mean loss, once per row of the batch)."""
+        if math.isfinite(value):
+            return cls(Reduction.MEAN, Fraction(value) * times, times)
+        return cls(Reduction.MEAN, Fraction(0), times, value)
 
     def combine(self, other: Value) -> Value:
         """This and ``other``, both partial reductions of one value, as one."""
@@ -96,3 +106,27 @@ def combine(results: Sequence[StepResult]) -> StepResult:
         combined = ({name: value.combine(result.values[name]) for name, value in combined.items()}
                     if combined else dict(result.values))
     return StepResult(combined, skipped)
+
+
+class Evaluation(Protocol):
+    """One replica's evaluation of its part of the input (``evaluate``), reduced with every other replica's once,
+    on the driver."""
+
+    @classmethod
+    def reduce(cls, parts: Sequence[Evaluation]) -> Evaluation:
+        """Every replica's evaluation (each of this type) as one: the evaluation of all their rows."""
+
+
+@dataclass(frozen=True)
+class Means:
+    """An evaluation by the model's own loss and metrics: each one's mean over every row evaluated (a replica
+    that evaluated no rows has none)."""
+
+    values: dict[str, Value]
+
+    @classmethod
+    def reduce(cls, parts: Sequence[Means]) -> Means:
+        return cls(combine([StepResult(part.values) for part in parts]).values)
+
+    def logs(self) -> dict[str, float]:
+        return {name: value.result() for name, value in self.values.items()}

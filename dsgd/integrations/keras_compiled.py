@@ -16,18 +16,22 @@ values (the state is reset at every step, as its step stats are per step);
 ``KerasTrainer`` lets the state accumulate over an epoch and sums it across
 the replicas on the driver (``dsgd.integrations.metric_states``). A step
 the engine runs again after a fault counts its batch in that state once
-(``CountedOnce``).
+(``CountedOnce``). Both evaluate and predict with Keras's own ``evaluate``
+and ``predict`` on the batches the runtime gives them
+(``dsgd.worker.runtime.Evaluates``, ``Predicts``).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
 
+from dsgd.integrations import metric_states
 from dsgd.integrations.keras_backend import check_optimizer, import_keras
+from dsgd.integrations.metric_states import MetricState
 from dsgd.model import TF2Model
 
 # A step's batch: (x, y) or (x, y, sample_weight), numpy structures.
@@ -149,40 +153,44 @@ class CompiledReplica(TF2Model):
 
     # ---- metric state, evaluation and inference ------------------------------------------
 
-    def metric_state(self) -> list[np.ndarray]:
-        """The compiled metrics' variables (``model.metrics_variables``), as numpy."""
-        return [np.asarray(v.numpy()) for v in self.model.metrics_variables]
+    def metric_state(self) -> MetricState:
+        """The compiled metrics' variables (``model.metrics_variables``) now."""
+        return MetricState.of(self.model)
 
     def reset_metrics(self) -> None:
         self.model.reset_metrics()
 
-    def evaluate_state(self, x: Any, y: Any, sample_weight: Any, batch_size: int) -> list[np.ndarray]:
-        """Keras's own ``evaluate`` of this replica's part of the data: the metrics' state it leaves (the loss
-        tracker's total and count, every metric's), to be summed with the other replicas'. The metrics are
-        reset after, as before it."""
-        if not len(tf.nest.flatten(x)[0]):
-            return self._evaluated(None)  # an empty part adds nothing
-        return self._evaluated(lambda: self.model.evaluate(x, y, sample_weight=sample_weight,
-                                                           batch_size=batch_size, verbose=0))
-
-    def evaluate_batches_state(self, batches: Iterator[Batch]) -> list[np.ndarray]:
+    def evaluate_batches(self, batches: Iterator[Batch]) -> MetricState:
         """Keras's own ``evaluate`` of a stream of batches ``(x, y, sample_weight)``: the metrics' state it leaves
-        (nothing added if the stream is empty). The metrics are reset after, as before it."""
+        (nothing counted if the stream is empty), to be reduced with the other replicas'. The metrics hold what
+        they held before, after it."""
+        first = next(batches, None)
+        kept = self.metric_state()
+        self.model.reset_metrics()
+        if first is not None:  # Keras takes a generator, not an iterator
+            self.model.evaluate((batch for batch in itertools.chain([first], batches)), verbose=0)
+        evaluated = self.metric_state()
+        self._set_metric_state(kept)
+        return evaluated
+
+    def evaluation_logs(self, evaluation: MetricState) -> dict[str, Any]:
+        """Keras's results of ``evaluation`` (every replica's state, reduced), the metrics left as they were."""
+        kept = self.metric_state()
+        logs = metric_states.results(self.model, evaluation.state)
+        self._set_metric_state(kept)
+        return logs
+
+    def _set_metric_state(self, state: MetricState) -> None:
+        for variable, value in zip(self.model.metrics_variables, state.state):
+            variable.assign(value)
+
+    def predict_batches(self, batches: Iterator[Any]) -> Any:
+        """Keras's own ``predict`` of a stream of input batches: the outputs as numpy, rows in order (None if the
+        stream is empty)."""
         first = next(batches, None)
         if first is None:
-            return self._evaluated(None)
-        generator = (batch for batch in itertools.chain([first], batches))  # Keras takes a generator, not an iterator
-        return self._evaluated(lambda: self.model.evaluate(generator, verbose=0))
-
-    def _evaluated(self, evaluate: Callable[[], Any] | None) -> list[np.ndarray]:
-        """The metrics' state after ``evaluate()`` (Keras's, which resets them first; None: nothing to evaluate),
-        the metrics reset after it."""
-        self.model.reset_metrics()
-        if evaluate is not None:
-            evaluate()
-        state = self.metric_state()
-        self.model.reset_metrics()
-        return state
+            return None
+        return self.model.predict(((x,) for x in itertools.chain([first], batches)), verbose=0)
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for ``x`` in inference mode (``keras.Model.predict``), as numpy; call it on a

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from dsgd.integrations.keras_compiled import BatchSource
+from dsgd.worker.inputs import replica_dataset, take
 
 @dataclasses.dataclass(frozen=True)
 class EpochPlan:
@@ -79,20 +80,6 @@ class EpochPlan:
         if order is None:
             return slice(first, first + size)
         return np.sort(order[first:first + size])
-
-
-def take(arrays: Any, rows: slice | np.ndarray) -> Any:
-    """``rows`` of every array of a structure (``None`` stays ``None``)."""
-    return tf.nest.map_structure(lambda a: None if a is None else a[rows], arrays)
-
-
-def num_rows(arrays: Any) -> int:
-    """The rows of a structure of arrays, checked to agree."""
-    counts = {len(a) for a in tf.nest.flatten(arrays) if a is not None}
-    if len(counts) != 1:
-        raise ValueError(f"the arrays given have different numbers of rows: {sorted(counts)}; x, y and "
-                         "sample_weight need one row per sample")
-    return counts.pop()
 
 
 class Feed(BatchSource, Protocol):
@@ -184,10 +171,7 @@ class DatasetFeed:
 
     def __init__(self, start: DatasetStart, worker_index: int, device_index: int):
         self.token = start.token
-        self._dataset = start.dataset_fn(worker_index, device_index)
-        if not isinstance(self._dataset, tf.data.Dataset):
-            raise TypeError(f"the input function gave worker {worker_index}, device {device_index} a "
-                            f"{type(self._dataset).__name__}; expected a tf.data.Dataset of its batches")
+        self._dataset = replica_dataset(start.dataset_fn, worker_index, device_index)
         self._iterator = self._dataset.as_numpy_iterator()
 
     def seek(self, applied_steps: int) -> bool:

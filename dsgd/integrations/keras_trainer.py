@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 import time
 from typing import Any, Callable
 
@@ -36,7 +35,10 @@ from dsgd.integrations import metric_states
 from dsgd.integrations.keras_backend import import_keras
 from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
 from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
-                                          RayDataStart, num_rows, take, with_weights)
+                                          RayDataStart, with_weights)
+from dsgd.integrations.metric_states import MetricState
+from dsgd.worker import inputs
+from dsgd.worker.inputs import ArrayParts, InputSource, contiguous_parts, num_rows, take
 
 logger = logging.getLogger(__name__)
 
@@ -189,12 +191,12 @@ class KerasTrainer:
         from keras.src.trainers.data_adapters import array_slicing
 
         columns = None
-        if _is_ray_dataset(x):
+        if inputs.is_ray_dataset(x):
             if y is not None or sample_weight is not None or validation_split:
                 raise ValueError("x is a Ray Dataset: its labels are columns (label_columns=), so give no y, "
                                  "sample_weight or validation_split (validation_data may be another Ray Dataset)")
             columns = Columns.of(x, label_columns, feature_columns, class_weight)
-        elif (label_columns is not None or feature_columns is not None) and not _is_ray_dataset(validation_data):
+        elif (label_columns is not None or feature_columns is not None) and not inputs.is_ray_dataset(validation_data):
             raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x or "
                              f"validation_data; x is {type(x).__name__}")
         elif validation_split and validation_data is None and not callable(x):
@@ -307,32 +309,28 @@ class KerasTrainer:
         return self._evaluate(evaluation, verbose, callbacks, return_dict)
 
     def _evaluation(self, x: Any, y: Any, sample_weight: Any, batch_size: int, steps: int | None,
-                    label_columns: Any, feature_columns: Any) -> Callable[[], Callable[[Any], Any]]:
-        """The data to evaluate, prepared once (the engine started if not yet): arrays put in the object store, or
-        a Ray Dataset and its columns. Each call of the result gives what each worker runs for one evaluation:
-        its replicas' contiguous parts of the arrays, or its split of the dataset, streamed through its first
-        replica (both made anew, for the replicas there are then)."""
-        if _is_ray_dataset(x):
-            columns = Columns.of(x, label_columns, feature_columns, None)
-            dataset = x if steps is None else x.limit(steps * batch_size)
-            if self._engine is None:
-                first = columns.first(dataset)
-                self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
-            return lambda: functools.partial(_evaluate_split, dataset.streaming_split(self.engine.num_workers,
-                                                                                       equal=False),
-                                             columns, max(1, batch_size // self.engine.num_workers))
+                    label_columns: Any, feature_columns: Any) -> Callable[[], InputSource]:
+        """The data to evaluate, prepared once (the engine started if not yet): arrays put in the object store, a
+        Ray Dataset and its columns, or a function ``(worker_index, device_index) -> tf.data.Dataset``. Each call
+        of the result gives the input source of one evaluation, for the replicas there are then."""
         if label_columns is not None or feature_columns is not None:
-            raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x; x is "
-                             f"{type(x).__name__}")
+            if not inputs.is_ray_dataset(x):
+                raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x; x is "
+                                 f"{type(x).__name__}")
+        if inputs.is_ray_dataset(x) or callable(x):
+            columns = Columns.of(x, label_columns, feature_columns, None) if inputs.is_ray_dataset(x) else None
+            first = _first_batch(x) if columns is None else columns.first(x)
+            self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
+            return lambda: inputs.source(x, batch_size, steps, self.engine.num_workers,
+                                         self.engine.devices_per_worker, None if columns is None else columns.batch)
         arrays = _arrays(x, y, sample_weight, None)
         if steps is not None:
             arrays = take(arrays, slice(0, steps * batch_size))
         ref, rows = _put(arrays), num_rows(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0))
-        return lambda: functools.partial(_evaluate_parts, ref, _contiguous_parts(rows, self.replicas),
-                                         max(1, batch_size // self.replicas))
+        return lambda: ArrayParts(ref, tuple(contiguous_parts(rows, self.replicas)), max(1, batch_size // self.replicas))
 
-    def _evaluate(self, evaluation: Callable[[], Callable[[Any], Any]], verbose: str | int, callbacks: list | None,
+    def _evaluate(self, evaluation: Callable[[], InputSource], verbose: str | int, callbacks: list | None,
                   return_dict: bool) -> Any:
         """One evaluation of ``evaluation``'s data (``_evaluation``'s) on the workers: Keras's logs."""
         keras = import_keras()
@@ -341,7 +339,7 @@ class KerasTrainer:
         callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
                                                      epochs=1, steps=1, model=self.model)
         callback_list.on_test_begin()
-        logs = self._results(self.engine.foreach_worker(evaluation()))
+        logs = self._results([self.engine._evaluate(evaluation())])
         callback_list.on_test_batch_end(0, logs)
         callback_list.on_test_end(logs)
         if return_dict:
@@ -352,7 +350,7 @@ class KerasTrainer:
                 steps: int | None = None, callbacks: list | None = None) -> Any:
         """``keras.Model.predict`` across the engine's replicas (each predicts a contiguous part), the rows in
         input order. Before the first fit or evaluate started the engine, it runs on ``trainer.model``."""
-        if _is_ray_dataset(x):
+        if inputs.is_ray_dataset(x):
             raise TypeError("KerasTrainer.predict takes arrays (its rows come back in input order); for a Ray "
                             "Dataset, predict with trainer.model inside the dataset's map_batches")
         batch_size = batch_size or 32
@@ -361,11 +359,7 @@ class KerasTrainer:
         if self._engine is None:
             return self.model.predict(x, batch_size=batch_size, verbose=0, callbacks=callbacks)
         self._push_changes()
-        bounds = _contiguous_parts(num_rows(x), self.replicas)
-        per_worker = self.engine.foreach_worker(functools.partial(
-            _predict_parts, _put(x), bounds, max(1, batch_size // self.replicas)))
-        parts = [p for parts in per_worker for p in parts if p is not None]
-        return tf.nest.map_structure(lambda *outputs: np.concatenate(outputs), *parts)
+        return self.engine.predict(x, batch_size)
 
     # ---- the engine and the driver's model ----------------------------------------------------
 
@@ -400,15 +394,15 @@ class KerasTrainer:
                            "worker's state went with it); the weights are exact", epoch + 1,
                            ", ".join(f"worker {w}'s first {n} steps" for w, n in late.items()))
         self._set_pulled(ended[0].weights)
-        return self._results([end.state for end in ended])
+        return self._results([state for end in ended for state in end.states])
 
     def _logs(self) -> dict:
         """The epoch's metrics so far, over every replica's samples, by Keras's own results."""
-        return self._results(self.engine.foreach_worker(_worker_metric_state))
+        return self._results([state for worker in self.engine.foreach_worker(_metric_states) for state in worker])
 
-    def _results(self, states: list[metric_states.State]) -> dict:
+    def _results(self, states: list[MetricState]) -> dict:
         """Keras's results of the metrics whose state the workers give (``states``, one a worker), reduced."""
-        return metric_states.results(self.model, metric_states.reduce(states, metric_states.aggregations(self.model)))
+        return metric_states.results(self.model, MetricState.reduce(states).state)
 
     def _pull_weights(self) -> None:
         """The engine's weights onto ``trainer.model``."""
@@ -446,7 +440,7 @@ def _begin_epoch(start: EpochStart, worker: Any) -> None:
 class EpochEnd:
     """What a worker reports at an epoch's end."""
 
-    state: metric_states.State  # its replicas' metric state, reduced
+    states: list[MetricState]  # its replicas' metric states, device order
     weights: dict | None  # worker 0's weights (None from the others)
     joined_at: int | None  # the engine's step it first computed in the epoch, if it was built during it
 
@@ -454,54 +448,16 @@ class EpochEnd:
 def _end_epoch(following: EpochStart | None, worker: Any) -> EpochEnd:
     """The epoch's end on ``worker``: what it reports; then every replica at ``following``'s start, if another
     epoch follows."""
-    ended = EpochEnd(_worker_metric_state(worker), worker.get_weights() if worker.worker_index == 0 else None,
+    ended = EpochEnd(_metric_states(worker), worker.get_weights() if worker.worker_index == 0 else None,
                      worker.models[0].joined_at)
     if following is not None:
         _begin_epoch(following, worker)
     return ended
 
 
-def _worker_metric_state(worker: Any) -> metric_states.State:
-    """The worker's replicas' metric states, reduced."""
-    models = worker.models
-    return metric_states.reduce([m.metric_state() for m in models], metric_states.aggregations(models[0].model))
-
-
-def _evaluate_parts(arrays_ref: Any, bounds: list[tuple[int, int]], batch_size: int,
-                    worker: Any) -> metric_states.State:
-    """Keras's ``evaluate`` of each replica's part of the arrays: their metric states, reduced."""
-    import ray
-
-    arrays = ray.get(arrays_ref, timeout=600)
-    models = worker.models
-    devices = len(models)
-    states = []
-    for device, replica in enumerate(models):
-        start, stop = bounds[worker.worker_index * devices + device]
-        x, y, sample_weight = take(arrays, slice(start, stop))
-        states.append(replica.evaluate_state(x, y, sample_weight, batch_size))
-    return metric_states.reduce(states, metric_states.aggregations(models[0].model))
-
-
-def _evaluate_split(splits: list, columns: Columns, batch_size: int, worker: Any) -> metric_states.State:
-    """Keras's ``evaluate`` of the worker's split of a Ray Dataset (``splits``, one per worker), streamed through
-    its first replica: the metric state."""
-    batches = (columns.batch(b) for b in splits[worker.worker_index].iter_batches(batch_size=batch_size,
-                                                                                     batch_format="numpy"))
-    return worker.models[0].evaluate_batches_state(batches)
-
-
-def _predict_parts(x_ref: Any, bounds: list[tuple[int, int]], batch_size: int, worker: Any) -> list:
-    """Each replica's outputs for its part of ``x`` (None for an empty part), device order."""
-    import ray
-
-    x = ray.get(x_ref, timeout=600)
-    devices = len(worker.models)
-    outputs = []
-    for device, replica in enumerate(worker.models):
-        start, stop = bounds[worker.worker_index * devices + device]
-        outputs.append(replica.predict(take(x, slice(start, stop)), batch_size) if stop > start else None)
-    return outputs
+def _metric_states(worker: Any) -> list[MetricState]:
+    """The worker's replicas' metric states, device order."""
+    return [m.metric_state() for m in worker.models]
 
 
 def _finalize_ema(replica: TrainerReplica) -> None:
@@ -540,26 +496,18 @@ def _arrays(x: Any, y: Any, sample_weight: Any, class_weight: dict | None) -> tu
 def _first_batch(dataset_fn: Callable[[int, int], Any]) -> tuple:
     """The first batch of worker 0, device 0's dataset, as ``(x, y, sample_weight)``: its shapes build the driver's
     metrics."""
-    dataset = dataset_fn(0, 0)
-    if not isinstance(dataset, tf.data.Dataset):
-        raise TypeError(f"fit's x is a function, so it must give a tf.data.Dataset of a replica's batches, gave "
-                        f"{type(dataset).__name__}")
+    dataset = inputs.replica_dataset(dataset_fn, 0, 0)
     return with_weights(next(dataset.take(1).as_numpy_iterator()))
 
 
 def _validation_arrays(validation_data: Any) -> tuple:
     """``validation_data`` as (x, y, sample_weight), as Keras unpacks it."""
-    if _is_ray_dataset(validation_data):
+    if inputs.is_ray_dataset(validation_data):
         return validation_data, None, None
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise ValueError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) of arrays, "
                          f"got {type(validation_data).__name__}")
     return tuple(validation_data) + (None,) * (3 - len(validation_data))
-
-
-def _is_ray_dataset(x: Any) -> bool:
-    data = sys.modules.get("ray.data")  # a Ray Dataset's module is imported wherever there is one
-    return data is not None and isinstance(x, data.Dataset)
 
 
 def _part(batch_size: int, replicas: int) -> int:
@@ -572,12 +520,6 @@ def _put(value: Any) -> Any:
     import ray
 
     return ray.put(value)
-
-
-def _contiguous_parts(rows: int, replicas: int) -> list[tuple[int, int]]:
-    """``rows`` in ``replicas`` contiguous parts, as equal as they come (the first ones a row longer)."""
-    edges = np.linspace(0, rows, replicas + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
 def _refuse_callbacks(callback_list: Any, keras: Any) -> None:

@@ -11,6 +11,7 @@ a mean of per-replica AUCs.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -40,6 +41,24 @@ def reduce(states: Sequence[State], rules: Sequence[str]) -> State:
         else:
             reduced.append(values[0])
     return reduced
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricState:
+    """An evaluation by a compiled Keras model's metrics (``dsgd.common.results.Evaluation``): their variables'
+    ``state``, each reduced across replicas by its rule in ``rules`` (``aggregations``)."""
+
+    state: State
+    rules: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model: Any) -> MetricState:
+        """``model``'s metric state now."""
+        return cls([np.asarray(v.numpy()) for v in model.metrics_variables], tuple(aggregations(model)))
+
+    @classmethod
+    def reduce(cls, parts: Sequence[MetricState]) -> MetricState:
+        return cls(reduce([part.state for part in parts], parts[0].rules), parts[0].rules)
 
 
 def results(model: Any, state: State) -> dict[str, float | np.ndarray]:

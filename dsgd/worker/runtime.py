@@ -32,18 +32,20 @@ import abc
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from dsgd.common import timeline
-from dsgd.common.results import StepResult, Value
+from dsgd.common.results import Evaluation, StepResult, Value
 from dsgd.config import WorkerConfig
+from dsgd.errors import DSGDError
 from dsgd.worker import nonfinite
 from dsgd.worker.signature import WorkerSignature
 
 if TYPE_CHECKING:
     from dsgd.model import Model  # imports TensorFlow, which an exchange driving a runtime needs not
+    from dsgd.worker.inputs import InputSource
 
 # Builds an exchange into a fused step: given the step's local means (one tensor per exchange tensor) and its
 # step id (an int64 scalar tensor), it sends and receives every partition and returns the global means (one
@@ -52,6 +54,25 @@ if TYPE_CHECKING:
 InStepExchange = Callable[[Sequence[Any], Any], tuple[list[Any], list[Any]]]
 
 RECEIVE_THREADS = 2  # inter-op threads beyond the compute's: a receive waiting for its mean holds one
+
+
+@runtime_checkable
+class Evaluates(Protocol):
+    """A replica that evaluates itself (a compiled Keras model: its compiled loss and metrics)."""
+
+    def evaluate_batches(self, batches: Iterator[Any]) -> Evaluation:
+        """Its evaluation of ``batches``, its weights and state left as they were."""
+
+    def evaluation_logs(self, evaluation: Evaluation) -> dict[str, Any]:
+        """The logs of ``evaluation`` (every replica's, reduced)."""
+
+
+@runtime_checkable
+class Predicts(Protocol):
+    """A replica that predicts (a Keras model: its outputs in inference mode)."""
+
+    def predict_batches(self, batches: Iterator[Any]) -> Any:
+        """Its outputs for ``batches``, rows concatenated in order (None if there were none)."""
 
 
 def thread_counts(config: WorkerConfig) -> tuple[int, int]:
@@ -202,6 +223,37 @@ class ReplicaRuntime(abc.ABC):
     def replica_stats(losses: Sequence[float], metrics: dict[str, Sequence[float]]) -> dict[str, Value]:
         """Loss and metrics: means over the replicas, one contribution each."""
         return {"loss": Value.mean(losses), **{k: Value.mean(v) for k, v in metrics.items()}}
+
+    # ---- evaluation and prediction ----------------------------------------------
+
+    def evaluate(self, source: InputSource) -> list[Evaluation]:
+        """Every replica's evaluation of its batches from ``source``, device order; no weight or state changes."""
+        models = self.models
+        return [model.evaluate_batches(source.batches(self.worker_index, i, len(models)))
+                if isinstance(model, Evaluates) else
+                self.evaluate_loss(i, source.batches(self.worker_index, i, len(models)))
+                for i, model in enumerate(models)]
+
+    def evaluate_loss(self, device_index: int, batches: Iterator[Any]) -> Evaluation:
+        """Replica ``device_index``'s evaluation of ``batches`` by its own loss and metrics."""
+        raise DSGDError(f"evaluate needs a TF2 model (a dsgd.TF2Model, a Keras 3 dsgd.KerasModel) or a model that "
+                        f"evaluates itself; {type(self.models[device_index]).__name__} is a TF1 dsgd.Model: "
+                        "evaluate it in its session with sgd.foreach_model(...)")
+
+    def evaluation_logs(self, evaluation: Evaluation) -> dict[str, Any]:
+        """The logs of ``evaluation`` (every replica's, reduced), by replica 0."""
+        model = self.models[0]
+        return model.evaluation_logs(evaluation) if isinstance(model, Evaluates) else evaluation.logs()
+
+    def predict(self, source: InputSource) -> list[Any]:
+        """Every replica's outputs for its batches from ``source`` (None where it had none), device order."""
+        models = self.models
+        for model in models:
+            if not isinstance(model, Predicts):
+                raise DSGDError(f"predict needs a model with outputs: {type(model).__name__} has no "
+                                "predict_batches(batches) (a Keras model has; a dsgd.TF2Model may define it)")
+        return [model.predict_batches(source.batches(self.worker_index, i, len(models)))
+                for i, model in enumerate(models)]
 
     # ---- state ------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -38,7 +38,7 @@ from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, ModelCreatorError
 from dsgd.worker import put_back
 from dsgd.worker.finite_checks import finite_tensors
-from dsgd.common.results import Value
+from dsgd.common.results import Means, Value
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf2 import process, replicas as replica_builds
@@ -64,6 +64,7 @@ class Tf2Runtime(ReplicaRuntime):
         self._apply: Any = None  # ConcreteFunction: means -> (), checked
         self._pending: list | None = None  # the replicas' first batches, for the first step
         self._stepped = False
+        self._evaluations: dict[tuple, Any] = {}  # (replica, batch specs) -> ConcreteFunction: its loss and metrics
 
     # ---- building -----------------------------------------------------------
 
@@ -80,6 +81,7 @@ class Tf2Runtime(ReplicaRuntime):
                              for r in built for a in tf.nest.flatten(r.first_batch)]
         self._losses = [_converted(r.model.get_loss) for r in built]
         self._compute = self._apply = None  # traced on first use, like a fused step
+        self._evaluations = {}
         weights, exchange, optimizer = replica_builds.specs(built[0], self.names)
         # The metrics' names are known once a step is traced: the signature leaves them out.
         self._signature = WorkerSignature(tuple(sorted(weights, key=lambda s: s.name)), exchange,
@@ -270,6 +272,40 @@ class Tf2Runtime(ReplicaRuntime):
     def feed_names(self) -> tuple[str, ...] | None:
         """A TF2 step is planned for the replicas' batch structure, known from the build: () once built."""
         return () if self.replicas else None
+
+    # ---- evaluation ---------------------------------------------------------------
+
+    def evaluate_loss(self, device_index: int, batches: Iterator[Any]) -> Means:
+        """Replica ``device_index``'s ``get_loss`` over ``batches``: the loss and each metric, means over the rows
+        (each batch's value weighted by its rows), traced once per batch structure; its state variables put back
+        after each batch, so nothing changes."""
+        values: list[Means] = []
+        for batch in batches:
+            flat = [np.asarray(a) for a in tf.nest.flatten(batch)]
+            specs = tuple(_spec(a, self.worker_index, device_index) for a in flat)
+            evaluation = self._evaluations.get((device_index, specs))
+            if evaluation is None:
+                evaluation = self._evaluations[(device_index, specs)] = self._trace(
+                    functools.partial(self._evaluation_body, self.replicas[device_index], batch), specs)
+            logs = evaluation(*[tf.constant(a) for a in flat])
+            rows = len(flat[0]) if flat and flat[0].ndim else 1
+            values.append(Means({name: Value.repeated(float(v.numpy()), rows) for name, v in logs.items()}))
+        return Means.reduce(values) if values else Means({})
+
+    def _evaluation_body(self, replica: Tf2Replica, structure: Any, *flat: tf.Tensor) -> dict[str, tf.Tensor]:
+        where = f"worker {self.worker_index}, device {replica.index}"
+        with tf.device(replica.device):
+            state_vars = [tf_variable(v) for v in replica.state_vars]
+            start = put_back.read(state_vars)
+            loss, metrics = _loss_and_metrics(self._losses[replica.index](tf.nest.pack_sequence_as(structure, flat)),
+                                              where)
+            if "loss" in metrics:
+                raise ModelCreatorError(f"get_loss on {where} returns a metric named 'loss', the loss's own name")
+            logs = {"loss": loss, **metrics}
+            names = sorted(logs)
+            after = put_back.exchanged_after_put_back(state_vars, start, put_back.read(state_vars),
+                                                      [tf.cast(logs[k], tf.float32) for k in names])
+        return dict(zip(names, after))
 
     # ---- state --------------------------------------------------------------------
 
