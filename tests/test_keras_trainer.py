@@ -79,6 +79,29 @@ def test_evaluate_sums_the_metric_state_and_equals_one_process_evaluate(fresh):
     assert as_list == pytest.approx(reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
 
 
+class EvaluateMidEpoch(keras.callbacks.Callback):
+    """Evaluates on the engine at batch 2's end (Keras's own evaluate on every replica, mid-epoch)."""
+
+    def __init__(self, trainer: dsgd.KerasTrainer, x: np.ndarray, y: np.ndarray):
+        super().__init__()
+        self.trainer, self.x, self.y, self.logs = trainer, x, y, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            self.logs = self.trainer.engine.evaluate((self.x, self.y), batch_size=BATCH)
+
+
+def test_an_evaluation_mid_epoch_leaves_the_epochs_metrics_as_they_were(fresh):
+    x, y = km.binary_data()
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    evaluation = EvaluateMidEpoch(fresh, x[:96], y[:96])
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[evaluation])
+    assert sorted(evaluation.logs) == ["accuracy", "auc", "loss", "precision"]
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+
+
 def test_predict_returns_every_row_in_input_order(fresh):
     x, _ = km.binary_data(samples=37, seed=4)
     got = fresh.predict(x, batch_size=8, verbose=0)
