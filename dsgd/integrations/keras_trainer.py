@@ -319,8 +319,9 @@ class KerasTrainer:
                                  f"{type(x).__name__}")
         if inputs.is_ray_dataset(x) or callable(x):
             columns = Columns.of(x, label_columns, feature_columns, None) if inputs.is_ray_dataset(x) else None
-            first = _first_batch(x) if columns is None else columns.first(x)
-            self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
+            if self._engine is None:
+                first = _first_batch(x) if columns is None else columns.first(x)
+                self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
             return lambda: inputs.source(x, batch_size, steps, self.engine.num_workers,
                                          self.engine.devices_per_worker, None if columns is None else columns.batch)
         arrays = _arrays(x, y, sample_weight, None)
@@ -401,7 +402,7 @@ class KerasTrainer:
         return self._results([state for worker in self.engine.foreach_worker(_metric_states) for state in worker])
 
     def _results(self, states: list[MetricState]) -> dict:
-        """Keras's results of the metrics whose state the workers give (``states``, one a worker), reduced."""
+        """Keras's results of the metrics whose state the replicas give (``states``, one a replica), reduced once."""
         return metric_states.results(self.model, MetricState.reduce(states).state)
 
     def _pull_weights(self) -> None:
