@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import functools
 import time
+import types
+import warnings
 from typing import Iterator
 
 import keras
@@ -100,6 +102,29 @@ def test_an_evaluation_mid_epoch_leaves_the_epochs_metrics_as_they_were(fresh):
     assert sorted(evaluation.logs) == ["accuracy", "auc", "loss", "precision"]
     for name, values in expected.history.items():
         assert history.history[name] == pytest.approx(values, rel=1e-5), name
+
+
+def test_a_replica_evaluates_and_predicts_a_stream_to_its_end_without_keras_ran_out_of_data_warning():
+    """In one process: ``CompiledReplica`` evaluates a stream of batches with Keras's own evaluate (its state equal
+    to one ``evaluate`` of the rows) and predicts it, with no "ran out of data" warning (the stream's end is the
+    call's end), its training metrics as they were."""
+    x, y = km.binary_data(samples=70, seed=5)
+    batches = [(x[a:a + 32], y[a:a + 32], np.ones(len(x[a:a + 32]), np.float32)) for a in range(0, 70, 32)]
+    replica = CompiledReplica(km.build_binary(), types.SimpleNamespace(next=iter(batches).__next__),
+                              per_step_metrics=False)
+    reference = km.build_binary()
+    reference.set_weights(replica.model.get_weights())
+    before = replica.metric_state().state
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluated = replica.evaluate_batches(iter(batches))
+        predicted = replica.predict_batches(iter(b[0] for b in batches))
+    assert not [w for w in caught if "ran out of data" in str(w.message)], [str(w.message) for w in caught]
+    expected = reference.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert_logs_equal(replica.evaluation_logs(evaluated), expected)
+    np.testing.assert_allclose(predicted, reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    for kept, was in zip(replica.metric_state().state, before):
+        np.testing.assert_array_equal(kept, was)
 
 
 def test_predict_returns_every_row_in_input_order(fresh):

@@ -71,6 +71,19 @@ def test_importing_tensorflow_after_dsgd_is_quiet_unless_the_user_sets_level_0()
     assert "absl::InitializeLog" in level_0  # the user asked: TF's lines
 
 
+def test_a_keras_trainer_built_on_the_driver_is_as_quiet_as_its_workers():
+    """``KerasTrainer(build)`` builds the driver's model, where TensorFlow's context starts: its CUDA probe's
+    "failed call to cuInit" (on a machine without GPUs) is hidden as in a worker, other output kept."""
+    tests = str(Path(__file__).resolve().parent)
+    env = user_env()
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    code = ("import dsgd, keras_trainer_models as km; t = dsgd.KerasTrainer(km.build_binary); "
+            "import sys; print('built', len(t.model.weights)); print('kept', file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split()[0] == "built", run.stderr[-2000:]
+    assert "cuInit" not in run.stderr and "kept" in run.stderr, run.stderr[-2000:]
+
+
 def test_tensorflows_python_warnings_follow_the_cpp_level_in_workers():
     code = ("import logging; from dsgd import tf_logs; tf_logs.python_warnings_follow_cpp_level(); "
             "print(logging.getLevelName(logging.getLogger('tensorflow').level))")

@@ -23,7 +23,9 @@ and ``predict`` on the batches the runtime gives them
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import warnings
 from typing import Any, Iterator, Protocol
 
 import numpy as np
@@ -168,7 +170,8 @@ class CompiledReplica(TF2Model):
         kept = self.metric_state()
         self.model.reset_metrics()
         if first is not None:  # Keras takes a generator, not an iterator
-            self.model.evaluate((batch for batch in itertools.chain([first], batches)), verbose=0)
+            with _stream_ends_the_call():
+                self.model.evaluate((batch for batch in itertools.chain([first], batches)), verbose=0)
         evaluated = self.metric_state()
         self._set_metric_state(kept)
         return evaluated
@@ -190,7 +193,8 @@ class CompiledReplica(TF2Model):
         first = next(batches, None)
         if first is None:
             return None
-        return self.model.predict(((x,) for x in itertools.chain([first], batches)), verbose=0)
+        with _stream_ends_the_call():
+            return self.model.predict(((x,) for x in itertools.chain([first], batches)), verbose=0)
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for ``x`` in inference mode (``keras.Model.predict``), as numpy; call it on a
@@ -227,6 +231,15 @@ class CountedOnce:
             variable.assign(tf.where(again, saved, variable.value))
             saved.assign(variable.value)
         self._saved_step.assign(self._step)
+
+
+@contextlib.contextmanager
+def _stream_ends_the_call() -> Iterator[None]:
+    """Keras's ``evaluate`` or ``predict`` of a stream whose end is the call's end (every batch it gives is read):
+    without Keras's warning that the input "ran out of data", which it gives for any input of unknown length."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        yield
 
 
 def _unpack(batch: Batch) -> tuple[Any, Any, Any]:

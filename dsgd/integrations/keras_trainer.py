@@ -37,7 +37,7 @@ from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
 from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
                                           RayDataStart, with_weights)
 from dsgd.integrations.metric_states import MetricState
-from dsgd.worker import inputs
+from dsgd.worker import inputs, tf_logs
 from dsgd.worker.inputs import ArrayParts, InputSource, contiguous_parts, num_rows, take
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,8 @@ class KerasTrainer:
                             "not datasets=")
         import_keras()  # on TensorFlow, else an error naming the backend, before build() runs on another
         self._build = build
-        self.model = build()
+        with tf_logs.start_up_lines_hidden():  # TensorFlow's context may start here: CUDA's probe, as in a worker
+            self.model = build()
         check_compiled(self.model, "KerasTrainer's build()")
         self._options = engine_options
         self._engine: Any = None
