@@ -64,7 +64,7 @@ class Tf2Runtime(ReplicaRuntime):
         self._apply: Any = None  # ConcreteFunction: means -> (), checked
         self._pending: list | None = None  # the replicas' first batches, for the first step
         self._stepped = False
-        self._evaluations: dict[tuple, Any] = {}  # (replica, batch specs) -> ConcreteFunction: its loss and metrics
+        self._evaluations: dict[tuple, Any] = {}  # (replica, batch structure and specs) -> its loss and metrics, traced
 
     # ---- building -----------------------------------------------------------
 
@@ -283,9 +283,10 @@ class Tf2Runtime(ReplicaRuntime):
         for batch in batches:
             flat = [np.asarray(a) for a in tf.nest.flatten(batch)]
             specs = tuple(_spec(a, self.worker_index, device_index) for a in flat)
-            evaluation = self._evaluations.get((device_index, specs))
+            key = (device_index, repr(tf.nest.map_structure(lambda _: 0, batch)), specs)
+            evaluation = self._evaluations.get(key)
             if evaluation is None:
-                evaluation = self._evaluations[(device_index, specs)] = self._trace(
+                evaluation = self._evaluations[key] = self._trace(
                     functools.partial(self._evaluation_body, self.replicas[device_index], batch), specs)
             logs = evaluation(*[tf.constant(a) for a in flat])
             rows = len(flat[0]) if flat and flat[0].ndim else 1
