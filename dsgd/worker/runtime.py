@@ -229,10 +229,12 @@ class ReplicaRuntime(abc.ABC):
     def evaluate(self, source: InputSource) -> list[Evaluation]:
         """Every replica's evaluation of its batches from ``source``, device order; no weight or state changes."""
         models = self.models
-        return [model.evaluate_batches(source.batches(self.worker_index, i, len(models)))
-                if isinstance(model, Evaluates) else
-                self.evaluate_loss(i, source.batches(self.worker_index, i, len(models)))
-                for i, model in enumerate(models)]
+        evaluations = []
+        for i, model in enumerate(models):
+            batches = source.batches(self.worker_index, i, len(models))
+            evaluations.append(model.evaluate_batches(batches) if isinstance(model, Evaluates)
+                               else self.evaluate_loss(i, batches))
+        return evaluations
 
     def evaluate_loss(self, device_index: int, batches: Iterator[Any]) -> Evaluation:
         """Replica ``device_index``'s evaluation of ``batches`` by its own loss and metrics."""
