@@ -31,6 +31,7 @@ import tensorflow as tf
 from dsgd.integrations.keras_compiled import BatchSource
 from dsgd.worker.inputs import replica_dataset, take
 
+
 @dataclasses.dataclass(frozen=True)
 class EpochPlan:
     """The steps of an epoch over ``num_samples`` rows, in global batches of ``batch_size`` over ``replicas``."""

@@ -38,7 +38,7 @@ from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, Dataset
                                           RayDataStart, with_weights)
 from dsgd.integrations.metric_states import MetricState
 from dsgd.worker import inputs, tf_logs
-from dsgd.worker.inputs import ArrayParts, InputSource, contiguous_parts, num_rows, take
+from dsgd.worker.inputs import ArrayParts, InputSource, num_rows, take
 
 logger = logging.getLogger(__name__)
 
@@ -314,10 +314,9 @@ class KerasTrainer:
         """The data to evaluate, prepared once (the engine started if not yet): arrays put in the object store, a
         Ray Dataset and its columns, or a function ``(worker_index, device_index) -> tf.data.Dataset``. Each call
         of the result gives the input source of one evaluation, for the replicas there are then."""
-        if label_columns is not None or feature_columns is not None:
-            if not inputs.is_ray_dataset(x):
-                raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x; x is "
-                                 f"{type(x).__name__}")
+        if (label_columns is not None or feature_columns is not None) and not inputs.is_ray_dataset(x):
+            raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x; x is "
+                             f"{type(x).__name__}")
         if inputs.is_ray_dataset(x) or callable(x):
             columns = Columns.of(x, label_columns, feature_columns, None) if inputs.is_ray_dataset(x) else None
             if self._engine is None:
@@ -330,7 +329,7 @@ class KerasTrainer:
             arrays = take(arrays, slice(0, steps * batch_size))
         ref, rows = _put(arrays), num_rows(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0))
-        return lambda: ArrayParts(ref, tuple(contiguous_parts(rows, self.replicas)), max(1, batch_size // self.replicas))
+        return lambda: ArrayParts.of(ref, rows, self.replicas, batch_size)
 
     def _evaluate(self, evaluation: Callable[[], InputSource], verbose: str | int, callbacks: list | None,
                   return_dict: bool) -> Any:

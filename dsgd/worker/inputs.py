@@ -61,12 +61,10 @@ class ArrayParts:
     batch_size: int
 
     @classmethod
-    def of(cls, arrays: Any, replicas: int, batch_size: int) -> ArrayParts:
-        """``arrays`` put in the object store, in ``replicas`` contiguous parts read in batches of
-        ``batch_size``."""
-        import ray
-
-        return cls(ray.put(arrays), tuple(contiguous_parts(num_rows(arrays), replicas)), batch_size)
+    def of(cls, ref: Any, rows: int, replicas: int, batch_size: int) -> ArrayParts:
+        """``rows`` rows of arrays in the object store (``ref``), in ``replicas`` contiguous parts, read in
+        replicas' parts of global batches of ``batch_size`` (at least a row each)."""
+        return cls(ref, tuple(contiguous_parts(rows, replicas)), max(1, batch_size // replicas))
 
     def batches(self, worker_index: int, device_index: int, devices: int) -> Iterator[Any]:
         import ray
@@ -138,10 +136,12 @@ def source(x: Any, batch_size: int, steps: int | None, workers: int, devices: in
     if is_ray_dataset(x):
         dataset = x if steps is None else x.limit(steps * batch_size)
         return RayDataSplits.of(dataset, workers, max(1, batch_size // workers), to_batch)
+    import ray
+
     arrays = tf.nest.map_structure(np.asarray, x)
     if steps is not None:
         arrays = take(arrays, slice(0, steps * batch_size))
-    return ArrayParts.of(arrays, workers * devices, max(1, batch_size // (workers * devices)))
+    return ArrayParts.of(ray.put(arrays), num_rows(arrays), workers * devices, batch_size)
 
 
 def is_ray_dataset(x: Any) -> bool:
