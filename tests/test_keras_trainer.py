@@ -213,6 +213,27 @@ def test_callbacks_see_keras_logs_and_the_engines_weights_and_steer_every_replic
     assert [float(r["val_loss"]) for r in rows] == pytest.approx(history.history["val_loss"], rel=1e-5)
 
 
+class EpochWeights(keras.callbacks.Callback):
+    """Records the weights trainer.model holds at each epoch's end (and nothing at batches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights.append(self.model.get_weights())
+
+
+def test_an_epoch_end_callback_reads_that_epochs_weights_on_trainer_model(fresh):
+    x, y = km.binary_data()
+    seen, expected = EpochWeights(), EpochWeights()
+    fresh.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[seen])
+    km.build_binary().fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[expected])
+    assert len(seen.weights) == 3
+    for got, want in zip(seen.weights, expected.weights):
+        assert_weights_equal(got, want)
+
+
 def test_early_stopping_stops_and_restores_the_best_weights_on_every_replica(fresh):
     x, y = km.binary_data()
     flip = 1 - y[:128]  # validation labels the training makes worse: the best epoch is the first

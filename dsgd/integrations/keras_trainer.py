@@ -210,7 +210,10 @@ class KerasTrainer:
                                                      verbose=verbose, epochs=epochs, steps=steps,
                                                      model=self.model)
         _refuse_callbacks(callback_list, keras)
-        batch_callbacks = _use_batches(callback_list, keras)
+        # Keras's History and progress bar read only the logs: without another callback nothing reads
+        # trainer.model, or changes it, until fit ends, so the weights come to it once, at the end.
+        model_callbacks = _model_callbacks(callback_list, keras)
+        batch_callbacks = _act_at_batches(model_callbacks, keras)
         validation = None if validation_data is None else self._evaluation(
             *_validation_arrays(validation_data), validation_batch_size or batch_size or 32, validation_steps,
             label_columns, feature_columns)  # prepared once, evaluated at the epochs validation_freq names
@@ -225,7 +228,8 @@ class KerasTrainer:
             callback_list.on_epoch_begin(epoch)
             # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
             # scheduled learning rate, restored weights) reaches every replica before its first step.
-            self._push_changes()
+            if epoch == initial_epoch or model_callbacks:
+                self._push_changes()
             logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps, self.engine.failures)
             for step in range(steps):
                 callback_list.on_train_batch_begin(step)
@@ -240,10 +244,11 @@ class KerasTrainer:
                 if self.model.stop_training:
                     break
             following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
-            epoch_logs = self._finish_epoch(epoch, begun, following)
+            epoch_logs = self._finish_epoch(epoch, begun, following, pull=bool(model_callbacks) or following is None)
             positioned = None if following is None else (following, self.engine.num_steps)
             if validation is not None and self.model._should_eval(epoch, validation_freq):
-                val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True)
+                val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True,
+                                          push=bool(model_callbacks))
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, epoch_logs)
             if self.model.stop_training:
@@ -332,10 +337,13 @@ class KerasTrainer:
         return lambda: ArrayParts.of(ref, rows, self.replicas, batch_size)
 
     def _evaluate(self, evaluation: Callable[[], InputSource], verbose: str | int, callbacks: list | None,
-                  return_dict: bool) -> Any:
-        """One evaluation of ``evaluation``'s data (``_evaluation``'s) on the workers: Keras's logs."""
+                  return_dict: bool, push: bool = True) -> Any:
+        """One evaluation of ``evaluation``'s data (``_evaluation``'s) on the workers: Keras's logs; first, unless
+        ``push`` is false (fit's validation with no callback that could have changed it), what was set on
+        ``trainer.model`` onto every replica."""
         keras = import_keras()
-        self._push_changes()
+        if push:
+            self._push_changes()
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
                                                      epochs=1, steps=1, model=self.model)
@@ -378,15 +386,15 @@ class KerasTrainer:
         self._names = list(self._engine.get_weights())
         self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
 
-    def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None) -> dict:
+    def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None, pull: bool) -> dict:
         """One call on the workers ends epoch ``epoch`` (begun at the engine's step count and failure count
-        ``begun``): its logs from their metrics' state, worker 0's weights onto ``trainer.model``, and every
-        replica at ``following``'s start if another epoch follows (a replacement built from here on joins that
-        epoch too). A replacement that joined the epoch late is named in a warning: the logs leave out what the
-        worker it replaced had computed."""
+        ``begun``): its logs from their metrics' state, worker 0's weights onto ``trainer.model`` if ``pull``, and
+        every replica at ``following``'s start if another epoch follows (a replacement built from here on joins
+        that epoch too). A replacement that joined the epoch late is named in a warning: the logs leave out what
+        the worker it replaced had computed."""
         if following is not None:
             self._creator.start = following
-        ended = self.engine.foreach_worker(functools.partial(_end_epoch, following))
+        ended = self.engine.foreach_worker(functools.partial(_end_epoch, following, pull))
         first_step, failures = begun
         late = {w: end.joined_at - first_step for w, end in enumerate(ended)
                 if end.joined_at is not None and end.joined_at > first_step}
@@ -394,7 +402,8 @@ class KerasTrainer:
             logger.warning("epoch %d's metrics leave out %s: a replacement's metrics start empty (the lost "
                            "worker's state went with it); the weights are exact", epoch + 1,
                            ", ".join(f"worker {w}'s first {n} steps" for w, n in late.items()))
-        self._set_pulled(ended[0].weights)
+        if pull:
+            self._set_pulled(ended[0].weights)
         return self._results([state for end in ended for state in end.states])
 
     def _logs(self) -> dict:
@@ -442,14 +451,14 @@ class EpochEnd:
     """What a worker reports at an epoch's end."""
 
     states: list[MetricState]  # its replicas' metric states, device order
-    weights: dict | None  # worker 0's weights (None from the others)
+    weights: dict | None  # worker 0's weights, if asked for (None from the others)
     joined_at: int | None  # the engine's step it first computed in the epoch, if it was built during it
 
 
-def _end_epoch(following: EpochStart | None, worker: Any) -> EpochEnd:
-    """The epoch's end on ``worker``: what it reports; then every replica at ``following``'s start, if another
-    epoch follows."""
-    ended = EpochEnd(_metric_states(worker), worker.get_weights() if worker.worker_index == 0 else None,
+def _end_epoch(following: EpochStart | None, weights: bool, worker: Any) -> EpochEnd:
+    """The epoch's end on ``worker``: what it reports (worker 0's weights too if ``weights``); then every replica
+    at ``following``'s start, if another epoch follows."""
+    ended = EpochEnd(_metric_states(worker), worker.get_weights() if weights and worker.worker_index == 0 else None,
                      worker.models[0].joined_at)
     if following is not None:
         _begin_epoch(following, worker)
@@ -537,14 +546,18 @@ def _refuse_callbacks(callback_list: Any, keras: Any) -> None:
                                  f"replicas' do); instead: {advice}")
 
 
-def _use_batches(callback_list: Any, keras: Any) -> bool:
-    """Whether a callback other than Keras's History and progress bar acts at batch ends."""
-    base = keras.callbacks.Callback
+def _model_callbacks(callback_list: Any, keras: Any) -> list:
+    """The callbacks other than Keras's History and progress bar (which read only the logs): those that may read
+    or change ``trainer.model``."""
     own = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
-    return any(not isinstance(cb, own) and any(getattr(type(cb), hook) is not getattr(base, hook)
-                                               for hook in ("on_train_batch_end", "on_batch_end",
-                                                            "on_train_batch_begin", "on_batch_begin"))
-               for cb in callback_list.callbacks)
+    return [cb for cb in callback_list.callbacks if not isinstance(cb, own)]
+
+
+def _act_at_batches(callbacks: list, keras: Any) -> bool:
+    """Whether one of ``callbacks`` acts at batch ends or beginnings."""
+    base = keras.callbacks.Callback
+    return any(getattr(type(cb), hook) is not getattr(base, hook) for cb in callbacks
+               for hook in ("on_train_batch_end", "on_batch_end", "on_train_batch_begin", "on_batch_begin"))
 
 
 def _learning_rate(optimizer: Any) -> float | None:
