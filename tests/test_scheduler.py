@@ -147,12 +147,12 @@ def test_the_rounds_policy_lets_one_partition_go_at_a_time_in_the_rounds_order()
     policy = pacing.InRounds()
     policy.attach(None, [0, 1], [[2, 0], [1, 3]])
     assert [policy.may_send(j) for j in range(4)] == [False, False, True, False]
-    policy.sent(2)
+    assert list(policy.sent(2)) == [0]  # each send frees the next in the rounds (its lane's sender is woken)
     assert [policy.may_send(j) for j in (0, 1, 3)] == [True, False, False]
-    policy.sent(0)
-    policy.sent(1)
+    assert list(policy.sent(0)) == [1]
+    assert list(policy.sent(1)) == [3]
     assert policy.may_send(3)
-    policy.sent(3)  # the step's last: the next starts at the first again
+    assert list(policy.sent(3)) == []  # the step's last: the next starts at the first again (always free)
     assert policy.may_send(2) and not policy.may_send(0)
     policy.forget()
     assert policy.may_send(2) and not policy.may_send(1)

@@ -42,8 +42,8 @@ class Pacing(Protocol):
     def may_send(self, j: int) -> bool:
         """Whether partition ``j``, next on its stream and handed over, may go now."""
 
-    def sent(self, j: int) -> None:
-        """Partition ``j`` left (or failed to)."""
+    def sent(self, j: int) -> Sequence[int]:
+        """Partition ``j`` left (or failed to): the partitions that may go now and could not before."""
 
     def forget(self) -> None:
         """The step failed: start again with nothing sent."""
@@ -58,8 +58,8 @@ class FreeStreams:
     def may_send(self, j: int) -> bool:
         return True
 
-    def sent(self, j: int) -> None:
-        pass
+    def sent(self, j: int) -> Sequence[int]:
+        return ()
 
     def forget(self) -> None:
         pass
@@ -69,21 +69,26 @@ class InRounds:
     """One partition at a time, in the order of the rounds: each waits for the one before it to have left."""
 
     def __init__(self) -> None:
+        self._order: list[int] = []
         self._position: dict[int, int] = {}
         self._left: set[int] = set()  # positions sent this step
 
     def attach(self, lanes: Paceable, lane_ids: Sequence[Hashable], rounds: Sequence[Sequence[int]]) -> None:
-        self._position = {j: k for k, j in enumerate(itertools.chain(*rounds))}
+        self._order = list(itertools.chain(*rounds))
+        self._position = {j: k for k, j in enumerate(self._order)}
         self._left.clear()
 
     def may_send(self, j: int) -> bool:
         k = self._position[j]
         return k == 0 or k - 1 in self._left
 
-    def sent(self, j: int) -> None:
-        self._left.add(self._position[j])
-        if len(self._left) == len(self._position):  # the step's last: the next step starts afresh
+    def sent(self, j: int) -> Sequence[int]:
+        k = self._position[j]
+        self._left.add(k)
+        if len(self._left) == len(self._order):  # the step's last: the next step starts afresh
             self._left.clear()
+            return ()
+        return self._order[k + 1:k + 2]
 
     def forget(self) -> None:
         self._left.clear()

@@ -56,13 +56,22 @@ class Lanes(Paceable, Protocol):
 
 
 class SendScheduler:
-    """Sends handed-over partitions down their lanes, each lane on a thread of its own, and reads their means."""
+    """Sends handed-over partitions down their lanes, each lane on a thread of its own, and reads their means.
+
+    One lock guards the state; each lane's sender and each partition's
+    result have a condition of their own on it, so a hand-over, a send or
+    a mean wakes only the thread it concerns (the policy names the
+    partitions a send lets go).
+    """
 
     def __init__(self, lanes: Lanes, lane_of: Sequence[Lane], pacing: Pacing, rounds: Sequence[Sequence[int]]):
         """``lane_of[j]``: partition j's lane; ``rounds``: the worker's push order, every partition once (each
         lane's order, and the rounds policy's)."""
         self._lanes, self._pacing = lanes, pacing
-        self._changed = threading.Condition()  # guards everything below
+        self._lock = threading.Lock()  # guards everything below
+        self._lane_of: Sequence[Lane] = ()
+        self._sendable: dict[Lane, threading.Condition] = {}  # a lane's sender waits on its own
+        self._arrived: list[threading.Condition] = []  # partition j's result waits on the j-th
         self._generation = 0  # a failed step's forget starts the next
         self._handed: dict[int, tuple[int, Any, timeline.Recorder | None]] = {}  # j -> (step, payload, trace)
         self._results: dict[int, tuple[int, Any]] = {}  # j -> (step, its mean)
@@ -76,34 +85,36 @@ class SendScheduler:
         orders: dict[Lane, list[int]] = {}
         for j in itertools.chain(*rounds):
             orders.setdefault(lane_of[j], []).append(j)
-        with self._changed:
-            self._lanes = lanes
+        with self._lock:
+            self._wake_all()  # the old lanes' senders see the new attachment and end
+            self._lanes, self._lane_of = lanes, list(lane_of)
+            self._sendable = {lane: threading.Condition(self._lock) for lane in orders}
+            self._arrived = [threading.Condition(self._lock) for _ in lane_of]
             self._attachment += 1
             self._generation += 1
             self._handed.clear()
             self._results.clear()
             self._failure = None
             self._pacing.attach(lanes, list(orders), rounds)
-            self._changed.notify_all()
-            attachment = self._attachment
+            attachment, sendable = self._attachment, self._sendable
         for lane, order in orders.items():
             answers: queue.SimpleQueue = queue.SimpleQueue()
-            threading.Thread(target=self._send_all, args=(lane, order, answers, attachment), daemon=True,
-                             name=f"dsgd sender {lane}").start()
+            threading.Thread(target=self._send_all, args=(lane, order, sendable[lane], answers, attachment),
+                             daemon=True, name=f"dsgd sender {lane}").start()
             threading.Thread(target=self._read_all, args=(lane, answers), daemon=True,
                              name=f"dsgd reader {lane}").start()
 
     def hand(self, j: int, step: int, payload: Any, trace: timeline.Recorder | None = None) -> None:
         """Partition ``j`` of ``step`` is ready: its lane's sender pushes ``payload`` (kept until then)."""
-        with self._changed:
+        with self._lock:
             self._handed[j] = step, payload, trace
-            self._changed.notify_all()
+            self._sendable[self._lane_of[j]].notify()
 
     def result(self, j: int, step: int, timeout_s: float) -> Any:
         """The mean of partition ``j`` of ``step`` once read; the step's error if one failed; TimeoutError after
         ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        with self._changed:
+        with self._lock:
             while True:
                 if self._failure is not None:
                     raise self._failure
@@ -114,33 +125,35 @@ class SendScheduler:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"no mean of partition {j}, step {step} within {timeout_s:.0f}s")
-                self._changed.wait(remaining)
+                self._arrived[j].wait(remaining)
 
     def forget(self) -> None:
         """The step failed: drop what it handed over and read; the lanes start their orders again."""
-        with self._changed:
+        with self._lock:
             self._generation += 1
             self._handed.clear()
             self._results.clear()
             self._failure = None
             self._pacing.forget()
-            self._changed.notify_all()
+            self._wake_all()
 
     def close(self) -> None:
         """End every lane's threads: a sender at its next look at the state, its reader after the answers it
         was given (the lanes' ends, closed by their owner, end those at once)."""
-        with self._changed:
+        with self._lock:
             self._attachment += 1
             self._generation += 1
-            self._changed.notify_all()
+            self._wake_all()
 
     # ---- the threads --------------------------------------------------------
 
-    def _send_all(self, lane: Lane, order: list[int], answers: queue.SimpleQueue, attachment: int) -> None:
-        """The lane's sender: its partitions in order, step after step, until its lanes are replaced or closed."""
+    def _send_all(self, lane: Lane, order: list[int], sendable: threading.Condition, answers: queue.SimpleQueue,
+                  attachment: int) -> None:
+        """The lane's sender: its partitions in order, step after step, until its lanes are replaced or closed;
+        it waits on ``sendable``, its lane's condition."""
         k, generation = 0, None
         while True:
-            with self._changed:
+            with self._lock:
                 while True:
                     if attachment != self._attachment:
                         answers.put(None)
@@ -150,7 +163,7 @@ class SendScheduler:
                     j = order[k]
                     if j in self._handed and self._pacing.may_send(j):
                         break
-                    self._changed.wait()
+                    sendable.wait()
                 step, payload, trace = self._handed.pop(j)
             start = timeline.now_us()
             ticket, error = None, None
@@ -161,14 +174,14 @@ class SendScheduler:
             del payload
             if trace is not None:
                 trace.add(f"push partition {j}", start, timeline.now_us(), f"lane {lane} sends")
-            with self._changed:
+            with self._lock:
                 if generation == self._generation:
-                    self._pacing.sent(j)
+                    for freed in self._pacing.sent(j):
+                        self._sendable[self._lane_of[freed]].notify()
                     if error is not None:
                         self._fail(error)
                     else:
                         answers.put((generation, j, step, ticket, trace, timeline.now_us()))
-                    self._changed.notify_all()
             k = (k + 1) % len(order)
 
     def _read_all(self, lane: Lane, answers: queue.SimpleQueue) -> None:
@@ -184,15 +197,22 @@ class SendScheduler:
                 error = e
             if trace is not None:
                 trace.add(f"answer of partition {j}", pushed, timeline.now_us(), f"lane {lane} reads")
-            with self._changed:
+            with self._lock:
                 if generation == self._generation:
                     if error is not None:
                         self._fail(error)
                     else:
                         self._results[j] = step, mean
-                    self._changed.notify_all()
+                        self._arrived[j].notify_all()
 
     def _fail(self, error: BaseException) -> None:
         """The step's first error (under the lock): every mean not yet read raises it."""
         if self._failure is None:
             self._failure = error
+            for arrived in self._arrived:
+                arrived.notify_all()
+
+    def _wake_all(self) -> None:
+        """Every sender and every result waiting (under the lock), to look at the state again."""
+        for condition in [*self._sendable.values(), *self._arrived]:
+            condition.notify_all()
