@@ -46,8 +46,8 @@ partitions travel as 16-bit floats), interleaved with the others.
 in a ``tf.function``), "ps" the TF2 way; its ratio to "ps" is reported
 (target <= 1.1). Not for the mnist shape.
 `--send-schedule POLICY` adds "ps-sched": "ps" with the workers' send
-scheduler (``DSGD_SEND_SCHEDULE``, e.g. "streams"), its ratio to "ps"
-reported (the scheduler must not add to the fixed cost).
+scheduler under that policy (``DSGD_SEND_SCHEDULE``, e.g. "rounds"; "ps"
+runs the engine's own, "streams"), its ratio to "ps" reported.
 A step is `sgd.step(fetch_stats=True)` timed in the driver; with `--burst N`
 a system's turn is N steps back to back, all but the last without stats
 (as examples/mnist.py trains: steps in flight, stats every `--log-every`),
@@ -414,7 +414,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_ray_flags(p, "the CPUs the engines reserve: 3 x workers, and workers more per --compression value")
     p.add_argument("--tf2", action="store_true", help='also "ps" the TF2 way ("ps-tf2", a dsgd.TF2Model)')
     p.add_argument("--send-schedule", default=None, metavar="POLICY",
-                   help='also "ps" with the workers\' send scheduler of this policy ("ps-sched"; e.g. streams)')
+                   help='also "ps" with the workers\' send scheduler under this policy ("ps-sched"; e.g. rounds)')
     p.add_argument("--object-store-memory", type=int, default=2 << 30,
                    help="bytes (per node with --nodes), when starting Ray here")
     p.add_argument("--nodes", type=int, default=1,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PUSH = re.compile(r"push partition (\d+)$")  # a worker's push (the scheduler's lane, or the step's own)
+PUSH = re.compile(r"push partition (\d+)$")  # a worker's push (its send scheduler's lane; a chained step's own in older traces)
 READ = re.compile(r"(?:answer of|read the mean of) partition (\d+)$")  # a worker's mean read
 TAKEN = re.compile(r"worker (\d+)'s (?:late )?push of partition (\d+) \(waits for the sum\)$")  # a server took it
 SUM = re.compile(r"(?:average|sum) partition (\d+) of workers")

@@ -17,8 +17,10 @@ each way; the head, with this driver, runs no worker) and on it:
             the same rate, with 0 CPUs so that no worker of any system
             runs there), one server on each by default;
   ps-sched, ps-servers-sched  "ps" and "ps-servers" with the workers' send
-            scheduler (``DSGD_SEND_SCHEDULE``: `--send-schedule`'s policy),
-            beside the pushes chained into the step, to compare;
+            scheduler under `--send-schedule`'s policy (``DSGD_SEND_SCHEDULE``;
+            by default "rounds", one push at a time in the rounds' order, as
+            the sends once chained into the step went), beside the engine's
+            own ("streams"), to compare;
   ps-servers-paced  "ps-servers" with the scheduler's equal-rate policy at
             `--link-gbit` (every stream paced by the kernel at its share);
   simple    dsgd, strategy="simple" (the driver averages);
@@ -251,7 +253,7 @@ class RayTrainSystem:
 
 
 def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_shard_bytes: int | None,
-          send_schedule: str = "streams", link_gbit: float = 0.0, compute_rows: int = 0) -> System:
+          send_schedule: str = "rounds", link_gbit: float = 0.0, compute_rows: int = 0) -> System:
     """System ``name`` (one of SYSTEMS) on the cluster, built and ready to step; ``grad_shard_bytes`` for the
     "ps" systems (None: dsgd's default partitions), ``send_schedule`` for the "-sched" ones, ``link_gbit`` for
     the "-paced" one, ``compute_rows`` for the "+compute" ones."""
@@ -696,8 +698,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-busy", action="store_true",
                    help=f"sample every link's byte counters every {LinkMonitor.SAMPLE_S * 1000:.0f} ms; record per "
                         "system how busy each link was during its measured steps")
-    p.add_argument("--send-schedule", default="streams",
-                   help="the send scheduler's policy of the -sched systems: rounds, streams, equal-rate:<Gbit/s>")
+    p.add_argument("--send-schedule", default="rounds",
+                   help="the send scheduler's policy of the -sched systems (the others run the engine's own, streams): "
+                        "rounds, streams, equal-rate:<Gbit/s>")
     p.add_argument("--flows", action="store_true",
                    help="(with --link-busy's timing) sample every TCP flow's delivered bytes in every node's namespace "
                         "(`ss -tin`, benchmarks.flows); print per system when each flow of a step started and "

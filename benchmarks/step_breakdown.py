@@ -17,9 +17,10 @@ at dsgd's defaults:
    per process and kind: a worker's TensorFlow ops (the apply, the
    non-finite checks, the graph callbacks of the sends and receives, dsgd's
    pack/unpack ops, the rest of the compute) and its exchange spans (per
-   partition: writing it, i.e. packing or putting it into the object store;
-   pushing it, i.e. the signal or the actor call; waiting for the answer;
-   reading the mean, i.e. the object-store get on the cross-node path); a
+   partition, on its send scheduler's lanes: pushing it, i.e. packing or
+   putting it into the object store and the signal, stream write or actor
+   call; waiting for its answer and reading the mean, i.e. the object-store
+   get on the cross-node path; and the step's own wait for the mean); a
    server's sums, puts of the mean and relay pushes.
 
 Spans on several threads overlap, so a process's kinds can add up to more
@@ -58,12 +59,12 @@ from benchmarks import common
 from benchmarks.exchange import SHAPES, ExchangeModel, variable_shapes
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-# Span names (their start) of the workers' exchange and the servers' work, and the kind each counts as.
+# Span names (their start) of the workers' exchange (the send scheduler's lanes, and the step's waits) and the
+# servers' work, and the kind each counts as.
 SPAN_KINDS = (
-    ("write partition", "write partitions (pack / put)"),
-    ("push partition", "push partitions (signal / actor call)"),
-    ("wait for the answer", "wait for the means"),
-    ("read the mean", "read the means (get)"),
+    ("push partition", "push partitions (pack, signal / actor call)"),
+    ("answer of partition", "wait for and read the means"),
+    ("collect the mean", "the step waits for the means"),
     ("average partition", "sum partitions"),
     ("sum partition", "sum partitions (relayed)"),
     ("put the mean", "put the means"),

@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("ps", "simple")
 ALL_REDUCE_ALGS = ("simple", "nccl")
 NAN_POLICIES = ("raise", "skip", "ignore")
-# "ps": the workers' send schedule (``dsgd.transport.pacing.policy``), read from the driver's environment while
-# the scheduler is measured against the pushes chained into the step (unset: those).
+# "ps": the policy of the workers' send schedulers (``dsgd.transport.pacing.policy``), read from the driver's
+# environment as an engine is made; unset, ``DEFAULT_SEND_SCHEDULE``.
 SEND_SCHEDULE_ENV = "DSGD_SEND_SCHEDULE"
+DEFAULT_SEND_SCHEDULE = "streams"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class WorkerConfig:
     use_ops: bool = False  # "ps" exchange through the in-graph C++ ops (dsgd.ops)
     feed_concurrently: bool = False  # ask the replicas' get_feed_dict in threads of their own (Ray Data input)
     backup_workers: int = 0  # "ps": a step averages the first num_workers - backup_workers workers
-    send_schedule: str | None = None  # "ps": the send scheduler's policy (dsgd.transport.pacing); None: none
+    send_schedule: str = DEFAULT_SEND_SCHEDULE  # "ps": the send scheduler's policy (dsgd.transport.pacing)
 
     @property
     def applies_fed(self) -> bool:
@@ -148,9 +149,8 @@ class Options:
     def worker_config(self, exchange: str, feed_concurrently: bool) -> WorkerConfig:
         """What a worker is built with, for the ``exchange`` of the engine's count now; ``use_ops`` resolved
         (``ops_wanted``), the send schedule read from ``SEND_SCHEDULE_ENV`` (checked)."""
-        schedule = os.environ.get(SEND_SCHEDULE_ENV) or None
-        if schedule is not None:
-            pacing.policy(schedule)
+        schedule = os.environ.get(SEND_SCHEDULE_ENV) or DEFAULT_SEND_SCHEDULE
+        pacing.policy(schedule)
         return WorkerConfig(exchange, self.devices_per_worker, self.gpu, self.all_reduce_alg,
                             self.cpus_per_worker, self.timeout_s, self.startup_timeout_s, self.nan_policy,
                             use_ops=self.strategy == "ps" and ops_wanted(self.use_ops),

@@ -136,18 +136,15 @@ class SGDWorker:
         """
         if self.client is None:
             self.client, self.exchange = self._ps_exchange(layout, placement, rounds)
-        elif ([s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement
-              or (rounds is not None and rounds != self.client.rounds and not self.client.scheduled)):
+        elif [s.index for s in layout] != [s.index for s in self.client.layout] or placement != self.client.placement:
             raise DSGDError(f"worker {self.worker_index} was connected with another partition layout")
         return self.client.connect(servers, routes, rounds)
 
     def _ps_exchange(self, layout: list[partitions.Partition], placement: list[int],
                      rounds: list[list[int]] | None) -> tuple[ParameterServerClient, Exchange]:
-        """The "ps" exchange of ``layout``, ``placement`` and ``rounds`` for this index and its client, built
-        once (with a send schedule, whatever the rounds: its client takes new ones as it connects)."""
-        scheduled = self.config.send_schedule is not None
-        key = (self.worker_index, tuple(layout), tuple(placement),  # what a "ps" exchange is built for
-               None if rounds is None or scheduled else tuple(map(tuple, rounds)))
+        """The "ps" exchange of ``layout`` and ``placement`` for this index and its client, built once (whatever
+        the ``rounds``: its client's send scheduler takes new ones as it connects)."""
+        key = (self.worker_index, tuple(layout), tuple(placement))  # what a "ps" exchange is built for
         if key not in self._ps_exchanges:
             client = ParameterServerClient(self.worker_index, layout, placement, self.config.step_timeout_s,
                                            self.config.startup_timeout_s, rounds, self.config.send_schedule)

@@ -89,3 +89,20 @@ def unit_seconds(items: Iterable[pytest.Item], test_seconds: Mapping[str, float]
             units[name] = job_seconds.get(item.module.BACKGROUND_JOBS[fixture].name, 0.0)
         units[name] = units.get(name, 0.0) + test_seconds[item.nodeid]
     return units
+
+
+def main(count: int = 6) -> None:
+    """Print each of ``count`` slices: its units with their measured seconds, longest first, and its total."""
+    seconds = load()
+    dealt = deal(seconds, count)
+    for index in range(1, count + 1):
+        units = sorted((name for name in dealt if dealt[name] == index), key=lambda name: (-seconds[name], name))
+        print(f"slice {index}/{count}: {len(units)} units, {sum(seconds[name] for name in units):.0f} s measured")
+        for name in units:
+            print(f"  {seconds[name]:7.1f} s  {name}")
+
+
+if __name__ == "__main__":  # python tests/slow_slices.py [K]
+    import sys
+
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 6)

@@ -148,9 +148,9 @@ def test_step_breakdown_reads_every_process_cpu_and_the_traced_kinds_of_its_step
     cpu, traced = record["cpu_ms_per_step"], record["traced_ms_per_step"]
     assert {"worker 0", "worker 1", "parameter server 0", "driver", "raylets", "gcs"} <= set(cpu)
     assert all(ms >= 0 for ms in cpu.values()) and record["step_ms_median"] > 0
-    for worker in ("worker 0", "worker 1"):  # the client's spans and the worker's TensorFlow ops, by kind
-        assert {"write partitions (pack / put)", "push partitions (signal / actor call)", "wait for the means",
-                "read the means (get)", "TF: apply", "TF: graph callbacks (sends, receives)",
+    for worker in ("worker 0", "worker 1"):  # the send scheduler's spans and the worker's TensorFlow ops, by kind
+        assert {"push partitions (pack, signal / actor call)", "wait for and read the means",
+                "the step waits for the means", "TF: apply", "TF: graph callbacks (sends, receives)",
                 "TF: non-finite checks"} <= set(traced[worker])
     assert "sum partitions" in traced["parameter server 0"]
     assert "| CPU (untraced steps) |" in step_breakdown.table(record)
@@ -169,7 +169,7 @@ def test_step_breakdown_kinds_of_events():
     assert step_breakdown.event_kind({"name": "nonfinite_check_gradients/IsFinite_3",
                                       "args": {"op": "IsFinite(g)"}}) == "TF: non-finite checks"
     assert step_breakdown.event_kind({"name": "d", "args": {"op": "MatMul(x, w)"}}) == "TF: other ops (compute)"
-    assert step_breakdown.event_kind({"name": "read the mean of partition 3"}) == "read the means (get)"
+    assert step_breakdown.event_kind({"name": "answer of partition 3"}) == "wait for and read the means"
     assert step_breakdown.event_kind({"name": "compute, exchange and apply"}) is None
     assert step_breakdown.cpu_seconds(os.getpid()) > 0
 

@@ -113,43 +113,40 @@ class NumpyFusedStep(FusedStep):
 
 
 class NumpyServers:
-    """A ``ParameterServerClient``'s interface over the servers' arithmetic: each partition's mean is that of
-    what this worker sent and what ``peer`` (another worker's local means) would."""
+    """A ``ParameterServerClient``'s step side (hand-overs to its send scheduler, and the means collected) over the
+    servers' arithmetic: each partition's mean is that of what this worker handed over and what ``peer`` (another
+    worker's local means) would."""
 
-    def __init__(self, layout: list[partitions.Partition], peer: list[np.ndarray], rounds: list[list[int]] | None = None):
+    def __init__(self, layout: list[partitions.Partition], peer: list[np.ndarray]):
         self.layout = layout
         self.peer = peer
-        self.rounds = rounds or [[j] for j in range(len(layout))]  # the order to send in (the driver's)
-        self.sent: dict[int, np.ndarray] = {}
-        self.steps: list[int] = []  # of the op library's sends
-        self.calls: list[tuple[str, int]] = []  # ("send" or "receive", partition index), in order
+        self.handed: dict[int, np.ndarray] = {}
+        self.steps: list[int] = []  # of the op library's hand-overs
+        self.calls: list[tuple[str, int]] = []  # ("hand" or "collect", partition index), in order
         self.sent_bytes = sum(p.size * p.dtype.itemsize for p in layout)
         self.forgotten = 0
-        self.scheduled = False  # the chained sends, not a send scheduler (ParameterServerClient.scheduled)
 
-    def send_gradients(self, partition, step_id, grads, trace=None):
-        self.sent[partition.index] = partitions.pack(grads, partition, np.zeros(partition.size, partition.dtype))
-        self.calls.append(("send", partition.index))
+    def hand_gradients(self, partition, step_id, grads, trace=None):
+        self.handed[partition.index] = partitions.pack(grads, partition, np.zeros(partition.size, partition.dtype))
+        self.calls.append(("hand", partition.index))
 
-    def send(self, partition, step_id, segment_arrays, trace=None):
-        """The op library's send: one array per segment, valid only during the call."""
-        self.sent[partition.index] = flat = np.zeros(partition.size, partition.dtype)
+    def hand(self, partition, step_id, segment_arrays, trace=None):
+        """The op library's hand-over: one array per segment."""
+        self.handed[partition.index] = flat = np.zeros(partition.size, partition.dtype)
         for segment, array in zip(partitions.segments(partition), segment_arrays):
             flat[segment.start:segment.start + segment.size] = array
         self.steps.append(step_id)
-        self.calls.append(("send", partition.index))
+        self.calls.append(("hand", partition.index))
 
-    def receive(self, partition, step_id, trace=None):
-        self.calls.append(("receive", partition.index))
+    def collect(self, partition, step_id, trace=None):
+        self.calls.append(("collect", partition.index))
         peer = partitions.pack(self.peer, partition, np.zeros(partition.size, partition.dtype))
-        return (self.sent.pop(partition.index) + peer) / 2
+        return (self.handed.pop(partition.index) + peer) / 2
 
-    def check_rounds_kept(self) -> None:
-        """Every send came in ``rounds``' order, and every receive after the last send of its round."""
-        assert [j for call, j in self.calls if call == "send"] == [j for r in self.rounds for j in r]
-        for in_round in self.rounds:
-            last_send = self.calls.index(("send", in_round[-1]))
-            assert all(self.calls.index(("receive", j)) > last_send for j in in_round), (in_round, self.calls)
+    def check_each_handed_over_once_before_collected(self) -> None:
+        assert sorted(j for call, j in self.calls if call == "hand") == list(range(len(self.layout)))
+        for j in range(len(self.layout)):
+            assert self.calls.index(("hand", j)) < self.calls.index(("collect", j)), (j, self.calls)
 
     def forget_pushes(self):
         self.forgotten += 1
@@ -196,15 +193,13 @@ def test_simple_returns_the_runtimes_local_means_then_applies_the_drivers_mean()
     assert {"compute_s", "apply_s"} <= set(stats)  # the phases of both calls
 
 
-ROUNDS = [[1, 0], [3, 2]]  # the 4 partitions of ``plan_partitions(SPECS, 16)``, in an order of a worker's own
 
-
-def test_the_python_ps_exchange_sends_every_partition_in_its_rounds_and_applies_the_servers_means():
+def test_the_python_ps_exchange_hands_every_partition_over_and_applies_the_servers_means():
     local, peer = arrays(0), arrays(1)
     layout = partitions.plan_partitions(SPECS, 16)  # tiny partitions: variables are split across several
     assert len(layout) > len(SPECS)
     runtime = NumpyRuntime(config("ps"), local)
-    servers = NumpyServers(layout, peer, ROUNDS)
+    servers = NumpyServers(layout, peer)
     exchange = registry.worker_half("ps", runtime, servers)
     assert isinstance(exchange, PsWorkerPython)
     result = exchange.step(0, fetch_stats=True).floats()
@@ -212,7 +207,7 @@ def test_the_python_ps_exchange_sends_every_partition_in_its_rounds_and_applies_
         np.testing.assert_allclose(applied, (mine + theirs) / 2, rtol=1e-6)
     assert result["sent_bytes"] == servers.sent_bytes and result["loss"] == 1.5
     assert {"compute_s", "pack_and_send_s", "receive_s", "apply_s"} <= set(result)
-    servers.check_rounds_kept()
+    servers.check_each_handed_over_once_before_collected()
     assert exchange.step(1, fetch_stats=False) == StepResult() and runtime.applied_steps == 2
 
 
@@ -231,7 +226,7 @@ def test_a_backup_worker_catching_up_applies_the_closed_means_and_reads_its_batc
 def test_a_failed_exchange_forgets_its_pushes():
     runtime = NumpyRuntime(config("ps"), arrays(0))
     servers = NumpyServers(partitions.plan_partitions(SPECS, 16), arrays(1))
-    servers.receive = lambda *args: (_ for _ in ()).throw(TimeoutError("no answer"))
+    servers.collect = lambda *args: (_ for _ in ()).throw(TimeoutError("no answer"))
     exchange = registry.worker_half("ps", runtime, servers)
     with pytest.raises(TimeoutError):
         exchange.step(0, fetch_stats=False)
@@ -248,10 +243,10 @@ def test_alone_runs_one_fused_step_which_a_resize_plans_ahead():
     assert all(np.array_equal(a, m) for a, m in zip(runtime.applies[0], runtime.local))
 
 
-def test_the_op_librarys_in_step_exchange_traces_in_a_tf_function_and_keeps_the_rounds():
+def test_the_op_librarys_in_step_exchange_traces_in_a_tf_function_and_hands_every_partition_over():
     """The "ps" exchange built into a step (``PsWorkerOps.build``) is TensorFlow code a runtime traces: here in
-    a tf.function, as a TF2 runtime would, instead of the TF1 runtime's graph. It sends in the client's rounds,
-    and receives a round's means only once the round is sent."""
+    a tf.function, as a TF2 runtime would, instead of the TF1 runtime's graph. It hands each partition to the
+    client's send scheduler, and collects a partition's mean only once it is handed over."""
     import tensorflow as tf
 
     from dsgd import ops
@@ -263,7 +258,7 @@ def test_the_op_librarys_in_step_exchange_traces_in_a_tf_function_and_keeps_the_
     runtime = NumpyRuntime(config("ps", use_ops=True), local)
     in_step = []
     runtime.fused_step = lambda exchange=None: in_step.append(exchange) or NumpyFusedStep(runtime)
-    servers = NumpyServers(layout, peer, ROUNDS)
+    servers = NumpyServers(layout, peer)
     assert isinstance(registry.worker_half("ps", runtime, servers), PsWorkerOps)
 
     @tf.function
@@ -276,7 +271,7 @@ def test_the_op_librarys_in_step_exchange_traces_in_a_tf_function_and_keeps_the_
     for mean, mine, theirs in zip(got, local, peer):
         np.testing.assert_allclose(mean.numpy(), (mine + theirs) / 2, rtol=1e-6)
     assert servers.steps == [5] * len(layout)
-    servers.check_rounds_kept()
+    servers.check_each_handed_over_once_before_collected()
     del got
     ops.drain_released()
 

@@ -434,8 +434,8 @@ def test_tf2_backup_workers_timeline_and_logdir_work_together(ray_session, tmp_p
     for name, value in got.items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
     _, spans = load_trace(tmp_path / "step.json")
-    pushed = [w for w in range(3) if "send partition 0" in names(spans[f"worker {w}"])]
-    assert len(pushed) >= 2  # the step's sends, from inside the traced TF2 step
+    pushed = [w for w in range(3) if "hand partition 0 over" in names(spans[f"worker {w}"])]
+    assert len(pushed) >= 2  # the step's hand-overs, from inside the traced TF2 step
     assert {"get_batch", "compute, exchange and apply"} <= names(spans[f"worker {pushed[0]}"])
     scalars = read_scalars(tmp_path / "logs")
     assert {"loss", "mae", "num_replicas"} <= set(scalars)

@@ -25,7 +25,7 @@ def test_ps_step_trace_shows_every_actor_on_one_clock(ray_session, tmp_path, use
         worker = names(spans[f"worker {w}"])
         assert "get_feed_dict" in worker
         if use_ops:
-            assert {f"send partition {p}" for p in range(3)} <= worker
+            assert {f"hand partition {p} over" for p in range(3)} <= worker
             assert {f"receive partition {p}" for p in range(3)} <= worker
             assert any(n.startswith("dsgd_send_") for n in worker)  # TensorFlow's own op events
         else:

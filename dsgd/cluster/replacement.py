@@ -57,19 +57,9 @@ def replace_dead(cluster: Cluster) -> set[int]:
     dead_servers = cluster.calls.unresponsive(cluster.servers.actors) if cluster.servers else []
     if dead_servers or (cluster.servers and rebuilt):  # new workers may sit on other nodes: relays re-planned
         hosts = server_hosts(cluster, dead_servers)
-        group = cluster.servers
-        rounds_before = group.rounds
-        started = group.replace(dead_servers, cluster.worker_nodes, hosts)
-        # A survivor pushes in the order its exchange was built with; where a new worker or server sits on another
-        # node, the order it needs now differs (else a relay could deadlock): it builds its exchange anew. With a
-        # send schedule, the order is its scheduler's, which takes the new one as it connects.
-        survivors = [i for i, (before, now) in enumerate(zip(rounds_before, group.rounds))
-                     if before != now and i not in rebuilt and cluster.worker_config.send_schedule is None]
-        if survivors:
-            logger.info("workers %s push in a new order (a worker or server moved node); they rebuild their exchange",
-                        survivors)
-            cluster.calls.call_startup([cluster.workers[i].set_exchange.remote(cluster.topology.exchange)
-                                        for i in survivors], f"workers {survivors} to drop their exchange")
+        # Where a new worker or server sits on another node, a survivor's push order changes too (else a relay
+        # could deadlock): its send scheduler takes the new one as it connects, nothing rebuilt.
+        started = cluster.servers.replace(dead_servers, cluster.worker_nodes, hosts)
         for identity in cluster.calls.identify(started):
             logger.warning("parameter server %d %s; started a new one, pid %d on node %s", identity.index,
                            "is dead" if identity.index in dead_servers else

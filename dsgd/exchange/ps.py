@@ -5,13 +5,19 @@ the worker's ``ParameterServerClient`` and apply the means it receives (see
 ``dsgd.exchange.base`` for the protocol and where later features plug in):
 
 - ``PsWorkerPython`` (``use_ops=False``): after the runtime computes the
-  gradients, packs and pushes each partition from Python, reads the means,
-  then has the runtime apply them (two session runs in TF1).
+  gradients, hands every partition over, collects the means, then has the
+  runtime apply them (two session runs in TF1).
 - ``PsWorkerOps`` (the op library, ``dsgd.ops``): one fused step, the
-  exchange built into it (``PsWorkerOps.build``). Each partition is sent
-  from inside the step as soon as its gradients exist, while
-  back-propagation of earlier layers goes on, and received as soon as it is
-  sent; means reach TensorFlow without a copy.
+  exchange built into it (``PsWorkerOps.build``). Each partition is handed
+  over from inside the step as soon as its gradients exist, while
+  back-propagation of earlier layers goes on; means reach TensorFlow
+  without a copy.
+
+Neither pushes anything itself: each hands its partitions to the client's
+send scheduler (``dsgd.transport.scheduler``) and picks their means up, so
+the order and pace of the pushes are the scheduler's policy's
+(``dsgd.transport.pacing``), not built into the step, and a new push order
+(a worker or server moved node) rebuilds nothing.
 
 With backup workers (``WorkerConfig.backup_workers``), a step starts by
 asking the servers which of its partitions are closed already
@@ -21,18 +27,12 @@ says whether it computed and which workers every partition averaged. With
 Ray Data input it still reads its replicas' batches, and drops them: a
 split starts an epoch only once every replica has read its own, so a worker
 that skipped batches would hold the others at the next epoch's start.
-
-With a send schedule (``ParameterServerClient.scheduled``), both only hand
-each partition to the client's send scheduler and pick its mean up: the
-order and pace of the pushes are the scheduler's, not built into the step,
-so a new push order (a worker or server moved node) rebuilds nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,19 +81,17 @@ class PsWorker(Exchange):
 
 
 class PsWorkerPython(PsWorker):
-    """Compute, push the partitions from Python, receive their means, apply."""
+    """Compute, hand the partitions over from Python, collect their means, apply."""
 
     def _compute(self, step_id: int, fetch_stats: bool) -> StepResult:
         runtime, client = self.runtime, self.client
         local_means, stats = runtime.compute(fetch_stats)
-        send, receive = ((client.hand_gradients, client.collect) if client.scheduled else
-                         (client.send_gradients, client.receive))
         try:
-            with runtime.phase("pack and send"):
-                for j in itertools.chain(*client.rounds):
-                    send(client.layout[j], step_id, local_means, runtime.trace)
+            with runtime.phase("pack and send"):  # the scheduler's threads pack and push what is handed over
+                for partition in client.layout:
+                    client.hand_gradients(partition, step_id, local_means, runtime.trace)
             with runtime.phase("receive"):
-                partition_means = [receive(partition, step_id, runtime.trace) for partition in client.layout]
+                partition_means = [client.collect(partition, step_id, runtime.trace) for partition in client.layout]
         except BaseException:
             client.forget_pushes()
             raise
@@ -101,7 +99,7 @@ class PsWorkerPython(PsWorker):
 
 
 class PsWorkerOps(PsWorker):
-    """One fused step: compute, send, receive and apply (one session run in TF1)."""
+    """One fused step: compute, hand over, receive and apply (one session run in TF1)."""
 
     def __init__(self, runtime: ReplicaRuntime, client: ParameterServerClient):
         super().__init__(runtime, client)
@@ -113,22 +111,13 @@ class PsWorkerOps(PsWorker):
         into the runtime's step (a TF1 graph, or traced in a tf.function; see dsgd/ops): the global means (one
         tensor per exchange tensor) and their checks.
 
-        Sends run one after another in the client's rounds
-        (``ParameterServerClient.rounds``: the same partitions in every
-        worker's round r, in an order of the worker's own), and a round's
-        receives wait for its last send; at most ``RECEIVE_THREADS`` receives
-        wait at once (receive k also waits for receive k - RECEIVE_THREADS),
-        so the sends always have threads. A worker thus waits only for
-        partitions of rounds it has sent whole, and which every worker that
-        has sent at least as many partitions has sent whole too: whichever
-        worker has sent the least always gets its means, and no thread budget
-        can deadlock. With a send schedule, each send only hands its partition
-        to the scheduler, as soon as its gradients exist, and returns, so no
-        send waits for another and none holds a thread; partition j's receive
-        waits for its own hand-over, in layout order, at most
-        ``RECEIVE_THREADS`` at once. The apply runs once every partition has
-        arrived and passed its non-finite check (one per partition,
-        ``finite_partitions``).
+        Each partition is handed to the client's send scheduler as soon as its
+        gradients exist, and the hand-over returns at once, so no send waits
+        for another and none holds a thread; partition j's receive waits for
+        its own hand-over, in layout order, at most ``RECEIVE_THREADS`` at
+        once (receive k also waits for receive k - ``RECEIVE_THREADS``). The
+        apply runs once every partition has arrived and passed its non-finite
+        check (one per partition, ``finite_partitions``).
         """
         import tensorflow as tf  # only the op path builds TensorFlow ops; the exchange's logic needs none
 
@@ -136,25 +125,13 @@ class PsWorkerOps(PsWorker):
         from dsgd.worker.finite_checks import finite_partitions
 
         layout, runtime = self.client.layout, self.runtime
-        received: list[Any] = [None] * len(layout)
-        receives: list[Any] = []  # the receives built, in order
-        if self.client.scheduled:
-            rounds: list[list[int]] = [list(range(len(layout)))]
-            sent = {j: [ops.build_send(local_means, layout[j], self._hand, [step_id])] for j in rounds[0]}
-        else:
-            rounds, sent, last_sent = self.client.rounds, {}, []
-            for in_round in rounds:
-                for j in in_round:
-                    with tf.control_dependencies(last_sent):
-                        last_sent = [ops.build_send(local_means, layout[j], self._send, [step_id])]
-                sent.update(dict.fromkeys(in_round, last_sent))
-        for in_round in rounds:
-            for j in in_round:
-                earlier = [receives[-RECEIVE_THREADS]] if len(receives) >= RECEIVE_THREADS else []
-                with tf.control_dependencies(sent[j] + earlier):
-                    received[j] = ops.receive_partition(functools.partial(self._receive, layout[j]), layout[j],
-                                                        [step_id])
-                receives.append(received[j])
+        received: list[Any] = []  # the receives built, in layout order
+        for partition in layout:
+            handed = ops.build_send(local_means, partition, self._hand, [step_id])
+            earlier = [received[-RECEIVE_THREADS]] if len(received) >= RECEIVE_THREADS else []
+            with tf.control_dependencies([handed] + earlier):
+                received.append(ops.receive_partition(functools.partial(self._receive, partition), partition,
+                                                      [step_id]))
         exchange = runtime.signature.exchange
         means = ops.unpack(received, layout, exchange)
         return means, finite_partitions(received, layout, exchange, runtime.trainable_count, runtime.config)
@@ -169,10 +146,6 @@ class PsWorkerOps(PsWorker):
             self._callback_error = e
             raise
 
-    def _send(self, partition: partitions.Partition, arrays: list[np.ndarray], step: np.ndarray) -> None:
-        with self._callback(f"send partition {partition.index}"):
-            self.client.send(partition, int(step), arrays, self.runtime.trace)
-
     def _hand(self, partition: partitions.Partition, arrays: list[np.ndarray], step: np.ndarray) -> None:
         """Hand the partition to the send scheduler; ``arrays`` own their tensors' memory, so they outlive the
         call unchanged (TensorFlow gives a numpy function views that hold a reference to each tensor)."""
@@ -180,9 +153,8 @@ class PsWorkerOps(PsWorker):
             self.client.hand(partition, int(step), arrays, self.runtime.trace)
 
     def _receive(self, partition: partitions.Partition, step: np.ndarray) -> np.ndarray:
-        receive = self.client.collect if self.client.scheduled else self.client.receive
         with self._callback(f"receive partition {partition.index}"):
-            return receive(partition, int(step), self.runtime.trace)
+            return self.client.collect(partition, int(step), self.runtime.trace)
 
     def _compute(self, step_id: int, fetch_stats: bool) -> StepResult:
         import tensorflow as tf

@@ -14,13 +14,13 @@ an actor call (``push``) and a wait for its reply. With backup workers, a
 step starts with ``begin``: one call per server, which says which partitions
 of the step are closed already.
 
-With a send schedule (``WorkerConfig.send_schedule``), the step only hands
-its partitions over (``hand``) and picks their means up (``collect``): a
-``dsgd.transport.scheduler.SendScheduler`` pushes them, a sender and a
-reader for each server this worker pushes to, paced by the schedule's
-policy (``dsgd.transport.pacing``); the client is its lanes (``push``,
-``mean``, ``pace``). Without one, the step calls ``send`` /
-``send_gradients`` and ``receive`` in the order it chose.
+The step only hands its partitions over (``hand``, ``hand_gradients``) and
+picks their means up (``collect``): a ``dsgd.transport.scheduler.SendScheduler``
+pushes them (``send``, ``send_gradients``) and reads the answers
+(``receive``), a sender and a reader for each server this worker pushes
+to, paced by the send schedule's policy (``WorkerConfig.send_schedule``,
+``dsgd.transport.pacing``); the client is its lanes (``push``, ``mean``,
+``pace``).
 
 No TensorFlow here: the worker's exchanges (``dsgd.exchange.ps``) call in.
 """
@@ -35,6 +35,7 @@ import ray
 from dsgd.transport import pacing, shared_memory, signals, streams, tls
 from dsgd.common import timeline
 from dsgd.common.calls import peer_errors
+from dsgd.config import DEFAULT_SEND_SCHEDULE
 from dsgd.errors import ActorFailure, DSGDError
 from dsgd.wire.partitions import Partition, segments
 from dsgd.transport.ends import ObjectStoreWorkerEnd, SharedMemoryWorkerEnd, StreamWorkerEnd, connect_or_fall_back
@@ -49,12 +50,11 @@ class ParameterServerClient:
 
     def __init__(self, worker_index: int, layout: Sequence[Partition], placement: Sequence[int],
                  step_timeout_s: float, startup_timeout_s: float, rounds: Sequence[Sequence[int]] | None = None,
-                 schedule: str | None = None):
+                 schedule: str = DEFAULT_SEND_SCHEDULE):
         """``placement[j]``: the index of the server that sums ``layout[j]``; ``rounds``: the partitions'
         indices in the order this worker pushes them, round by round (the driver's
         ``dsgd.cluster.server_plan.send_rounds``; the same round sets on every worker), by default layout order,
-        a partition a round. ``schedule``: the send schedule's policy (``dsgd.transport.pacing.policy``), or
-        None for none (the step sends and receives itself).
+        a partition a round. ``schedule``: the send schedule's policy (``dsgd.transport.pacing.policy``).
 
         ``step_timeout_s`` bounds each wait for a mean, ``startup_timeout_s``
         each wait for a server to attach.
@@ -64,8 +64,8 @@ class ParameterServerClient:
         self.layout = list(layout)
         self.placement = list(placement)
         self.rounds = self._checked(rounds)
-        self.pacing = None if schedule is None else pacing.policy(schedule)
-        self.scheduler: SendScheduler | None = None  # with a schedule, once connected
+        self.pacing = pacing.policy(schedule)
+        self.scheduler: SendScheduler | None = None  # once connected
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.segments = [segments(partition) for partition in self.layout]
@@ -83,21 +83,14 @@ class ParameterServerClient:
                              f"0..{len(self.layout) - 1} once, in non-empty rounds")
         return checked
 
-    @property
-    def scheduled(self) -> bool:
-        """Whether a send scheduler moves the partitions (``hand``, ``collect``), not the step (``send``,
-        ``receive``)."""
-        return self.pacing is not None
-
     def connect(self, servers: Sequence[Any], routes: Sequence[int] | None = None,
                 rounds: Sequence[Sequence[int]] | None = None) -> int:
         """Attach to every server and pick each pair's transport; the number reached through shared memory.
 
         ``routes[j]`` (default: the placement): the server partition j is pushed to, its node's relay or its own.
-        ``rounds``: a new push order, which a send schedule's policy takes up (without one, the rounds are built
-        into the step: ``SGDWorker.connect`` refuses others).
+        ``rounds``: a new push order, which the send scheduler takes up.
         """
-        if rounds is not None and self.scheduled:
+        if rounds is not None:
             self.rounds = self._checked(rounds)
         self._close_ends()
         self.servers = list(servers)
@@ -108,11 +101,10 @@ class ParameterServerClient:
         self.server_ends = [self._end(index, server, info)
                             for index, (server, info) in enumerate(zip(self.servers, infos))]
         self.ends = [self.server_ends[server] for server in self.routes]
-        if self.pacing is not None:
-            if self.scheduler is None:
-                self.scheduler = SendScheduler(self, self.routes, self.pacing, self.rounds)
-            else:
-                self.scheduler.attach(self, self.routes, self.rounds)
+        if self.scheduler is None:
+            self.scheduler = SendScheduler(self, self.routes, self.pacing, self.rounds)
+        else:
+            self.scheduler.attach(self, self.routes, self.rounds)
         return sum(isinstance(end, SharedMemoryWorkerEnd) for end in self.server_ends)
 
     def close(self) -> None:
@@ -152,43 +144,33 @@ class ParameterServerClient:
                                      shared_memory.attach(info["mean"], writable=False), info["offsets"],
                                      info["slots"], partitions, signals.Channel(info["signal"], self.step_timeout_s))
 
-    def send(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
-             trace: timeline.Recorder | None = None) -> Any:
-        """Push ``arrays``, one per segment of ``partition`` (``dsgd.wire.partitions.segments``); ``trace``: the step's
-        timeline, while one is recorded (the write and the push are spans of it). The push's ticket (its end's)."""
-        with timeline.maybe_span(trace, f"write partition {partition.index}", EXCHANGE_TRACK):
-            stored = self.ends[partition.index].write(partition, self.segments[partition.index], arrays)
-        return self._push(partition, step_id, stored, trace)
+    def send(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray]) -> Any:
+        """Push ``arrays``, one per segment of ``partition`` (``dsgd.wire.partitions.segments``): the push's ticket
+        (its end's)."""
+        return self._push(partition, step_id, self.ends[partition.index].write(
+            partition, self.segments[partition.index], arrays))
 
-    def send_gradients(self, partition: Partition, step_id: int, grads: Sequence[np.ndarray],
-                       trace: timeline.Recorder | None = None) -> Any:
+    def send_gradients(self, partition: Partition, step_id: int, grads: Sequence[np.ndarray]) -> Any:
         """Push ``partition``'s pieces of ``grads`` (every exchange tensor, in layout order)."""
-        with timeline.maybe_span(trace, f"write partition {partition.index}", EXCHANGE_TRACK):
-            stored = self.ends[partition.index].write_gradients(partition, self.segments[partition.index], grads)
-        return self._push(partition, step_id, stored, trace)
+        return self._push(partition, step_id, self.ends[partition.index].write_gradients(
+            partition, self.segments[partition.index], grads))
 
-    def _push(self, partition: Partition, step_id: int, stored: ray.ObjectRef | None,
-              trace: timeline.Recorder | None) -> Any:
+    def _push(self, partition: Partition, step_id: int, stored: ray.ObjectRef | None) -> Any:
         server = self.routes[partition.index]
-        with timeline.maybe_span(trace, f"push partition {partition.index}", EXCHANGE_TRACK), \
-                self._bounded(f"parameter server {server} to take partition {partition.index}, step {step_id}",
-                              self.step_timeout_s):
+        with self._bounded(f"parameter server {server} to take partition {partition.index}, step {step_id}",
+                           self.step_timeout_s):
             return self.ends[partition.index].push(self.servers[server], self.worker_index, partition, step_id,
                                                    stored)
 
-    def receive(self, partition: Partition, step_id: int, trace: timeline.Recorder | None = None,
-                ticket: Any = None) -> np.ndarray:
-        """The mean of ``partition`` for ``step_id`` (read-only; valid until the next step's push); ``trace`` as
-        for ``send`` (the wait for the answer and the read of the mean are spans of it); ``ticket``: the push's
-        (``send``'s), if known."""
+    def receive(self, partition: Partition, step_id: int, ticket: Any = None) -> np.ndarray:
+        """The mean of ``partition`` for ``step_id`` (read-only; valid until the next step's push); ``ticket``: the
+        push's (``send``'s), if known."""
         what = f"parameter server {self.routes[partition.index]}'s sum of partition {partition.index}, step {step_id}"
-        with timeline.maybe_span(trace, f"wait for the answer of partition {partition.index}", EXCHANGE_TRACK), \
-                self._bounded(what, self.step_timeout_s):
+        with self._bounded(what, self.step_timeout_s):
             answer = self.ends[partition.index].answer(partition, step_id, self.step_timeout_s, ticket)
-        with timeline.maybe_span(trace, f"read the mean of partition {partition.index}", EXCHANGE_TRACK):
-            return self.read(partition, step_id, answer)
+        return self.read(partition, step_id, answer)
 
-    # ---- with a send schedule: the step's side, then the scheduler's lanes ----
+    # ---- the step's side of the send scheduler, then the scheduler's lanes ----
 
     def hand(self, partition: Partition, step_id: int, arrays: Sequence[np.ndarray],
              trace: timeline.Recorder | None = None) -> None:
