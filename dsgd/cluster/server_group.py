@@ -177,8 +177,8 @@ class ServerGroup:
         ``worker_nodes``: the nodes of the (live) workers. If they change
         which servers relay what (``plan_relays``), every server is started
         anew with the new plan (a server holds nothing across steps). The
-        workers' rounds are planned again for the nodes now (``_plan_rounds``):
-        a worker whose rounds changed builds its exchange anew (``dsgd.cluster.replacement``).
+        workers' rounds are planned again for the nodes now (``_plan_rounds``),
+        which each worker's send scheduler takes up as it connects again.
         """
         for j in dead:
             self.nodes[j] = home_for(self.nodes, j, worker_nodes if hosts is None else hosts)
