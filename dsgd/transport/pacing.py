@@ -1,15 +1,17 @@
 """How a worker's send scheduler paces its streams: the policies ``dsgd.transport.scheduler`` is given.
 
 A policy says, under the scheduler's lock, whether a stream's next
-partition may go now (``may_send``) and hears when one went (``sent``);
-``attach`` lets it shape the streams themselves (a kernel pacing rate). It
-never blocks and holds no thread: the scheduler's senders wait for it.
+partition may go now (``may_send``) and hears when one went (``sent``,
+which names the partitions that send lets go, so the scheduler wakes
+their senders alone); ``attach`` lets it shape the streams themselves (a
+kernel pacing rate). It never blocks and holds no thread: the scheduler's
+senders wait for it.
 
-- ``InRounds``: one partition on the wire at a time, in the worker's
-  rounds (``dsgd.cluster.server_plan.send_rounds``): the order of the
-  exchange before the scheduler, kept to compare against.
-- ``FreeStreams``: every stream sends as soon as its next partition is
-  handed over, whatever the others do.
+- ``FreeStreams`` ("streams", the default): every stream sends as soon as
+  its next partition is handed over, whatever the others do.
+- ``InRounds`` ("rounds"): one partition on the wire at a time, in the
+  worker's rounds (``dsgd.cluster.server_plan.send_rounds``): the order of
+  the sends once chained into the step, kept to compare against.
 - ``EqualRate``: ``FreeStreams``, each stream that crosses nodes paced by
   the kernel (``SO_MAX_PACING_RATE``) at the link's rate shared equally
   among them, so no flow runs ahead while another lags.
