@@ -105,4 +105,4 @@ def main(count: int = 6) -> None:
 if __name__ == "__main__":  # python tests/slow_slices.py [K]
     import sys
 
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 6)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)  # .ci/run's SLOW_SLICES
