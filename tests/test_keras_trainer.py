@@ -551,12 +551,27 @@ def test_a_dataset_feed_goes_on_across_the_epochs_of_one_fit_whose_starts_reach_
         return tf.data.Dataset.from_tensor_slices((np.arange(6.0)[:, None], np.arange(6.0))).batch(2)
 
     start = DatasetStart(batches, token=1)
-    feed = start.feed(None, 0, 0, 0)
+    feed = start.feed(None, 0, 0, 1)
     assert feed.next()[1].tolist() == [0.0, 1.0]
     next_epoch = cloudpickle.loads(cloudpickle.dumps(start))  # as foreach_worker sends it
-    assert next_epoch.feed(feed, 0, 0, 0) is feed
+    assert next_epoch.feed(feed, 0, 0, 1) is feed
     assert feed.next()[1].tolist() == [2.0, 3.0]
-    assert DatasetStart(batches, token=2).feed(feed, 0, 0, 0) is not feed  # another fit: a new stream
+    assert DatasetStart(batches, token=2).feed(feed, 0, 0, 1) is not feed  # another fit: a new stream
+    assert feed.next()[1].tolist() == [4.0, 5.0]
+    assert feed.next()[1].tolist() == [0.0, 1.0]  # the dataset ended: a new pass over it, as fit reads one
+
+
+def test_a_dataset_feed_of_an_empty_dataset_says_so_instead_of_waiting_for_a_batch():
+    import tensorflow as tf
+
+    from dsgd.integrations.keras_feed import DatasetStart
+
+    def batches(worker_index, device_index):
+        return tf.data.Dataset.from_tensor_slices((np.zeros((0, 1)), np.zeros(0))).batch(2)
+
+    feed = DatasetStart(batches, token=1).feed(None, 1, 0, 1)
+    with pytest.raises(ValueError, match="the dataset of worker 1, device 0 has no batches"):
+        feed.next()
 
 
 # ---- a Ray Dataset as input ---------------------------------------------------------------------------------------

@@ -16,20 +16,21 @@ object store, zero-copy) and the plan, positioned at an epoch's start
 (``seek``): a step run again after a fault, or by a replacement worker,
 reads the same rows. ``DatasetFeed`` reads a replica's own
 ``tf.data.Dataset`` (``DatasetStart``), and ``RayDataFeed`` a replica's split
-of a Ray Dataset (``RayDataStart``), each as a stream. ``Columns`` says which
-columns of a Ray Dataset are the model's x and y.
+of a Ray Dataset (``RayDataStart``), each as a stream, read as
+``evaluate`` reads them (``dsgd.worker.inputs``), pass after pass.
+``Columns`` says which columns of a Ray Dataset are the model's x and y.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
 
 from dsgd.integrations.keras_compiled import BatchSource
-from dsgd.worker.inputs import replica_dataset, take
+from dsgd.worker.inputs import DatasetFunction, split_batches, take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +95,9 @@ class Feed(BatchSource, Protocol):
 class EpochStart(Protocol):
     """Where an epoch's input is, for every replica: what the trainer sends each worker as an epoch begins."""
 
-    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
-        """Replica ``replica``'s feed for this epoch: ``current`` moved to it, or a new one."""
+    def feed(self, current: Feed | None, worker_index: int, device_index: int, devices: int) -> Feed:
+        """The feed for this epoch of worker ``worker_index``'s replica ``device_index`` (of ``devices``):
+        ``current`` moved to it, or a new one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,8 @@ class ArraysStart:
     epoch: int
     first_step: int
 
-    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+    def feed(self, current: Feed | None, worker_index: int, device_index: int, devices: int) -> Feed:
+        replica = worker_index * devices + device_index
         if isinstance(current, ArrayFeed):
             current.begin(self, replica)
             return current
@@ -160,31 +163,25 @@ class DatasetStart:
     dataset_fn: Callable[[int, int], Any]
     token: int  # the fit call's: its epochs reach the workers as copies, whose dataset_fn is a new object each time
 
-    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+    def feed(self, current: Feed | None, worker_index: int, device_index: int, devices: int) -> Feed:
         if isinstance(current, DatasetFeed) and current.token == self.token:
             return current
-        return DatasetFeed(self, worker_index, device_index)
+        return DatasetFeed(self.token, DatasetFunction(self.dataset_fn).batches(worker_index, device_index, devices,
+                                                                                repeat=True))
 
 
 class DatasetFeed:
-    """A replica's batches from its own ``tf.data.Dataset``: ``(x, y)`` or ``(x, y, sample_weight)`` elements,
-    as numpy (weights of 1 where none are given)."""
+    """A replica's batches from its own ``tf.data.Dataset`` (``batches``: its passes, one after another):
+    ``(x, y)`` or ``(x, y, sample_weight)`` elements, as numpy (weights of 1 where none are given)."""
 
-    def __init__(self, start: DatasetStart, worker_index: int, device_index: int):
-        self.token = start.token
-        self._dataset = replica_dataset(start.dataset_fn, worker_index, device_index)
-        self._iterator = self._dataset.as_numpy_iterator()
+    def __init__(self, token: int, batches: Iterator[Any]):
+        self.token, self._batches = token, batches
 
     def seek(self, applied_steps: int) -> bool:
         return False  # a stream goes on where it is
 
     def next(self) -> tuple:
-        try:
-            element = next(self._iterator)
-        except StopIteration:
-            self._iterator = self._dataset.as_numpy_iterator()
-            element = next(self._iterator)
-        return with_weights(element)
+        return with_weights(next(self._batches))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +252,9 @@ class RayDataStart:
     columns: Columns
     batch_size: int  # a replica's part of the global batch
 
-    def feed(self, current: Feed | None, replica: int, worker_index: int, device_index: int) -> Feed:
+    def feed(self, current: Feed | None, worker_index: int, device_index: int, devices: int) -> Feed:
         if isinstance(current, RayDataFeed):
-            current.batch_size = self.batch_size
+            current.read_at(self.batch_size)
             return current
         return RayDataFeed(self)
 
@@ -271,25 +268,20 @@ class RayDataFeed:
 
         self._split = get_dataset_shard(DATASET)
         self._columns = start.columns
-        self.batch_size = start.batch_size
-        self._iterator = None  # a pass over the split, at self._iterating's batch size
-        self._iterating = None
+        self.batch_size = None
+        self.read_at(start.batch_size)
+
+    def read_at(self, batch_size: int) -> None:
+        """Batches of ``batch_size`` rows from here on: a new pass if that changed (the replicas did)."""
+        if batch_size != self.batch_size:
+            self._batches = split_batches(self._split, batch_size, self._columns.batch, repeat=True)
+            self.batch_size = batch_size
 
     def seek(self, applied_steps: int) -> bool:
         return False  # a stream goes on where it is
 
     def next(self) -> tuple:
-        if self._iterating != self.batch_size:  # the first pass, or the replicas changed: a new pass
-            self._iterator, self._iterating = self._pass(), self.batch_size
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            self._iterator = self._pass()
-            batch = next(self._iterator)
-        return self._columns.batch(batch)
-
-    def _pass(self) -> Any:
-        return iter(self._split.iter_batches(batch_size=self.batch_size, batch_format="numpy"))
+        return next(self._batches)
 
 
 def with_weights(element: Any) -> tuple:

@@ -66,10 +66,10 @@ class TrainerReplica(CompiledReplica):
     def feed(self, feed: Feed) -> None:
         self._batches = feed
 
-    def begin_epoch(self, start: EpochStart, replica: int, worker_index: int, device_index: int) -> None:
+    def begin_epoch(self, start: EpochStart, worker_index: int, device_index: int, devices: int) -> None:
         """Metrics reset, the feed at ``start``'s epoch, with every other replica."""
         self.reset_metrics()
-        self.feed = start.feed(self.feed, replica, worker_index, device_index)
+        self.feed = start.feed(self.feed, worker_index, device_index, devices)
         self._built_mid_epoch, self.joined_at = False, None
 
     def _dsgd_seek(self, step: int) -> bool:
@@ -89,8 +89,7 @@ class ReplicaCreator:
     def __call__(self, worker_index: int, device_index: int) -> TrainerReplica:
         model = self.build()
         check_compiled(model, "KerasTrainer's build()")
-        replica = worker_index * self.devices_per_worker + device_index
-        return TrainerReplica(model, self.start.feed(None, replica, worker_index, device_index))
+        return TrainerReplica(model, self.start.feed(None, worker_index, device_index, self.devices_per_worker))
 
 
 class KerasTrainer:
@@ -441,9 +440,8 @@ class KerasTrainer:
 
 def _begin_epoch(start: EpochStart, worker: Any) -> None:
     """Every replica of ``worker``: its metrics reset, its feed at ``start``'s epoch."""
-    devices = len(worker.models)
     for device, replica in enumerate(worker.models):
-        replica.begin_epoch(start, worker.worker_index * devices + device, worker.worker_index, device)
+        replica.begin_epoch(start, worker.worker_index, device, len(worker.models))
 
 
 @dataclasses.dataclass

@@ -1,7 +1,10 @@
 """Where a replica's batches for ``evaluate`` and ``predict`` come from: one source, whatever the input.
 
 The driver makes a source once per call and sends it to every worker; each
-replica reads its own batches from it (``InputSource.batches``), as numpy:
+replica reads its own batches from it (``InputSource.batches``), as numpy,
+one pass over its part, or (``repeat``) pass after pass, as training reads
+a stream (``dsgd.KerasTrainer`` reads a dataset function's and a Ray
+Dataset split's batches here too):
 
 - ``ArrayParts``: arrays (or a tuple, list or dict of them) in the object
   store, each replica a contiguous part of the rows, in replica order
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -28,8 +31,23 @@ FETCH_TIMEOUT_S = 600  # reading the arrays from the object store (the driver pu
 class InputSource(Protocol):
     """A replica's batches, by where it is."""
 
-    def batches(self, worker_index: int, device_index: int, devices: int) -> Iterator[Any]:
-        """The batches of worker ``worker_index``'s replica ``device_index`` (of ``devices``), in order."""
+    def batches(self, worker_index: int, device_index: int, devices: int, repeat: bool = False) -> Iterator[Any]:
+        """The batches of worker ``worker_index``'s replica ``device_index`` (of ``devices``), in order: one pass,
+        or with ``repeat`` a new pass after each, without end."""
+
+
+def passes(one_pass: Callable[[], Iterable[Any]], repeat: bool, what: str) -> Iterator[Any]:
+    """``one_pass()``'s batches; with ``repeat``, a new pass after each (an empty pass then is an error, named by
+    ``what``: the stream would never give a batch)."""
+    while True:
+        empty = True
+        for batch in one_pass():
+            empty = False
+            yield batch
+        if not repeat:
+            return
+        if empty:
+            raise ValueError(f"{what} has no batches: a stream of it would never give one")
 
 
 def take(arrays: Any, rows: slice | np.ndarray) -> Any:
@@ -66,15 +84,16 @@ class ArrayParts:
         replicas' parts of global batches of ``batch_size`` (at least a row each)."""
         return cls(ref, tuple(contiguous_parts(rows, replicas)), max(1, batch_size // replicas))
 
-    def batches(self, worker_index: int, device_index: int, devices: int) -> Iterator[Any]:
+    def batches(self, worker_index: int, device_index: int, devices: int, repeat: bool = False) -> Iterator[Any]:
         import ray
 
         start, stop = self.bounds[worker_index * devices + device_index]
         if start == stop:
             return
         arrays = ray.get(self.ref, timeout=FETCH_TIMEOUT_S)  # zero-copy from this node's object store
-        for first in range(start, stop, self.batch_size):
-            yield take(arrays, slice(first, min(first + self.batch_size, stop)))
+        yield from passes(lambda: (take(arrays, slice(first, min(first + self.batch_size, stop)))
+                                   for first in range(start, stop, self.batch_size)),
+                          repeat, f"replica {device_index} of worker {worker_index}'s part of the arrays")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +110,20 @@ class RayDataSplits:
            ) -> RayDataSplits:
         return cls(dataset.streaming_split(workers, equal=False), batch_size, to_batch)
 
-    def batches(self, worker_index: int, device_index: int, devices: int) -> Iterator[Any]:
+    def batches(self, worker_index: int, device_index: int, devices: int, repeat: bool = False) -> Iterator[Any]:
         if device_index:
             return
-        for columns in self.splits[worker_index].iter_batches(batch_size=self.batch_size, batch_format="numpy"):
-            yield columns if self.to_batch is None else self.to_batch(columns)
+        yield from split_batches(self.splits[worker_index], self.batch_size, self.to_batch, repeat)
+
+
+def split_batches(split: Any, batch_size: int, to_batch: Callable[[dict], Any] | None, repeat: bool,
+                  ) -> Iterator[Any]:
+    """A Ray Dataset split's (a ``DataIterator``'s) batches of ``batch_size`` rows, each a dict of column arrays
+    made a batch by ``to_batch`` (if given); with ``repeat``, a new pass (Ray's next epoch) after each."""
+    def one_pass() -> Iterator[Any]:
+        for columns in split.iter_batches(batch_size=batch_size, batch_format="numpy"):
+            yield columns if to_batch is None else to_batch(columns)
+    return passes(one_pass, repeat, "a split of the Ray Dataset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +134,13 @@ class DatasetFunction:
     dataset_fn: Callable[[int, int], Any]
     steps: int | None = None
 
-    def batches(self, worker_index: int, device_index: int, devices: int) -> Iterator[Any]:
+    def batches(self, worker_index: int, device_index: int, devices: int, repeat: bool = False) -> Iterator[Any]:
         dataset = replica_dataset(self.dataset_fn, worker_index, device_index)
         if self.steps is not None:
             dataset = dataset.take(self.steps)
-        yield from dataset.as_numpy_iterator()
+        # A new pass iterates the same dataset again (as tf.data's repeat: a shuffle draws a new order).
+        yield from passes(dataset.as_numpy_iterator, repeat,
+                          f"the dataset of worker {worker_index}, device {device_index}")
 
 
 def replica_dataset(dataset_fn: Callable[[int, int], Any], worker_index: int, device_index: int) -> Any:
