@@ -40,12 +40,22 @@ its own. A push down a stream is taken as it arrives, on the stream's
 reading thread (``take``: counted, and summed if it completes its step), so
 no sum waits for a mean that an answering thread is still sending.
 
+A partition that every worker pushes down a stream (no relay, no backup
+worker) is summed as its bytes arrive (``arriving``): whenever every
+worker's push has brought a chunk more, on the reading thread that brought
+the last of it; and its answers go out before the sum is done (``early``):
+the mean's bytes follow the sum down each stream (``SummedMean``), so a
+round's means leave while its pushes still come in. The mean slot is free
+for that: a worker pushes a step only after reading every mean of the step
+before.
+
 This module must not import TensorFlow: a parameter server is a light process.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -61,6 +71,7 @@ from dsgd.server.steps import PartitionSteps, contributors
 from dsgd.server.transports import ServerEnd, Transports
 from dsgd.transport import object_store, shared_memory, signals
 from dsgd.transport.ends import StreamServerEnd
+from dsgd.transport.streams import CHUNK_BYTES
 from dsgd.wire.partitions import Partition
 
 CONTROL_THREADS = 3
@@ -110,7 +121,10 @@ class ParameterServer:
             for r in relays})
         self.relayed = {r.partition.index: RelayedPartition.of(r) for r in relays}
         self.node_sums = NodeSums(server_index, node_sums, partitions)
-        self.changed = threading.Condition()  # guards everything that changes below
+        lock = threading.RLock()
+        self.changed = threading.Condition(lock)  # guards everything that changes below
+        for p in self.partitions.values():
+            p.progress = threading.Condition(lock)  # its sums as the pushes arrive (``arriving``)
         # (worker, partition, step, epoch) -> a stream's push taken as it arrived (``take``), for its ``push``
         self._taken: dict[tuple[int, int, int, int | None], tuple] = {}
         self.transports = Transports(server_index, num_workers, ray.get_runtime_context().get_node_id(),
@@ -128,9 +142,9 @@ class ParameterServer:
     def _mean(self, step_id: int, j: int) -> np.ndarray:
         return self.layout.places[j].mean(step_id)
 
-    def _takes_of(self, key: int) -> Callable[[int, int, int], None]:
-        """``key``'s pushes down a stream as they arrive, ``(step_id, j, generation)`` (``take``)."""
-        return lambda step_id, j, generation: self.take(step_id, key, j, generation)
+    def _arrivals_of(self, key: int) -> StreamArrivals:
+        """What this server does with ``key``'s pushes down a stream as they arrive."""
+        return StreamArrivals(self, key)
 
     def _pushes_of(self, key: int) -> Callable[..., tuple[list, tuple[int, ...]]]:
         """``key``'s pushes as a transport end makes them, ``(step_id, j)`` or, down a stream, ``(step_id, j,
@@ -173,7 +187,7 @@ class ParameterServer:
         """
         with self.changed:
             return self.transports.attach(worker_index, node_id, self._pushes_of(worker_index), self._mean,
-                                          list(self.relayed), self._takes_of(worker_index))
+                                          list(self.relayed), self._arrivals_of(worker_index))
 
     def attach_relay(self, relay: int, key: int, node_id: str | None,
                      indices: Sequence[int]) -> tuple[str, int, bytes] | None:
@@ -193,7 +207,7 @@ class ParameterServer:
                                      f"(from parameter server {relay})")
             end = self.transports.relay_end(key, node_id, [self.layout.places[j] for j in indices],
                                             self.node_sums.offsets, self.node_sums.nbytes, self._pushes_of(key),
-                                            self._mean, self._takes_of(key))
+                                            self._mean, self._arrivals_of(key))
             self.node_sums.attach(relay, key, indices, end)
             return end.address()["stream"] if isinstance(end, StreamServerEnd) else None
 
@@ -253,6 +267,81 @@ class ParameterServer:
             recorder = self.traces.recorder(step_id)
         self._sum_and_keep(p, step_id, inputs, averaged, recorder, summed_in, resets)
 
+    # ---- sums as the pushes arrive --------------------------------------------------
+
+    def _sums_as_arriving(self, p: PartitionSteps) -> bool:
+        """Whether ``p`` is summed as its pushes arrive: every contributor a worker pushing down a stream, every
+        push in the sum (under the lock)."""
+        return (self.quorum == self.num_workers and p.index not in self.relayed
+                and all(not self.node_sums.expects(p.index, key)
+                        and isinstance(self.transports.ends.get(key), StreamServerEnd) for key in p.contributors))
+
+    def arriving(self, step_id: int, key: int, j: int, nbytes: int) -> None:
+        """``nbytes`` of ``key``'s push of partition j for ``step_id`` are in (its stream's reading thread): noted,
+        and what every worker has sent of the partition summed, a chunk at least, if it is summed as it
+        arrives."""
+        p = self.partitions.get(j)
+        if p is None:
+            return  # ``take`` refuses it
+        with self.changed:
+            if (self.aborted or not self._sums_as_arriving(p) or p.settled(step_id)
+                    or p.step_id not in (None, step_id)):
+                return
+            if p.arrive(step_id, key, nbytes):
+                p.progress.notify_all()
+            resets = self.resets
+        self._sum_arrived(p, step_id, resets)
+
+    def _sum_arrived(self, p: PartitionSteps, step_id: int, resets: int) -> None:
+        """Sum what every worker has sent of ``p`` and none summed yet, a chunk at least, unless another thread is
+        summing ``p`` (it sums this too: it looks again once it is done)."""
+        while p.summing.acquire(blocking=False):
+            try:
+                with self.changed:
+                    span = p.summable(step_id, CHUNK_BYTES) if self.resets == resets else None
+                    inputs = None if span is None else [self._end(p, key).read(
+                        p.place.partition, p.place.offset, p.place.segments, None) for key in p.contributors]
+                if span is not None:
+                    self._sum_span(p, step_id, inputs, span)
+                    with self.changed:
+                        p.summed = span[1]
+                        p.progress.notify_all()
+            finally:
+                p.summing.release()
+            with self.changed:  # what came in while the lock was held, whose reader found it taken
+                if span is None and (self.resets != resets or p.summable(step_id, CHUNK_BYTES) is None):
+                    return
+
+    def _sum_span(self, p: PartitionSteps, step_id: int, inputs: list[list[np.ndarray]], span: tuple[int, int]):
+        """Average bytes ``span`` of ``p``'s pushes (every worker's, in worker order) into ``step_id``'s mean slot."""
+        itemsize = p.place.partition.wire_dtype.itemsize
+        with self.traces.recorder(step_id).span(f"average bytes {span[0]}-{span[1]} of partition {p.index}", "sum"):
+            sums.average_span(p.place, step_id, inputs, self.num_workers, span[0] // itemsize, span[1] // itemsize)
+
+    def early(self, step_id: int, key: int, j: int, generation: int | None) -> tuple | None:
+        """``key``'s answer to its push of partition j for ``step_id`` before the step's sum is done, if ``p`` is
+        summed as it arrives: once every worker's push has begun, the workers averaged, the mean slot and a
+        ``SummedMean`` that says how much of it is summed. None if the usual answer is due (the step done,
+        failed or reset already)."""
+        p = self.partitions.get(j)
+        if p is None:
+            return None
+        with self.changed:
+            if not self._sums_as_arriving(p):
+                return None
+            resets = self.resets
+            begun = lambda: p.arriving_step == step_id and len(p.arrived) == len(p.contributors)  # noqa: E731
+            if not _wait_polling(p.progress, lambda: begun() or self._ended(p, step_id, resets), self.step_timeout_s):
+                return None  # the usual answer names who is missing, at its own timeout
+            if not begun() or self._ended(p, step_id, resets):
+                return None
+            averaged = tuple(p.workers_in(p.contributors))
+        return averaged, p.place.mean(step_id), SummedMean(self, p, step_id, key, generation, resets)
+
+    def _ended(self, p: PartitionSteps, step_id: int, resets: int) -> bool:
+        """Whether ``step_id`` of ``p`` is done, failed, aborted or reset (under the lock)."""
+        return self._settled(p, step_id) or self.resets != resets
+
     def _register(self, step_id: int, worker_index: int, j: int, stored: list[np.ndarray] | None,
                   generation: int | None) -> tuple[PartitionSteps, float, int, int, bool]:
         """Check and count a push (under the lock): its partition, when it came, the resets and generation it
@@ -278,11 +367,13 @@ class ParameterServer:
             with self.changed:
                 p.failures[step_id] = e
                 self.changed.notify_all()
+                p.progress.notify_all()
             raise
         with self.changed:
             if self.resets == resets:
                 p.keep(step_id, ref, averaged, self.layout.slots)
             self.changed.notify_all()
+            p.progress.notify_all()  # a mean going out as it was summed: the rest of it
 
     def _check_generation(self, j: int, step_id: int, key: int, generation: int | None) -> None:
         """Refuse a node's partial sum summed in another generation than this server's (before its reset)."""
@@ -355,10 +446,16 @@ class ParameterServer:
         relayed = self.relayed.get(p.index)
         with recorder.span(f"{'average' if relayed is None else 'sum'} partition {p.index} of workers "
                            f"{list(averaged)}", "sum"):
-            if relayed is None:
-                sums.average(p.place, step_id, inputs, len(averaged))
-            else:
+            if relayed is not None:
                 sums.add(relayed.partial(p.place, step_id), p.place, inputs)
+            elif p.arriving_step == step_id:  # summed as it arrived: the rest (if any)
+                with p.summing:
+                    rest = (p.summed, p.place.partition.wire_nbytes)
+                    if rest[0] < rest[1]:
+                        self._sum_span(p, step_id, inputs, rest)
+                        p.summed = rest[1]
+            else:
+                sums.average(p.place, step_id, inputs, len(averaged))
         if relayed is not None:
             ref, averaged = self.links.push(p.place, relayed, step_id, averaged, recorder, generation)
             if ref is not None:  # through the object store: its server's mean, for workers here on it
@@ -446,3 +543,64 @@ class ParameterServer:
     def identity(self) -> actor_identity.ActorIdentity:
         """Who this actor is (the driver's liveness check and error names)."""
         return actor_identity.current("parameter server", self.server_index)
+
+
+class StreamArrivals:
+    """A parameter server's side of one pusher's stream, as its pushes arrive (``streams.Arrivals``)."""
+
+    def __init__(self, server: ParameterServer, key: int):
+        self.server, self.key = server, key
+
+    def arriving(self, step: int, j: int, epoch: int, nbytes: int) -> None:
+        self.server.arriving(step, self.key, j, nbytes)
+
+    def take(self, step: int, j: int, epoch: int) -> None:
+        self.server.take(step, self.key, j, epoch)
+
+    def early(self, step: int, j: int, epoch: int) -> tuple | None:
+        return self.server.early(step, self.key, j, epoch)
+
+
+class SummedMean:
+    """A mean going down a stream as it is summed (``streams.MeanStream``), for ``ParameterServer.early``."""
+
+    def __init__(self, server: ParameterServer, p: PartitionSteps, step_id: int, key: int, generation: int | None,
+                 resets: int):
+        self.server, self.p, self.step_id, self.key, self.generation, self.resets = (
+            server, p, step_id, key, generation, resets)
+
+    def ready(self, sent: int) -> int:
+        server, p, step_id = self.server, self.p, self.step_id
+        total = p.place.partition.wire_nbytes
+        with server.changed:
+            def more() -> bool:
+                return step_id in p.done or server._ended(p, step_id, self.resets) or (
+                    p.arriving_step == step_id and p.summed > sent)
+            _wait_polling(p.progress, more, server.step_timeout_s)
+            if step_id in p.done and server.resets == self.resets:
+                return total
+            if not server._ended(p, step_id, self.resets) and p.arriving_step == step_id and p.summed > sent:
+                return p.summed
+        raise ConnectionAbortedError(f"{server.name}: step {step_id} of partition {p.index} failed or timed out "
+                                     "while its mean went out")
+
+    def finish(self) -> None:
+        try:  # the push's bookkeeping, as for an answer sent once the step was done (it is: its mean went whole)
+            self.server.push(self.step_id, self.key, self.p.index, None, self.generation)
+        except Exception:  # a reset or abort after the mean went out: the step fails through those
+            pass
+
+
+FAILURE_POLL_S = 0.1  # a wait on a partition's progress looks this often for a failure, which does not wake it
+
+
+def _wait_polling(progress: threading.Condition, condition: Callable[[], bool], timeout_s: float) -> bool:
+    """``progress.wait_for(condition)`` bounded by ``timeout_s``, woken at least every ``FAILURE_POLL_S``;
+    whether ``condition`` held."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        progress.wait(min(left, FAILURE_POLL_S))
+    return True

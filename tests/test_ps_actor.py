@@ -11,7 +11,7 @@ import ray
 from dsgd.transport import object_store, streams
 from dsgd import ps_actor
 from dsgd.server.relays import Relay
-from dsgd.wire import codec
+from dsgd.wire import arrays, codec
 from dsgd.errors import ActorFailure, DSGDTimeoutError, StepAborted
 from dsgd.exchange.ps_client import ParameterServerClient
 from dsgd.wire.partitions import VarSpec, plan_partitions, segments
@@ -149,6 +149,88 @@ def test_a_push_down_a_stream_is_taken_as_it_arrives_not_when_the_answers_before
             reply, averaged = ends[w].answer(partition, 0, timeout_s=30)
             assert averaged == (0, 1)
             np.testing.assert_array_equal(ends[w].read_mean(partition, 0, reply, None), expected[partition.index])
+    ray.kill(server)
+
+
+# One partition of two segments, each larger than a stream's chunk: summed chunk by chunk as the pushes arrive.
+BIG_SPECS = [VarSpec("d", (300_000,), np.dtype(np.float32)), VarSpec("e", (90_001,), np.dtype(np.float32))]
+BIG = plan_partitions(BIG_SPECS, 10_000_000)
+
+
+def _send_part(end, partition, step, flat, start, stop):
+    """Bytes ``[start, stop)`` of a push of ``partition`` down ``end``'s stream (the header first, if ``start`` is
+    0): a push cut in two, as the network may deliver it."""
+    data = np.concatenate(_segments_of(partition, flat)).view(np.uint8)
+    if start == 0:
+        end.stream._socket.sendall(streams.PUSH.pack(0, step, partition.index, data.nbytes))
+    end.stream._socket.sendall(data[start:stop].tobytes())
+
+
+def _answer_begun(end, timeout_s):
+    """Whether an answer's first bytes reach ``end`` within ``timeout_s``."""
+    import select
+    return bool(select.select([end.stream._socket], [], [], timeout_s)[0])
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_with_every_worker_on_a_stream_the_mean_leaves_while_the_last_push_still_comes_in(ray_session, compression):
+    """Three workers on other nodes push a 1.56 MB partition (0.78 MB in bf16); the last sends half of it and stops. The answers of
+    the two whose pushes are in have begun (the workers averaged, the mean as far as it is summed) before the rest
+    is sent, and the means read in the end are the same bit for bit as a sum of the whole pushes."""
+    layout = plan_partitions(BIG_SPECS, 10_000_000, compression=compression)
+    [partition] = layout
+    assert partition.wire_nbytes > 2 * streams.CHUNK_BYTES
+    server = ps_actor.start(0, 3, layout, 30.0)
+    ends = {w: _remote_worker(server, w, layout) for w in range(3)}
+    rng = np.random.default_rng(8)
+    for step in range(2):
+        parts = [_data(rng, layout) for _ in range(3)]
+        wire = [[codec.convert_into(np.empty(a.size, partition.wire_dtype), a)
+                 for a in _segments_of(partition, parts[w][0])] for w in range(3)]
+        expected = np.empty(partition.size, partition.wire_dtype)  # the whole pushes averaged, as "simple" does
+        average = arrays.average_rounded_into if compression else arrays.average_into
+        for k, segment in enumerate(segments(partition)):
+            average(expected[segment.start:segment.start + segment.size], [w[k] for w in wire], 3)
+        for w in (0, 1):
+            ends[w].stream.send(step, partition.index, wire[w])
+        flat = np.concatenate(wire[2])
+        half = flat.nbytes // 2
+        _send_part(ends[2], partition, step, flat, 0, half)
+        assert all(_answer_begun(ends[w], 10) for w in (0, 1)), "no answer began before the last push was whole"
+        _send_part(ends[2], partition, step, flat, half, flat.nbytes)
+        for w in range(3):
+            reply, averaged = ends[w].answer(partition, step, timeout_s=30)
+            assert averaged == (0, 1, 2)
+            np.testing.assert_array_equal(ends[w].read_mean(partition, step, reply, None).view(np.uint8),
+                                          expected.view(np.uint8))
+    ray.kill(server)
+
+
+def test_a_step_that_fails_while_its_mean_leaves_as_summed_cuts_the_streams_and_the_workers_attach_anew(ray_session):
+    """Worker 1's push stops half way and the driver aborts the step: worker 0, whose answer had begun, reads the
+    end of its stream at once (its frame cannot be finished), not the timeout; after the reset both attach anew
+    and the step runs again."""
+    [partition] = BIG
+    server = ps_actor.start(0, 2, BIG, 60.0)
+    ends = {w: _remote_worker(server, w, BIG) for w in range(2)}
+    parts = [_data(np.random.default_rng(9), BIG) for _ in range(2)]
+    ends[0].stream.send(0, partition.index, _segments_of(partition, parts[0][0]))
+    flat = np.concatenate(_segments_of(partition, parts[1][0]))
+    _send_part(ends[1], partition, 0, flat, 0, flat.nbytes // 2)
+    assert _answer_begun(ends[0], 10)
+    ray.get(server.abort.remote(0), timeout=30)
+    with pytest.raises(ConnectionError):
+        ends[0].answer(partition, 0, timeout_s=20)
+    ray.get(server.reset.remote(0, 1), timeout=30)
+    for end in ends.values():
+        end.close()
+    ends = {w: _remote_worker(server, w, BIG) for w in range(2)}
+    for w, end in ends.items():
+        end.stream.send(0, partition.index, _segments_of(partition, parts[w][0]))
+    for end in ends.values():
+        reply, averaged = end.answer(partition, 0, timeout_s=30)
+        assert averaged == (0, 1)
+        np.testing.assert_array_equal(end.read_mean(partition, 0, reply, None), _expected([p[0:1] for p in parts])[0])
     ray.kill(server)
 
 

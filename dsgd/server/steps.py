@@ -14,6 +14,7 @@ The server's lock guards all of it: these methods are called under it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
@@ -36,6 +37,14 @@ class PartitionSteps:
     # step -> (the mean's ref for remote readers, the workers averaged), for the steps whose means are kept
     done: dict[int, tuple[ray.ObjectRef | None, tuple[int, ...]]] = field(default_factory=dict)
     failures: dict[int, Exception] = field(default_factory=dict)
+    # Summed as the pushes arrive (``ParameterServer.arriving``): the step, each contributor's bytes of it in so
+    # far, the bytes of its mean summed so far; one thread sums the partition's spans at a time (``summing``),
+    # and ``progress`` (on the server's lock) wakes the answers waiting for them.
+    arriving_step: int | None = None
+    arrived: dict[int, int] = field(default_factory=dict)
+    summed: int = 0
+    summing: threading.Lock = field(default_factory=threading.Lock)
+    progress: threading.Condition | None = None
 
     @property
     def index(self) -> int:
@@ -85,6 +94,26 @@ class PartitionSteps:
         self.step_id = step_id + 1
         return inputs, averaged
 
+    def arrive(self, step_id: int, key: int, nbytes: int) -> bool:
+        """Note ``nbytes`` of ``key``'s push of ``step_id`` in (a new step forgets the last one's); whether every
+        contributor's push has now begun."""
+        if self.arriving_step != step_id:
+            self.arriving_step, self.summed = step_id, 0
+            self.arrived.clear()
+        self.arrived[key] = nbytes
+        return len(self.arrived) == len(self.contributors)
+
+    def summable(self, step_id: int, min_bytes: int) -> tuple[int, int] | None:
+        """The bytes of ``step_id``'s mean every contributor has sent and none has summed yet, ``(start, stop)``,
+        whole elements, if at least ``min_bytes`` or the rest of the partition; else None."""
+        if self.arriving_step != step_id or len(self.arrived) < len(self.contributors):
+            return None
+        itemsize = self.place.partition.wire_dtype.itemsize
+        stop = min(self.arrived.values()) // itemsize * itemsize
+        if stop - self.summed < min(min_bytes, self.place.partition.wire_nbytes - self.summed) or stop <= self.summed:
+            return None
+        return self.summed, stop
+
     def settled(self, step_id: int) -> bool:
         """Whether ``step_id`` has its answer or failed."""
         return step_id in self.done or step_id in self.failures
@@ -101,6 +130,8 @@ class PartitionSteps:
         self.done.clear()
         self.failures.clear()
         self.step_id = step_id
+        self.arriving_step, self.summed = None, 0
+        self.arrived.clear()
 
     def stuck(self, step_id: int, begun: Mapping[int, float]) -> str:
         """Who ``step_id`` is waiting for: the workers yet to push, or (it has its pushes) to begin the step before."""

@@ -27,6 +27,19 @@ def average(place: Place, step_id: int, inputs: Sequence[Sequence[np.ndarray]], 
                         place.mean(step_id), place.segments, inputs, workers)
 
 
+def average_span(place: Place, step_id: int, inputs: Sequence[Sequence[np.ndarray]], workers: int, start: int,
+                 stop: int) -> None:
+    """``average`` of elements ``[start, stop)`` of the partition only (a sum as the pushes arrive: every element
+    is summed as ``average`` sums it, so the mean is the same bit for bit)."""
+    partition = place.partition
+    average_into = arrays.average_rounded_into if partition.wire_dtype != partition.dtype else arrays.average_into
+    target = place.mean(step_id)
+    for k, (first, size) in enumerate(place.segments):
+        lo, hi = max(start, first), min(stop, first + size)
+        if lo < hi:
+            average_into(target[lo:hi], [pushed[k][lo - first:hi - first] for pushed in inputs], workers)
+
+
 def add(target: np.ndarray, place: Place, inputs: Sequence[Sequence[np.ndarray]]) -> None:
     """Sum the pushes ``inputs`` into ``target`` (a relay's partial sum)."""
     _segment_by_segment(arrays.average_into, target, place.segments, inputs, 1)

@@ -19,12 +19,12 @@ import numpy as np
 
 from dsgd.server.layout import BufferLayout, Place, partial_sum
 from dsgd.transport import tls
+from dsgd.transport.streams import Arrivals
 from dsgd.transport.ends import (ObjectStoreServerEnd, SharedMemoryServerEnd, StreamServerEnd, byte_places,
                                  note_fallback)
 
 ServerEnd = SharedMemoryServerEnd | StreamServerEnd | ObjectStoreServerEnd
 Push = Callable[[int, int], tuple[list, tuple[int, ...]]]  # (step, partition index) -> the push's answer
-Take = Callable[[int, int, int], None]  # (step, partition index, epoch): a stream's push counted as it arrives
 Mean = Callable[[int, int], np.ndarray]  # (step, partition index) -> the mean the answer goes with
 
 
@@ -54,18 +54,18 @@ class Transports:
         return True
 
     def attach(self, worker_index: int, node_id: str | None, push: Push, mean: Mean,
-               relayed: Collection[int], take: Take | None = None) -> dict | None:
+               relayed: Collection[int], arrivals: Arrivals | None = None) -> dict | None:
         """Pick worker ``worker_index``'s transport and make its end (closing the one before); how the worker
         reaches it (``ParameterServer.attach``). ``push``, ``mean``: the server's push of this worker and the
         mean it answered with; ``relayed``: the partitions whose pushes are answered each on a thread of its own
-        (their sums cross to another node and back); ``take``: a stream's push counted as it arrives (None: when it
-        is answered)."""
+        (their sums cross to another node and back); ``arrivals``: what the server does with a stream's push as
+        it arrives (None: nothing before it is answered)."""
         self.ends[worker_index].close()  # a re-attach after a recovery: an old buffer goes with its fd
         layout = self.layout
         if self._streams_from(node_id):
             end = self.ends[worker_index] = self._stream_end(
                 worker_index, layout.nbytes, {j: byte_places(place.partition, place.offset, place.segments)
-                                              for j, place in layout.places.items()}, push, mean, relayed, take)
+                                              for j, place in layout.places.items()}, push, mean, relayed, arrivals)
             return {**end.address(), "slots": layout.slots}
         if not layout.shared or node_id != self.node_id:
             self.ends[worker_index] = ObjectStoreServerEnd(self.server_index, worker_index)
@@ -76,7 +76,7 @@ class Transports:
                 "slots": layout.slot_offsets()}
 
     def relay_end(self, key: int, node_id: str | None, places: Sequence[Place], offsets: dict[int, int],
-                  nbytes: int, push: Push, mean: Mean, take: Take) -> StreamServerEnd | ObjectStoreServerEnd:
+                  nbytes: int, push: Push, mean: Mean, arrivals: Arrivals) -> StreamServerEnd | ObjectStoreServerEnd:
         """The end the partial sums of ``places``' partitions come through from a relaying server on ``node_id``,
         pushed as ``key``: a stream with an input buffer of ``nbytes``, each partial sum in float32 at its
         ``offsets``, where it can be; else the object store."""
@@ -85,14 +85,14 @@ class Transports:
         return self._stream_end(  # each answered on a thread of its own: it waits for this node's workers
             key, nbytes, {p.partition.index: byte_places(partial_sum(p.partition), offsets[p.partition.index],
                                                          p.segments) for p in places},
-            push, mean, [p.partition.index for p in places], take)
+            push, mean, [p.partition.index for p in places], arrivals)
 
     def _stream_end(self, key: int, nbytes: int, places: dict[int, list[tuple[int, int]]], push: Push,
-                    mean: Mean, relayed: Collection[int], take: Take | None) -> StreamServerEnd:
+                    mean: Mean, relayed: Collection[int], arrivals: Arrivals | None) -> StreamServerEnd:
         """A stream end for ``key``'s pushes, with an input buffer of ``nbytes``: partition j's segments go to
         ``places[j]`` (``byte_places``)."""
         return StreamServerEnd(self.server_index, key, self.host, nbytes, places, push, mean, self.step_timeout_s,
-                               relayed=relayed, tls_context=tls.ray_server_context(), take=take)
+                               relayed=relayed, tls_context=tls.ray_server_context(), arrivals=arrivals)
 
     def any_remote(self) -> bool:
         """Whether some worker reads its means through the object store."""

@@ -332,12 +332,12 @@ class StreamServerEnd:
                  places: dict[int, list[tuple[int, int]]],
                  push: Callable[[int, int, int], tuple[list, tuple[int, ...]]],
                  mean: Callable[[int, int], np.ndarray], connect_timeout_s: float, relayed: Collection[int] = (),
-                 tls_context: ssl.SSLContext | None = None, take: Callable[[int, int, int], None] | None = None):
+                 tls_context: ssl.SSLContext | None = None, arrivals: streams.Arrivals | None = None):
         """``places[j]``: where partition j's segments go in the ``nbytes`` of the input buffer, as (byte offset,
         byte count) each, in order (``byte_places``, as ``read`` finds them); ``push`` as for
         ``SharedMemoryServerEnd``, with the epoch the push was sent in (a relaying server's generation) as third
-        argument; ``mean(step_id, j)`` the mean it answered with (sent after it); ``take(step_id, j, epoch)``,
-        if given, the server's count of a push as it arrives, before the answers ahead of it
+        argument; ``mean(step_id, j)`` the mean it answered with (sent after it); ``arrivals``, if given, what
+        the server does with a push as its bytes arrive, before the answers ahead of it
         (``streams.StreamListener``); ``host``: this node's address, where the stream listens, over TLS with
         ``tls_context``."""
         self.buffer = bytearray(nbytes)
@@ -347,7 +347,7 @@ class StreamServerEnd:
         self.listener = streams.StreamListener(
             f"ps{server_index}-w{worker_index}", host, self._target,
             lambda step_id, j, epoch: (push(step_id, j, epoch)[1], mean(step_id, j)),
-            connect_timeout_s, apart=lambda step_id, j: j in relayed, tls_context=tls_context, take=take)
+            connect_timeout_s, apart=lambda step_id, j: j in relayed, tls_context=tls_context, arrivals=arrivals)
 
     def _target(self, j: int, nbytes: int) -> list[memoryview]:
         """Where the segments of a push of partition j (``nbytes`` in all) go; ValueError for one this server

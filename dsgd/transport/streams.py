@@ -34,11 +34,21 @@ back from its mean buffer into the worker's.
   decrypted straight into their buffers. The rest is the same.
 - **Order.** One thread per stream on the server reads pushes as they come
   (so a worker's next partition is never held up behind a sum that waits for
-  other workers), has the server take each as it arrives (``take``: counted,
-  and summed if it completes its step) and queues them; another answers them
-  in order, except those its ``apart`` test picks, each answered on a thread
-  of its own (a relayed partition, which waits on another node): a sum never
-  waits for a mean still going out ahead of it.
+  other workers), tells the server of each push's bytes as they come in,
+  ``CHUNK_BYTES`` at a time (``Arrivals.arriving``: it may sum what every
+  worker has sent of a partition so far), has the server take each push as
+  it arrives (``take``: counted, and summed if it completes its step) and
+  queues them; another answers them in order, except those its ``apart``
+  test picks, each answered on a thread of its own (a relayed partition,
+  which waits on another node): a sum never waits for a mean still going
+  out ahead of it.
+- **Means as they are summed.** Where the server sums a partition chunk by
+  chunk as the pushes come in, its answer can go before the sum is done
+  (``Arrivals.early``): the header and the workers averaged once every
+  worker's push has begun, then the mean's bytes as they are summed
+  (``MeanStream``). The pushing end reads the same frame either way. If the
+  step fails after such an answer began, the stream is cut (its frame could
+  not be finished): the pushing end reads end-of-file.
 - **Failures.** Either side's death closes the stream: the other reads
   end-of-file at once. A wait for an answer is bounded by its caller, a send
   by ``send_timeout_s``. Answers to a failed step's pushes (an earlier
@@ -58,7 +68,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -74,6 +84,34 @@ TAKEN = b"\x01"  # the server's reply to the right token: the stream is the push
 # takes longer is blocked (e.g. a firewall dropping the port), and the pair falls back to the object store.
 CONNECT_TIMEOUT_S = 10.0
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux's option; Python names it on few builds
+CHUNK_BYTES = 1 << 18  # a push is read, and the server told of its progress, this many bytes at a time
+
+
+class MeanStream(Protocol):
+    """A mean that goes out while the server sums it."""
+
+    def ready(self, sent: int) -> int:
+        """Wait until more than ``sent`` of the mean's bytes are summed: the bytes summed so far (all of them
+        once the step is done). OSError if the step failed instead."""
+
+    def finish(self) -> None:
+        """The whole mean went out: the push's bookkeeping, as for an answer sent when the step was done."""
+
+
+class Arrivals(Protocol):
+    """What the server does with a stream's pushes as their bytes come in, before their answers' turn."""
+
+    def arriving(self, step: int, j: int, epoch: int, nbytes: int) -> None:
+        """``nbytes`` of the push of partition j for ``step`` are in (called as each chunk comes, the last with
+        all of them, before ``take``)."""
+
+    def take(self, step: int, j: int, epoch: int) -> None:
+        """The push is in whole: counted (and summed if it completes the step). What it raises is the push's
+        answer."""
+
+    def early(self, step: int, j: int, epoch: int) -> tuple[Any, np.ndarray, MeanStream] | None:
+        """The push's answer, its mean and the mean's progress, if the mean can go out while it is summed; else
+        None (the answer waits for the step as usual)."""
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -105,16 +143,16 @@ class StreamListener(Listener):
     def __init__(self, name: str, host: str, target: Callable[[int, int], Sequence[memoryview]],
                  answer: Callable[[int, int, int], tuple[Any, np.ndarray | None]], accept_timeout_s: float,
                  apart: Callable[[int, int], bool] = lambda step, j: False, tls_context: ssl.SSLContext | None = None,
-                 take: Callable[[int, int, int], None] | None = None):
+                 arrivals: Arrivals | None = None):
         """``target(j, nbytes)``: where a push of partition j goes, its bytes filling each view in turn
         (ValueError if ``nbytes`` is not their size); ``answer(step, j, epoch)``: the server's push (``epoch``:
         the one it was sent in), returning what goes back and the mean to send (or raising, which goes back
         too). The worker must connect within ``accept_timeout_s``; over TLS if ``tls_context`` is given (a
-        server's, ``tls.Contexts.server``). ``take(step, j, epoch)``, if given, is called as each push has
-        arrived, on the reading thread; what it raises is the push's answer."""
+        server's, ``tls.Contexts.server``). ``arrivals``, if given, hears of each push as its bytes come in, on
+        the reading thread, and may answer it before its step is done."""
         super().__init__(f"dsgd stream {name}", answer, apart, read_ahead=True)
         self._target = target
-        self._take = take
+        self._arrivals = arrivals
         self._tls = tls_context
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._server = socket.create_server((host, 0))
@@ -166,25 +204,52 @@ class StreamListener(Listener):
         except ValueError as e:
             _receive(connection, nbytes)
             return epoch, step, j, e
+        if self._arrivals is None:
+            for target in targets:
+                _receive_into(connection, target)
+            return epoch, step, j, None
+        received = 0
         for target in targets:
-            _receive_into(connection, target)
-        if self._take is not None:
-            try:
-                self._take(step, j, epoch)
-            except Exception as e:  # the pusher raises it
-                return epoch, step, j, e
+            for start in range(0, target.nbytes, CHUNK_BYTES):
+                chunk = target[start:start + CHUNK_BYTES]
+                _receive_into(connection, chunk)
+                received += chunk.nbytes
+                self._arrivals.arriving(step, j, epoch, received)
+        try:
+            self._arrivals.take(step, j, epoch)
+        except Exception as e:  # the pusher raises it
+            return epoch, step, j, e
         return epoch, step, j, None
 
     def _answer_of(self, epoch: int, step: int, j: int) -> Any:
-        return self._answer(step, j, epoch)
+        early = None if self._arrivals is None else self._arrivals.early(step, j, epoch)
+        return self._answer(step, j, epoch) if early is None else early
 
     def _send(self, connection: Connection, epoch: int, step: int, j: int, answer: Any) -> None:
-        """The answer's header, the pickled answer (the workers averaged, or the exception), and the mean's bytes."""
-        value, mean = (answer, None) if isinstance(answer, BaseException) else answer
+        """The answer's header, the pickled answer (the workers averaged, or the exception), and the mean's bytes
+        (as they are summed, for an early answer: if the step fails meanwhile, the stream is cut)."""
+        if isinstance(answer, BaseException):
+            value, mean, progress = answer, None, None
+        elif len(answer) == 3:  # an early answer (``Arrivals.early``)
+            value, mean, progress = answer
+        else:
+            (value, mean), progress = answer, None
         meta = pickle.dumps(value)
         payload = _bytes(mean) if mean is not None else memoryview(b"")
         connection.sendall(ANSWER.pack(epoch, step, j, len(meta), payload.nbytes) + meta)
-        connection.sendall(payload)
+        if progress is None:
+            connection.sendall(payload)
+            return
+        sent = 0
+        try:
+            while sent < payload.nbytes:
+                summed = progress.ready(sent)
+                connection.sendall(payload[sent:summed])
+                sent = summed
+        except OSError:
+            shut_down(connection)  # a frame cut short: the pushing end must not read on
+            raise
+        progress.finish()
 
     def _stop_accepting(self) -> None:
         """Shutting the listening socket down wakes the thread blocked in accept."""
