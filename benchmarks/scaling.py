@@ -23,6 +23,9 @@ each way; the head, with this driver, runs no worker) and on it:
             own ("streams"), to compare;
   ps-servers-paced  "ps-servers" with the scheduler's equal-rate policy at
             `--link-gbit` (every stream paced by the kernel at its share);
+  ps-servers-whole  "ps-servers" with servers that sum a partition once
+            every push of it is in (``DSGD_SERVER_SUMS=whole``), beside the
+            engine's own (summed as the pushes arrive), to compare;
   simple    dsgd, strategy="simple" (the driver averages);
   raytrain  Ray Train's TensorflowTrainer, MultiWorkerMirroredStrategy,
             the same workers all-reducing a gradient of the same variables
@@ -96,13 +99,14 @@ import numpy as np
 import tensorflow as tf
 
 import dsgd
-from dsgd.config import SEND_SCHEDULE_ENV
+from dsgd.config import SEND_SCHEDULE_ENV, SERVER_SUMS_ENV
 from benchmarks import common, exchange, peers, processes
 from benchmarks.flows import FlowMonitor, print_flows
 from benchmarks.linked_cluster import (SERVER_RESOURCE, LinkedCluster, linked_cluster, measure_link,
                                        missing_requirements, worker_node_ids)
 
-SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "ps-servers-paced", "simple",
+SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "ps-servers-paced",
+           "ps-servers-whole", "simple",
            "raytrain", "floor+compute", "ps+compute")
 COMPUTE = "+compute"  # the suffix of the systems on the model with real compute
 RESULTS = common.RESULTS_DIR / "scaling"
@@ -271,12 +275,14 @@ def build(name: str, variables: list[tuple[str, list[int]]], cfg: Config, grad_s
         system = DsgdSystem(name, variables, cfg.workers, strategy="simple")
     else:
         extra = {"ps-bf16": {"compression": "bf16"}, "ps-servers": {"server_resource": SERVER_RESOURCE}}
-        base, schedule = name, None
+        base, environment = name, {}
         if name.endswith("-paced"):
-            base, schedule = name.removesuffix("-paced"), f"equal-rate:{link_gbit:g}"
+            base, environment = name.removesuffix("-paced"), {SEND_SCHEDULE_ENV: f"equal-rate:{link_gbit:g}"}
         elif name.endswith("-sched"):
-            base, schedule = name.removesuffix("-sched"), send_schedule
-        with common.environment(**{SEND_SCHEDULE_ENV: schedule}) if schedule else contextlib.nullcontext():
+            base, environment = name.removesuffix("-sched"), {SEND_SCHEDULE_ENV: send_schedule}
+        elif name.endswith("-whole"):
+            base, environment = name.removesuffix("-whole"), {SERVER_SUMS_ENV: "whole"}
+        with common.environment(**environment):
             system = DsgdSystem(name, variables, cfg.workers, strategy="ps", grad_shard_bytes=grad_shard_bytes,
                                 **extra.get(base, {}))
     print(f"  {name}: built in {time.perf_counter() - start:.1f} s", flush=True)

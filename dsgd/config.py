@@ -29,6 +29,19 @@ NAN_POLICIES = ("raise", "skip", "ignore")
 # environment as an engine is made; unset, ``DEFAULT_SEND_SCHEDULE``.
 SEND_SCHEDULE_ENV = "DSGD_SEND_SCHEDULE"
 DEFAULT_SEND_SCHEDULE = "streams"
+# "ps": when a parameter server sums a partition that every worker pushes down a stream: "arriving" (chunk by
+# chunk as the pushes come in, its mean going out as it is summed) or "whole" (once every push is in), read from
+# the driver's environment as the servers start; unset, "arriving". "whole" is there to compare.
+SERVER_SUMS_ENV = "DSGD_SERVER_SUMS"
+SERVER_SUMS = ("arriving", "whole")
+
+
+def server_sums() -> str:
+    """The parameter servers' way of summing streamed pushes (``SERVER_SUMS_ENV``), checked."""
+    sums = os.environ.get(SERVER_SUMS_ENV) or SERVER_SUMS[0]
+    if sums not in SERVER_SUMS:
+        raise ValueError(f"{SERVER_SUMS_ENV}={sums!r}: expected one of {SERVER_SUMS}")
+    return sums
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,11 @@ its own. A push down a stream is taken as it arrives, on the stream's
 reading thread (``take``: counted, and summed if it completes its step), so
 no sum waits for a mean that an answering thread is still sending.
 
-A partition that every worker pushes down a stream (no relay, no backup
-worker) is summed as its bytes arrive (``arriving``): whenever every
-worker's push has brought a chunk more, on the reading thread that brought
-the last of it; and its answers go out before the sum is done (``early``):
+A partition that every worker pushes down a stream or through shared
+memory (no relay, no backup worker, no object store) is summed as its bytes
+arrive (``arriving``; a push through shared memory arrives whole): whenever
+every worker's push has brought a chunk more, on the thread that brought
+the last of it; and its answers down streams go out before the sum is done (``early``):
 the mean's bytes follow the sum down each stream (``SummedMean``), so a
 round's means leave while its pushes still come in. The mean slot is free
 for that: a worker pushes a step only after reading every mean of the step
@@ -70,7 +71,7 @@ from dsgd.server.relays import NodeSums, Relay, RelayedPartition, RelayLinks
 from dsgd.server.steps import PartitionSteps, contributors
 from dsgd.server.transports import ServerEnd, Transports
 from dsgd.transport import object_store, shared_memory, signals
-from dsgd.transport.ends import StreamServerEnd
+from dsgd.transport.ends import SharedMemoryServerEnd, StreamServerEnd
 from dsgd.transport.streams import CHUNK_BYTES
 from dsgd.wire.partitions import Partition
 
@@ -80,12 +81,12 @@ CONTROL_THREADS = 3
 def start(server_index: int, num_workers: int, partitions: list[Partition], step_timeout_s: float,
           backup_workers: int = 0, relays: Sequence[Relay] = (),
           node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, generation: int = 0,
-          **options) -> ray.actor.ActorHandle:
+          sums_as_arriving: bool = True, **options) -> ray.actor.ActorHandle:
     """A ``ParameterServer`` actor with the threads it needs; ``options`` go to ``.options``."""
     return ray.remote(ParameterServer).options(
         num_cpus=0, max_concurrency=num_workers * (len(partitions) + len(relays)) + CONTROL_THREADS,
         **options).remote(server_index, num_workers, partitions, step_timeout_s, backup_workers, relays, node_sums,
-                          generation)
+                          generation, sums_as_arriving)
 
 
 class ParameterServer:
@@ -93,7 +94,8 @@ class ParameterServer:
 
     def __init__(self, server_index: int, num_workers: int, partitions: list[Partition], step_timeout_s: float,
                  backup_workers: int = 0, relays: Sequence[Relay] = (),
-                 node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, generation: int = 0):
+                 node_sums: dict[int, Sequence[tuple[int, ...]]] | None = None, generation: int = 0,
+                 sums_as_arriving: bool = True):
         """``partitions``: the partitions of the layout this server sums.
 
         ``step_timeout_s`` bounds how long a push waits for the other workers'
@@ -102,12 +104,15 @@ class ParameterServer:
         node's workers; ``node_sums[j]``: the worker groups (one per node)
         whose partial sums of partition j come from relays instead of their
         workers' pushes. ``generation``: its group's resets so far (``reset``).
+        ``sums_as_arriving``: sum a partition that every worker pushes down a
+        stream as its bytes arrive (``arriving``), else once every push is in.
         """
         self.server_index = server_index
         self.name = f"parameter server {server_index}"
         self.num_workers = num_workers
         self.quorum = num_workers - backup_workers
         self.step_timeout_s = step_timeout_s
+        self.sums_as_arriving = sums_as_arriving
         self.layout = BufferLayout(server_index, [*partitions, *(r.partition for r in relays)],
                                    2 if backup_workers else 1, shared_memory.available() and signals.available())
         node_sums = {p.index: node_sums.get(p.index, ()) for p in partitions} if node_sums else {}
@@ -236,6 +241,8 @@ class ParameterServer:
             if registered is None:
                 registered = self._register(step_id, worker_index, j, stored, generation)
             p, start, resets, summed_in, late = registered
+        self._sum_arrived(p, step_id, resets)  # a push through shared memory arrives whole
+        with self.changed:
             inputs = None
             if not late:
                 inputs, averaged = self._wait_closable(p, step_id, resets)
@@ -270,11 +277,15 @@ class ParameterServer:
     # ---- sums as the pushes arrive --------------------------------------------------
 
     def _sums_as_arriving(self, p: PartitionSteps) -> bool:
-        """Whether ``p`` is summed as its pushes arrive: every contributor a worker pushing down a stream, every
-        push in the sum (under the lock)."""
-        return (self.quorum == self.num_workers and p.index not in self.relayed
-                and all(not self.node_sums.expects(p.index, key)
-                        and isinstance(self.transports.ends.get(key), StreamServerEnd) for key in p.contributors))
+        """Whether ``p`` is summed as its pushes arrive: every contributor a worker pushing down a stream or
+        through shared memory, one at least down a stream (else there is nothing to overlap), every push in the
+        sum (under the lock)."""
+        if not (self.sums_as_arriving and self.quorum == self.num_workers and p.index not in self.relayed):
+            return False
+        ends = [self.transports.ends.get(key) for key in p.contributors]
+        return (not any(self.node_sums.expects(p.index, key) for key in p.contributors)
+                and all(isinstance(end, (StreamServerEnd, SharedMemoryServerEnd)) for end in ends)
+                and any(isinstance(end, StreamServerEnd) for end in ends))
 
     def arriving(self, step_id: int, key: int, j: int, nbytes: int) -> None:
         """``nbytes`` of ``key``'s push of partition j for ``step_id`` are in (its stream's reading thread): noted,
@@ -355,6 +366,8 @@ class ParameterServer:
             self._take(p, step_id, worker_index, stored)
             for w in p.contributors[worker_index]:
                 self._note_begun(w, step_id)
+            if self._sums_as_arriving(p) and p.arrive(step_id, worker_index, p.place.partition.wire_nbytes):
+                p.progress.notify_all()  # whole (a stream's push said so chunk by chunk already)
         return p, start, self.resets, self.generation, late
 
     def _sum_and_keep(self, p: PartitionSteps, step_id: int, inputs: list[list[np.ndarray]],

@@ -206,6 +206,30 @@ def test_with_every_worker_on_a_stream_the_mean_leaves_while_the_last_push_still
     ray.kill(server)
 
 
+def test_servers_told_to_sum_whole_pushes_answer_only_once_every_push_is_in(ray_session, monkeypatch):
+    """``DSGD_SERVER_SUMS=whole`` (the benchmarks' comparison): no answer begins while a push is still coming;
+    anything but "arriving" or "whole" is refused by name."""
+    from dsgd.config import server_sums
+
+    monkeypatch.setenv("DSGD_SERVER_SUMS", "whole")
+    assert server_sums() == "whole"
+    [partition] = BIG
+    server = ps_actor.start(0, 2, BIG, 30.0, sums_as_arriving=server_sums() == "arriving")
+    ends = {w: _remote_worker(server, w, BIG) for w in range(2)}
+    parts = [_data(np.random.default_rng(10), BIG) for _ in range(2)]
+    ends[0].stream.send(0, partition.index, _segments_of(partition, parts[0][0]))
+    flat = np.concatenate(_segments_of(partition, parts[1][0]))
+    _send_part(ends[1], partition, 0, flat, 0, flat.nbytes // 2)
+    assert not _answer_begun(ends[0], 1.0)
+    _send_part(ends[1], partition, 0, flat, flat.nbytes // 2, flat.nbytes)
+    reply, _ = ends[0].answer(partition, 0, timeout_s=30)
+    np.testing.assert_array_equal(ends[0].read_mean(partition, 0, reply, None), _expected([p[0:1] for p in parts])[0])
+    ray.kill(server)
+    monkeypatch.setenv("DSGD_SERVER_SUMS", "chunked")
+    with pytest.raises(ValueError, match=r"DSGD_SERVER_SUMS='chunked': expected one of \('arriving', 'whole'\)"):
+        server_sums()
+
+
 def test_a_step_that_fails_while_its_mean_leaves_as_summed_cuts_the_streams_and_the_workers_attach_anew(ray_session):
     """Worker 1's push stops half way and the driver aborts the step: worker 0, whose answer had begun, reads the
     end of its stream at once (its frame cannot be finished), not the timeout; after the reset both attach anew

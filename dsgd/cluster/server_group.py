@@ -28,7 +28,7 @@ from dsgd import ps_actor
 from dsgd.server.layout import BufferLayout, partial_sum_offsets
 from dsgd.server.relays import Relay
 from dsgd.wire import partitions
-from dsgd.config import Options
+from dsgd.config import Options, server_sums
 from dsgd.cluster.topology import Topology
 from dsgd.cluster.placement import actor_placement, live_node_resources, nodes_with, reserved_cpus
 from dsgd.cluster.server_plan import assign_partitions, home_for, plan_relays, plan_servers, send_rounds
@@ -56,6 +56,7 @@ class ServerGroup:
         self.num_workers = num_workers
         self.step_timeout_s = step_timeout_s
         self.backup_workers = backup_workers
+        self.sums_as_arriving = server_sums() == "arriving"
         self.worker_nodes = list(worker_nodes) if worker_nodes is not None else None
         self.placement = assign_partitions(self.layout, len(self.nodes))
         self.actors: list[Any] = [None] * len(self.nodes)
@@ -162,6 +163,7 @@ class ServerGroup:
             node_sums = {k: list(by.values()) for k, by in self.relays.items() if self.placement[k] == j}
             self.actors[j] = ps_actor.start(j, self.num_workers, self.partitions_of(j), self.step_timeout_s,
                                             self.backup_workers, self.relays_of(j), node_sums, self.generation,
+                                            sums_as_arriving=self.sums_as_arriving,
                                             scheduling_strategy=actor_placement(self.nodes[j]))
         return [self.actors[j] for j in indices]
 
