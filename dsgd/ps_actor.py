@@ -296,7 +296,7 @@ class ParameterServer:
             return  # ``take`` refuses it
         with self.changed:
             if (self.aborted or not self._sums_as_arriving(p) or p.settled(step_id)
-                    or p.step_id not in (None, step_id)):
+                    or p.step_id not in (None, step_id) or key not in p.contributors):
                 return
             if p.arrive(step_id, key, nbytes):
                 p.progress.notify_all()
@@ -326,8 +326,14 @@ class ParameterServer:
     def _sum_span(self, p: PartitionSteps, step_id: int, inputs: list[list[np.ndarray]], span: tuple[int, int]):
         """Average bytes ``span`` of ``p``'s pushes (every worker's, in worker order) into ``step_id``'s mean slot."""
         itemsize = p.place.partition.wire_dtype.itemsize
-        with self.traces.recorder(step_id).span(f"average bytes {span[0]}-{span[1]} of partition {p.index}", "sum"):
+        with self.traces.recorder(step_id).span(f"average partition {p.index}, bytes {span[0]}-{span[1]}", "sum"):
             sums.average_span(p.place, step_id, inputs, self.num_workers, span[0] // itemsize, span[1] // itemsize)
+
+    def answers_early(self, j: int) -> bool:
+        """Whether a push of partition j down a stream may be answered while it arrives (``early``)."""
+        p = self.partitions.get(j)
+        with self.changed:
+            return p is not None and self._sums_as_arriving(p)
 
     def early(self, step_id: int, key: int, j: int, generation: int | None) -> tuple | None:
         """``key``'s answer to its push of partition j for ``step_id`` before the step's sum is done, if ``p`` is
@@ -569,6 +575,9 @@ class StreamArrivals:
 
     def take(self, step: int, j: int, epoch: int) -> None:
         self.server.take(step, self.key, j, epoch)
+
+    def answers_early(self, j: int) -> bool:
+        return self.server.answers_early(j)
 
     def early(self, step: int, j: int, epoch: int) -> tuple | None:
         return self.server.early(step, self.key, j, epoch)

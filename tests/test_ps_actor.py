@@ -174,9 +174,10 @@ def _answer_begun(end, timeout_s):
 
 @pytest.mark.parametrize("compression", [None, "bf16"])
 def test_with_every_worker_on_a_stream_the_mean_leaves_while_the_last_push_still_comes_in(ray_session, compression):
-    """Three workers on other nodes push a 1.56 MB partition (0.78 MB in bf16); the last sends half of it and stops. The answers of
-    the two whose pushes are in have begun (the workers averaged, the mean as far as it is summed) before the rest
-    is sent, and the means read in the end are the same bit for bit as a sum of the whole pushes."""
+    """Three workers on other nodes push a 1.56 MB partition (0.78 MB in bf16); the last sends half of it and stops.
+    Every worker's answer has begun (the workers averaged, the mean as far as it is summed), the half-sent push's
+    own too, before the rest is sent, and the means read in the end are the same bit for bit as a sum of the whole
+    pushes."""
     layout = plan_partitions(BIG_SPECS, 10_000_000, compression=compression)
     [partition] = layout
     assert partition.wire_nbytes > 2 * streams.CHUNK_BYTES
@@ -196,7 +197,7 @@ def test_with_every_worker_on_a_stream_the_mean_leaves_while_the_last_push_still
         flat = np.concatenate(wire[2])
         half = flat.nbytes // 2
         _send_part(ends[2], partition, step, flat, 0, half)
-        assert all(_answer_begun(ends[w], 10) for w in (0, 1)), "no answer began before the last push was whole"
+        assert all(_answer_begun(ends[w], 10) for w in range(3)), "an answer waited for the last push to be whole"
         _send_part(ends[2], partition, step, flat, half, flat.nbytes)
         for w in range(3):
             reply, averaged = ends[w].answer(partition, step, timeout_s=30)

@@ -109,6 +109,9 @@ class Arrivals(Protocol):
         """The push is in whole: counted (and summed if it completes the step). What it raises is the push's
         answer."""
 
+    def answers_early(self, j: int) -> bool:
+        """Whether a push of partition j may be answered while its bytes still come in (``early``)."""
+
     def early(self, step: int, j: int, epoch: int) -> tuple[Any, np.ndarray, MeanStream] | None:
         """The push's answer, its mean and the mean's progress, if the mean can go out while it is summed; else
         None (the answer waits for the step as usual)."""
@@ -153,6 +156,7 @@ class StreamListener(Listener):
         super().__init__(f"dsgd stream {name}", answer, apart, read_ahead=True)
         self._target = target
         self._arrivals = arrivals
+        self._unread: tuple | None = None  # a push queued for its answer before its bytes were read
         self._tls = tls_context
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._server = socket.create_server((host, 0))
@@ -197,17 +201,30 @@ class StreamListener(Listener):
         return connection
 
     def _receive(self, connection: Connection) -> Request:
-        """The next push, its bytes read into its target (a bad one's read past, to fail it)."""
+        """The next push, its bytes read into its target (a bad one's read past, to fail it); or, if it may be
+        answered while it arrives, the push as soon as its header is in, its bytes read at the next call (the
+        answer may begin meanwhile; what ``take`` raises then fails the step at the server, which answers so)."""
+        if self._unread is not None:
+            unread, self._unread = self._unread, None
+            self._read_push(connection, *unread)
         epoch, step, j, nbytes = PUSH.unpack(_receive(connection, PUSH.size))
         try:
             targets = self._target(j, nbytes)
         except ValueError as e:
             _receive(connection, nbytes)
             return epoch, step, j, e
+        if self._arrivals is not None and self._arrivals.answers_early(j):
+            self._unread = (epoch, step, j, targets)
+            return epoch, step, j, None
+        return epoch, step, j, self._read_push(connection, epoch, step, j, targets)
+
+    def _read_push(self, connection: Connection, epoch: int, step: int, j: int,
+                   targets: Sequence[memoryview]) -> Exception | None:
+        """A push's bytes into its targets, the server told as they come in; what ``take`` raised, if it did."""
         if self._arrivals is None:
             for target in targets:
                 _receive_into(connection, target)
-            return epoch, step, j, None
+            return None
         received = 0
         for target in targets:
             for start in range(0, target.nbytes, CHUNK_BYTES):
@@ -218,8 +235,8 @@ class StreamListener(Listener):
         try:
             self._arrivals.take(step, j, epoch)
         except Exception as e:  # the pusher raises it
-            return epoch, step, j, e
-        return epoch, step, j, None
+            return e
+        return None
 
     def _answer_of(self, epoch: int, step: int, j: int) -> Any:
         early = None if self._arrivals is None else self._arrivals.early(step, j, epoch)
