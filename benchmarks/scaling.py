@@ -105,6 +105,8 @@ from benchmarks.flows import FlowMonitor, print_flows
 from benchmarks.linked_cluster import (SERVER_RESOURCE, LinkedCluster, linked_cluster, measure_link,
                                        missing_requirements, worker_node_ids)
 
+# The systems that run the engine otherwise than at its defaults, to compare with it: not on the curve.
+COMPARISONS = ("-sched", "-paced", "-whole")
 SYSTEMS = ("floor", "ps", "ps-bf16", "ps-servers", "ps-sched", "ps-servers-sched", "ps-servers-paced",
            "ps-servers-whole", "simple",
            "raytrain", "floor+compute", "ps+compute")
@@ -638,7 +640,7 @@ def scaling_figure(records: list[dict[str, Any]]):
     ax = fig.add_subplot()
     single = sorted((r for r in records if r["workers"] == r["nodes"]), key=lambda r: r["nodes"])
     nodes = [r["nodes"] for r in single]
-    systems = [s for s in SYSTEMS if not s.startswith("floor") and not s.endswith(COMPUTE)
+    systems = [s for s in SYSTEMS if not s.startswith("floor") and not s.endswith((COMPUTE, *COMPARISONS))
                and any(r["exchange_ms"].get(s) is not None for r in records)]
     colors = dict(zip(systems, ("tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red")))
     for name in systems:
