@@ -13,6 +13,9 @@ round r has the seed `--seed` + r.
   two-nodes  4 workers, 2 on each node of a two-node ray.cluster_utils
              cluster (3 CPUs each), "ps" with bf16: every partition is
              relayed from the node other than its server's
+  two-nodes-streams  2 workers, one on each of the two nodes, "ps": every
+             partition comes down a stream and through shared memory, and
+             its server sums it as the pushes arrive
 
 Reported per configuration: kills (faults injected; a fault is one kill or
 two), kills survived (every victim replaced and the run passed every check:
@@ -46,8 +49,7 @@ import ray
 
 from benchmarks import common, faults
 
-TWO_NODES = "two-nodes"
-CONFIGS = [*faults.CONFIGS, TWO_NODES]
+CONFIGS = [*faults.CONFIGS, *faults.ACROSS_TWO_NODES]
 FAULT_FREE, CHAOS = "fault-free", "chaos"
 MIB = 1024 * 1024
 
@@ -55,10 +57,7 @@ MIB = 1024 * 1024
 def one_run(name: str, kind: str, plan: faults.Plan) -> dict[str, Any]:
     """A run of ``plan`` on configuration ``name`` (faults injected if ``kind`` is CHAOS); its record, with an
     ``error`` if it raised."""
-    if name == TWO_NODES:
-        num_workers, kwargs = faults.TWO_NODES_WORKERS, faults.TWO_NODES
-    else:
-        num_workers, kwargs = faults.NUM_WORKERS, faults.CONFIGS[name]
+    num_workers, kwargs = faults.ACROSS_TWO_NODES.get(name, (faults.NUM_WORKERS, faults.CONFIGS.get(name)))
     started = time.monotonic()
     try:
         run = faults.run(plan, num_workers, inject=kind == CHAOS, **kwargs)
@@ -79,7 +78,7 @@ def one_run(name: str, kind: str, plan: faults.Plan) -> dict[str, Any]:
 
 def run_config(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The rounds of configuration ``name``: a fault-free and a chaos run each, in rotated order."""
-    num_workers = faults.TWO_NODES_WORKERS if name == TWO_NODES else faults.NUM_WORKERS
+    num_workers = faults.ACROSS_TWO_NODES.get(name, (faults.NUM_WORKERS,))[0]
     records = []
     for r in range(args.rounds):
         seed = args.seed + r
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = common.command_line("benchmarks.chaos", argv)
     print(f"command: {command}\nseed: {args.seed}", flush=True)
     records: dict[str, list[dict[str, Any]]] = {}
-    one_node = [c for c in args.configs if c != TWO_NODES]
+    one_node = [c for c in args.configs if c not in faults.ACROSS_TWO_NODES]
     if one_node:
         common.start_ray(num_cpus=8, object_store_memory=1 << 30)
         try:
@@ -165,9 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 records[name] = run_config(name, args)
         finally:
             ray.shutdown()
-    if TWO_NODES in args.configs:
+    for name in [c for c in args.configs if c in faults.ACROSS_TWO_NODES]:
         with common.local_cluster(nodes=2, cpus_per_node=3, object_store_memory=200 * MIB):
-            records[TWO_NODES] = run_config(TWO_NODES, args)
+            records[name] = run_config(name, args)
     summary = {name: summarize(r) for name, r in records.items()}
     text = table(summary)
     print(f"\n{command}\n{args.steps} steps, {args.faults} faults per chaos run, {args.rounds} round(s), "

@@ -328,9 +328,12 @@ RESIZE_ATTEMPTS = 3
 CONFIGS = {"ps": {"strategy": "ps"}, "simple": {"strategy": "simple"},
            "ps-backup": {"strategy": "ps", "backup_workers": 1}, "ps-bf16": {"strategy": "ps", "compression": "bf16"}}
 NUM_WORKERS = 3
-# Across two nodes: 2 workers on each, so every partition is relayed from the node other than its server's.
-TWO_NODES = {"strategy": "ps", "compression": "bf16"}
-TWO_NODES_WORKERS = 4
+# The engines a chaos run tries across two nodes (3 CPUs each), by name: (workers, DistributedSGD keywords).
+# "two-nodes": 2 workers on each, so every partition is relayed from the node other than its server's;
+# "two-nodes-streams": one on each, so every partition comes from a worker on the server's node (shared memory)
+# and one on the other (a stream), and its server sums it as the pushes arrive.
+ACROSS_TWO_NODES = {"two-nodes": (4, {"strategy": "ps", "compression": "bf16"}),
+                    "two-nodes-streams": (2, {"strategy": "ps"})}
 
 
 @dataclass
@@ -380,7 +383,7 @@ def run(plan: Plan, num_workers: int, inject: bool = True, **engine_kwargs: Any)
         injector = FaultInjector(sgd, plan.seed)
         faults = {f.action: (k, f) for k, f in enumerate(plan.faults)} if inject else {}
         saved: list[tuple[str, int]] = []
-        first_stats: set[str] | None = None
+        first_stats: dict[int, set[str]] = {}  # worker count -> the keys of its first step's stats
         started = time.monotonic()
         for i, action in enumerate(plan.actions):
             if i == len(plan.actions) - TAIL:
@@ -392,8 +395,8 @@ def run(plan: Plan, num_workers: int, inject: bool = True, **engine_kwargs: Any)
                 step_id = sgd.num_steps
                 stats = sgd.step(fetch_stats=bool(action.arg))
                 if stats is not None:
-                    first_stats = first_stats or set(stats)
-                    result.problems += _check_stats(stats, step_id, first_stats, sgd, trajectory)
+                    keys = first_stats.setdefault(sgd.num_workers, set(stats))  # one worker: no exchange's stats
+                    result.problems += _check_stats(stats, step_id, keys, sgd, trajectory)
             elif action.kind == "save":
                 path = os.path.join(scratch, f"save-{action.arg}.npz")
                 sgd.save(path)

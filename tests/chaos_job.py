@@ -1,10 +1,10 @@
 """A chaos run across two nodes (benchmarks/faults.py): print its record as JSON.
 
 Started by tests/test_chaos.py in its own process (``run_job``) with the seed,
-the steps and the faults as arguments. Two nodes of a ``ray.cluster_utils``
-cluster, 3 CPUs each; ``faults.TWO_NODES_WORKERS`` workers (2 per node, so
-every partition is relayed from the node other than its server's) under
-``faults.TWO_NODES``; the run shrinks to 3 workers and grows back.
+the steps, the faults and the configuration (a name of
+``faults.ACROSS_TWO_NODES``) as arguments. Two nodes of a
+``ray.cluster_utils`` cluster, 3 CPUs each; the configuration's workers
+and engine; the run shrinks by one worker and grows back.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ NODE = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024}
 
 def main() -> None:
     seed, steps, count = (int(a) for a in sys.argv[1:4])
-    plan = faults.make_plan(seed, steps, count, faults.TWO_NODES_WORKERS)
+    num_workers, engine = faults.ACROSS_TWO_NODES[sys.argv[4]]
+    plan = faults.make_plan(seed, steps, count, num_workers)
     with local_cluster(NODE, NODE):
-        run = faults.run(plan, faults.TWO_NODES_WORKERS, **faults.TWO_NODES)
+        run = faults.run(plan, num_workers, **engine)
     print(RESULT_PREFIX + json.dumps(run.record()))
 
 

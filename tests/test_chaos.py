@@ -94,18 +94,19 @@ def test_random_kills_on_one_node_lose_nothing(ray_session, name):
     check(one_node(name, **SHORT), SHORT["steps"], SHORT["count"], name)
 
 
-def two_nodes_job(steps: int, count: int) -> Job:
-    return Job(JOB, JOB_TIMEOUT_S[steps], (str(SEED), str(steps), str(count)))
+def two_nodes_job(steps: int, count: int, config: str = "two-nodes") -> Job:
+    return Job(JOB, JOB_TIMEOUT_S[steps], (str(SEED), str(steps), str(count), config))
 
 
-BACKGROUND_JOBS = {"short_two_node_run": two_nodes_job(**SHORT)}
+BACKGROUND_JOBS = {"short_two_node_run": two_nodes_job(**SHORT),
+                   "short_two_node_streams_run": two_nodes_job(**SHORT, config="two-nodes-streams")}
 
 
-def two_nodes(steps: int, count: int) -> dict:
+def two_nodes(steps: int, count: int, config: str = "two-nodes") -> dict:
     try:
-        return QUEUE.result(two_nodes_job(steps, count))
+        return QUEUE.result(two_nodes_job(steps, count, config))
     except AssertionError as e:
-        raise AssertionError(f"chaos run across two nodes failed, {replay('two_nodes')}: {e}") from e
+        raise AssertionError(f"chaos run across two nodes ({config}) failed, {replay('two_nodes')}: {e}") from e
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +114,26 @@ def short_two_node_run() -> dict:
     return two_nodes(**SHORT)
 
 
+@pytest.fixture(scope="module")
+def short_two_node_streams_run() -> dict:
+    return two_nodes(**SHORT, config="two-nodes-streams")
+
+
 @pytest.mark.slow
 def test_random_kills_across_two_nodes_with_relays_and_bf16_lose_nothing(short_two_node_run):
     record = short_two_node_run
     assert len(set(record["worker_nodes"])) == 2 and record["relayed_partitions"] > 0
     check(record, SHORT["steps"], SHORT["count"], "two_nodes")
+
+
+@pytest.mark.slow
+def test_random_kills_across_two_nodes_one_worker_each_summed_as_the_pushes_arrive_lose_nothing(
+        short_two_node_streams_run):
+    """One worker a node: every partition comes down a stream and through shared memory, its server sums it as
+    the pushes arrive and its mean goes back as it is summed; a kill meanwhile cuts the streams."""
+    record = short_two_node_streams_run
+    assert len(set(record["worker_nodes"])) == 2 and record["relayed_partitions"] == 0
+    check(record, SHORT["steps"], SHORT["count"], "two_nodes_one_worker_each")
 
 
 @pytest.mark.slow
