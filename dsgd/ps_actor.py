@@ -56,7 +56,6 @@ This module must not import TensorFlow: a parameter server is a light process.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -241,7 +240,9 @@ class ParameterServer:
             if registered is None:
                 registered = self._register(step_id, worker_index, j, stored, generation)
             p, start, resets, summed_in, late = registered
-        self._sum_arrived(p, step_id, resets)  # a push through shared memory arrives whole
+            arrived = p.arriving_step == step_id  # a push through shared memory, whole, summed as it arrives
+        if arrived:
+            self._sum_arrived(p, step_id, resets)
         with self.changed:
             inputs = None
             if not late:
@@ -348,7 +349,7 @@ class ParameterServer:
                 return None
             resets = self.resets
             begun = lambda: p.arriving_step == step_id and len(p.arrived) == len(p.contributors)  # noqa: E731
-            if not _wait_polling(p.progress, lambda: begun() or self._ended(p, step_id, resets), self.step_timeout_s):
+            if not p.progress.wait_for(lambda: begun() or self._ended(p, step_id, resets), self.step_timeout_s):
                 return None  # the usual answer names who is missing, at its own timeout
             if not begun() or self._ended(p, step_id, resets):
                 return None
@@ -385,14 +386,12 @@ class ParameterServer:
         except Exception as e:
             with self.changed:
                 p.failures[step_id] = e
-                self.changed.notify_all()
-                p.progress.notify_all()
+                self._wake(p)
             raise
         with self.changed:
             if self.resets == resets:
                 p.keep(step_id, ref, averaged, self.layout.slots)
-            self.changed.notify_all()
-            p.progress.notify_all()  # a mean going out as it was summed: the rest of it
+            self._wake(p)  # a mean going out as it was summed too: the rest of it
 
     def _check_generation(self, j: int, step_id: int, key: int, generation: int | None) -> None:
         """Refuse a node's partial sum summed in another generation than this server's (before its reset)."""
@@ -421,7 +420,7 @@ class ParameterServer:
                 p.waiting[key] = end.read(p.place.partition, p.place.offset, p.place.segments, stored)
         except ValueError as e:
             p.failures[step_id] = e
-            self.changed.notify_all()
+            self._wake(p)
             raise
 
     def _end(self, p: PartitionSteps, key: int) -> ServerEnd:
@@ -528,7 +527,14 @@ class ParameterServer:
             if self._is_late(generation):
                 return
             self.aborted = True
-            self.changed.notify_all()
+            self._wake()
+
+    def _wake(self, p: PartitionSteps | None = None) -> None:
+        """A step of ``p`` (or of every partition: ``None``) settled, failed, or was aborted or reset: wake every
+        wait on the server's lock that it may end, the pushes' and the answers going out as ``p`` is summed."""
+        self.changed.notify_all()
+        for q in self.partitions.values() if p is None else (p,):
+            q.progress.notify_all()
 
     def _is_late(self, generation: int) -> bool:
         """Whether a call sent in ``generation`` (the group's resets when the driver sent it) comes after a later
@@ -548,7 +554,7 @@ class ParameterServer:
             self._taken.clear()
             broken = self.links.forget(generation)  # the failed step's answers are dropped, its waits fail
             self.aborted = False
-            self.changed.notify_all()
+            self._wake()
         if broken:  # a stream that ended with both servers alive (a send cut short): open them anew
             self.set_peers(self.links.peers)
 
@@ -598,7 +604,7 @@ class SummedMean:
             def more() -> bool:
                 return step_id in p.done or server._ended(p, step_id, self.resets) or (
                     p.arriving_step == step_id and p.summed > sent)
-            _wait_polling(p.progress, more, server.step_timeout_s)
+            p.progress.wait_for(more, server.step_timeout_s)
             if step_id in p.done and server.resets == self.resets:
                 return total
             if not server._ended(p, step_id, self.resets) and p.arriving_step == step_id and p.summed > sent:
@@ -611,18 +617,3 @@ class SummedMean:
             self.server.push(self.step_id, self.key, self.p.index, None, self.generation)
         except Exception:  # a reset or abort after the mean went out: the step fails through those
             pass
-
-
-FAILURE_POLL_S = 0.1  # a wait on a partition's progress looks this often for a failure, which does not wake it
-
-
-def _wait_polling(progress: threading.Condition, condition: Callable[[], bool], timeout_s: float) -> bool:
-    """``progress.wait_for(condition)`` bounded by ``timeout_s``, woken at least every ``FAILURE_POLL_S``;
-    whether ``condition`` held."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        progress.wait(min(left, FAILURE_POLL_S))
-    return True
