@@ -165,6 +165,105 @@ def test_a_tf_data_function_of_each_replicas_batches_trains_as_the_arrays_do(fre
                       reference.evaluate(x[:2 * BATCH], y[:2 * BATCH], batch_size=BATCH, verbose=0, return_dict=True))
 
 
+def shuffled_batches(x: np.ndarray, y: np.ndarray, batch: int = BATCH):
+    """A tf.data pipeline as Keras users write one: shuffled anew each epoch (seeded), in global batches."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=7).batch(batch)
+
+
+def test_a_tf_data_dataset_made_on_the_driver_trains_evaluates_and_predicts_as_one_process(fresh):
+    import tensorflow as tf
+
+    x, y = km.binary_data()
+    xv, yv = x[:128], y[:128]
+    reference = km.build_binary()
+    expected = reference.fit(shuffled_batches(x, y), epochs=2, verbose=0,
+                             validation_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(50))
+    history = fresh.fit(shuffled_batches(x, y), epochs=2, verbose=0,
+                        validation_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(50))
+    # The driver read each epoch's batches, in the order one process reads them (a new shuffle each epoch).
+    assert sorted(history.history) == sorted(expected.history)
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    assert_replicas_identical(fresh.engine, 2)
+    test = tf.data.Dataset.from_tensor_slices((x[:301], y[:301])).batch(40)  # parts of 151 and 150 rows
+    assert_logs_equal(fresh.evaluate(test, verbose=0, return_dict=True),
+                      reference.evaluate(test, verbose=0, return_dict=True))
+    np.testing.assert_allclose(fresh.predict(test.map(lambda features, labels: features), verbose=0),
+                               reference.predict(x[:301], verbose=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="give no y"):
+        fresh.fit(shuffled_batches(x, y), y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="repeats without end: give steps_per_epoch"):
+        fresh.fit(shuffled_batches(x, y).repeat(), epochs=1, verbose=0)
+
+
+class Batches(keras.utils.PyDataset):
+    """A Keras PyDataset of global batches that counts its epochs (Keras calls on_epoch_end)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        super().__init__()
+        self.x, self.y, self.epochs = x, y, 0
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, k):
+        return self.x[k * BATCH:(k + 1) * BATCH], self.y[k * BATCH:(k + 1) * BATCH]
+
+    def on_epoch_end(self):
+        self.epochs += 1
+
+
+def test_a_pydataset_and_a_generator_train_with_class_weights_and_steps_per_epoch_as_one_process(fresh):
+    x, y = km.binary_data()
+    weights = {0: 0.5, 1: 1.5}
+    reference = km.build_binary()
+    expected = reference.fit(Batches(x, y), epochs=2, verbose=0, class_weight=weights, shuffle=False)
+    batches = Batches(x, y)
+    history = fresh.fit(batches, epochs=2, verbose=0, class_weight=weights, shuffle=False)
+    assert batches.epochs == 2
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+
+    def endless(x, y):  # 5 steps an epoch of 7 batches a pass: an epoch goes on where the one before stopped
+        while True:
+            for k in range(7):
+                yield x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH]
+
+    expected = reference.fit(endless(x, y), epochs=2, steps_per_epoch=5, verbose=0)
+    history = fresh.fit(endless(x, y), epochs=2, steps_per_epoch=5, verbose=0)
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    with pytest.raises(ValueError, match="a generator, which has no length: give steps_per_epoch"):
+        fresh.fit(endless(x, y), epochs=1, verbose=0)
+
+
+def test_batches_read_on_the_driver_split_into_equal_parts_and_what_is_left_out_is_said(caplog):
+    from dsgd.integrations.keras_reader import DriverEpochs, warn_left_out
+
+    plan = EpochPlan(num_samples=17, batch_size=1, replicas=2, edges=(0, 6, 11, 16, 17))
+    assert plan.steps == 3  # the last batch, one row, has none for the second replica: left out
+    assert [plan.part(None, 1, r) for r in range(2)] == [slice(6, 8), slice(8, 10)]  # 5 rows: 2 each
+    with pytest.raises(ValueError, match="no batch of at least 2 rows"):
+        EpochPlan(num_samples=1, batch_size=1, replicas=2, edges=(0, 1))
+    x, y = km.binary_data(samples=70)
+    import tensorflow as tf
+
+    epoch = DriverEpochs(tf.data.Dataset.from_tensor_slices((x, y)).batch(33)).read()
+    assert epoch.edges == (0, 33, 66, 70)
+    np.testing.assert_array_equal(epoch.arrays[1], y)
+    np.testing.assert_array_equal(epoch.arrays[2], np.ones(70, np.float32))
+    with caplog.at_level("WARNING", logger="dsgd.integrations.keras_reader"):
+        warn_left_out(epoch, 2, "x")
+    assert "leaving out 2 of the epoch's 70 rows; batch it by a multiple of 2" in caplog.text
+    with pytest.raises(ValueError, match="gave no batch for this epoch"):
+        DriverEpochs(tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(8)).read()
+
+
 class BatchLogs(keras.callbacks.Callback):
     """Records each batch's logs, and the weights trainer.model holds at that batch's end."""
 

@@ -8,7 +8,9 @@ the plan's seed and the epoch when shuffling), each of the R replicas
 taking an equal contiguous part of it, in replica order (worker, then
 device). A last batch smaller than B is cut to a multiple of R (at most
 R - 1 rows of an epoch left out), so every part of a step has the same size
-and the mean of the replicas' gradients is the global batch's.
+and the mean of the replicas' gradients is the global batch's. An epoch
+the driver read from input only it can read (``keras_reader``) keeps that
+input's batches instead (``edges``), each cut to a multiple of R.
 
 ``ArrayFeed`` is a replica's ``Feed``: the arrays (read once from the
 object store, zero-copy) and the plan, positioned at an epoch's start
@@ -24,6 +26,7 @@ of a Ray Dataset (``RayDataStart``), each as a stream, read as
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -43,8 +46,14 @@ class EpochPlan:
     shuffle: bool = False
     seed: int = 0
     steps_per_epoch: int | None = None
+    edges: tuple[int, ...] | None = None  # global batch k is rows [edges[k], edges[k+1]), if given (batch_size unused)
 
     def __post_init__(self):
+        if self.edges is not None:
+            if not self.kept:
+                raise ValueError(f"the input's batches ({self.edges[-1]} rows in {len(self.edges) - 1}) have no batch "
+                                 f"of at least {self.replicas} rows, one for each of the engine's replicas")
+            return
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (the global batch), got {self.batch_size!r}")
         if self.batch_size % self.replicas:
@@ -62,8 +71,15 @@ class EpochPlan:
     @property
     def batches(self) -> int:
         """Global batches in one pass over the rows (the last one kept if it has a row for every replica)."""
+        if self.edges is not None:
+            return len(self.kept)
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (rest >= self.replicas)
+
+    @functools.cached_property
+    def kept(self) -> tuple[int, ...]:
+        """With ``edges``: the batches with a row for every replica, which make the steps."""
+        return tuple(k for k in range(len(self.edges) - 1) if self.edges[k + 1] - self.edges[k] >= self.replicas)
 
     @property
     def steps(self) -> int:
@@ -76,12 +92,20 @@ class EpochPlan:
     def part(self, order: np.ndarray | None, step: int, replica: int) -> slice | np.ndarray:
         """The rows of ``replica``'s part of step ``step`` of an epoch in ``order`` (``order(epoch)``'s): a
         slice, or indices (sorted) when shuffling."""
-        start = step * self.batch_size
-        size = (min(start + self.batch_size, self.num_samples) - start) // self.replicas
+        start = self.edges[self.kept[step]] if self.edges is not None else step * self.batch_size
+        size = self._size(step)
         first = start + replica * size
         if order is None:
             return slice(first, first + size)
         return np.sort(order[first:first + size])
+
+    def _size(self, step: int) -> int:
+        """A replica's part of step ``step``: its global batch's rows over the replicas, rounded down."""
+        if self.edges is not None:
+            k = self.kept[step]
+            return (self.edges[k + 1] - self.edges[k]) // self.replicas
+        start = step * self.batch_size
+        return (min(start + self.batch_size, self.num_samples) - start) // self.replicas
 
 
 class Feed(BatchSource, Protocol):

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from dsgd.integrations import metric_states
+from dsgd.integrations import keras_reader, metric_states
 from dsgd.integrations.keras_backend import import_keras
 from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
 from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
@@ -179,7 +179,11 @@ class KerasTrainer:
         (i+1)*B)``, as one-process ``fit`` does. Or ``x`` is a function
         ``(worker_index, device_index) -> tf.data.Dataset`` of that
         replica's batches (``(x, y)`` or ``(x, y, sample_weight)``), with
-        ``steps_per_epoch``. Or ``x`` is a Ray Dataset, ``label_columns``
+        ``steps_per_epoch``. Or ``x`` is a ``tf.data.Dataset``, a Keras
+        ``PyDataset`` or a generator of global batches, read on the driver
+        by Keras's own iterator an epoch at a time, each replica training on
+        an equal part of each batch (``dsgd.integrations.keras_reader``).
+        Or ``x`` is a Ray Dataset, ``label_columns``
         naming its labels (``feature_columns`` its features: by default
         every other column; a name gives an array, a list a dict), split
         over the replicas as ``DistributedSGD(datasets=)`` splits one (an
@@ -196,6 +200,11 @@ class KerasTrainer:
                 raise ValueError("x is a Ray Dataset: its labels are columns (label_columns=), so give no y, "
                                  "sample_weight or validation_split (validation_data may be another Ray Dataset)")
             columns = Columns.of(x, label_columns, feature_columns, class_weight)
+        elif keras_reader.is_driver_input(x):
+            if y is not None or sample_weight is not None or validation_split:
+                raise ValueError(f"x is a {type(x).__name__}, whose batches hold the labels (and weights): give no "
+                                 "y, sample_weight or validation_split (as keras.Model.fit), and validation_data "
+                                 "for validation")
         elif (label_columns is not None or feature_columns is not None) and not inputs.is_ray_dataset(validation_data):
             raise ValueError("label_columns and feature_columns name the columns of a Ray Dataset x or "
                              f"validation_data; x is {type(x).__name__}")
@@ -230,7 +239,7 @@ class KerasTrainer:
             if epoch == initial_epoch or model_callbacks:
                 self._push_changes()
             logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps, self.engine.failures)
-            for step in range(steps):
+            for step in range(start.plan.steps if isinstance(start, ArraysStart) else steps):
                 callback_list.on_train_batch_begin(step)
                 if batch_callbacks:
                     self._push_changes()
@@ -278,6 +287,8 @@ class KerasTrainer:
             start = DatasetStart(x, token=int(np.random.default_rng().integers(2 ** 62)))
             self._start(_first_batch(x), start)
             return steps_per_epoch, lambda epoch: start
+        if keras_reader.is_driver_input(x):
+            return self._driver_input(x, class_weight, shuffle, steps_per_epoch)
         arrays = _arrays(x, y, sample_weight, class_weight)
         ref = _put(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
@@ -287,6 +298,29 @@ class KerasTrainer:
         def epoch_start(epoch: int) -> ArraysStart:  # the engine may have been resized since the last epoch
             return ArraysStart(ref, dataclasses.replace(plan, replicas=self.replicas), epoch, self.engine.num_steps)
         return plan.steps, epoch_start
+
+    def _driver_input(self, x: Any, class_weight: dict | None, shuffle: bool,
+                      steps_per_epoch: int | None) -> tuple[int, Callable[[int], EpochStart]]:
+        """``fit``'s input from a dataset, ``PyDataset`` or generator on the driver (``keras_reader``): read an
+        epoch at a time (the first now, which starts the engine), each epoch's batches put in the object store
+        as it begins; the steps of the first epoch."""
+        epochs = keras_reader.DriverEpochs(x, steps_per_epoch, class_weight, shuffle and not isinstance(x, tf.data.Dataset))
+        unnumbered = [epochs.read()]
+        self._start(take(unnumbered[0].arrays, slice(0, 1)),
+                    ArraysStart(_put(unnumbered[0].arrays), EpochPlan(1, 1, 1), 0, 0))
+        held: dict[int, tuple[Any, tuple[int, ...]]] = {}  # epoch -> (its arrays' reference, its batches' edges)
+
+        def epoch_start(epoch: int) -> ArraysStart:  # asked for at the epoch before's end, and as it begins
+            if epoch not in held:
+                read = unnumbered.pop() if unnumbered else epochs.read()
+                keras_reader.warn_left_out(read, self.replicas, "x")
+                for done in [k for k in held if k < epoch - 1]:
+                    del held[done]
+                held[epoch] = _put(read.arrays), read.edges
+            ref, edges = held[epoch]
+            return ArraysStart(ref, EpochPlan(edges[-1], 1, self.replicas, edges=edges), epoch,
+                               self.engine.num_steps)
+        return EpochPlan(unnumbered[0].rows, 1, self.replicas, edges=unnumbered[0].edges).steps, epoch_start
 
     def _ray_data_input(self, dataset: Any, batch_size: int, steps_per_epoch: int | None,
                         columns: Columns) -> tuple[int, Callable[[int], EpochStart]]:
@@ -328,9 +362,16 @@ class KerasTrainer:
                 self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
             return lambda: inputs.source(x, batch_size, steps, self.engine.num_workers,
                                          self.engine.devices_per_worker, None if columns is None else columns.batch)
-        arrays = _arrays(x, y, sample_weight, None)
-        if steps is not None:
-            arrays = take(arrays, slice(0, steps * batch_size))
+        if keras_reader.is_driver_input(x):
+            if y is not None or sample_weight is not None:
+                raise ValueError(f"x is a {type(x).__name__}, whose batches hold the labels (and weights): give no "
+                                 "y or sample_weight (as keras.Model.evaluate)")
+            epoch = keras_reader.DriverEpochs(x, steps).read()
+            arrays, batch_size = epoch.arrays, epoch.edges[1]
+        else:
+            arrays = _arrays(x, y, sample_weight, None)
+            if steps is not None:
+                arrays = take(arrays, slice(0, steps * batch_size))
         ref, rows = _put(arrays), num_rows(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0))
         return lambda: ArrayParts.of(ref, rows, self.replicas, batch_size)
@@ -361,9 +402,12 @@ class KerasTrainer:
         if inputs.is_ray_dataset(x):
             raise TypeError("KerasTrainer.predict takes arrays (its rows come back in input order); for a Ray "
                             "Dataset, predict with trainer.model inside the dataset's map_batches")
+        if keras_reader.is_driver_input(x):
+            epoch = keras_reader.DriverEpochs(x, steps).read()
+            x, batch_size = epoch.arrays[0], batch_size or epoch.edges[1]
+        elif steps is not None:
+            x = take(x, slice(0, steps * (batch_size or 32)))
         batch_size = batch_size or 32
-        if steps is not None:
-            x = take(x, slice(0, steps * batch_size))
         if self._engine is None:
             return self.model.predict(x, batch_size=batch_size, verbose=0, callbacks=callbacks)
         self._push_changes()
@@ -510,11 +554,12 @@ def _first_batch(dataset_fn: Callable[[int, int], Any]) -> tuple:
 
 def _validation_arrays(validation_data: Any) -> tuple:
     """``validation_data`` as (x, y, sample_weight), as Keras unpacks it."""
-    if inputs.is_ray_dataset(validation_data):
+    if inputs.is_ray_dataset(validation_data) or keras_reader.is_driver_input(validation_data):
         return validation_data, None, None
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise ValueError("validation_data must be (x_val, y_val) or (x_val, y_val, sample_weight_val) of arrays, "
-                         f"got {type(validation_data).__name__}")
+                         "a tf.data.Dataset, a keras PyDataset, a generator or a Ray Dataset, got "
+                         f"{type(validation_data).__name__}")
     return tuple(validation_data) + (None,) * (3 - len(validation_data))
 
 
