@@ -159,6 +159,28 @@ def build_own_loss() -> keras.Model:
     return model
 
 
+class Reconstruct(keras.Model):
+    """A model trained without labels: its own ``compute_loss`` compares the outputs with the inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(FEATURES)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred - x))
+
+
+def build_reconstruct() -> keras.Model:
+    keras.utils.set_random_seed(15)
+    model = Reconstruct()
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model(np.zeros((1, FEATURES), np.float32))
+    return model
+
+
 class OwnTrainStep(keras.Sequential):
     def train_step(self, data):
         return super().train_step(data)

@@ -264,6 +264,25 @@ def test_batches_read_on_the_driver_split_into_equal_parts_and_what_is_left_out_
         DriverEpochs(tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(8)).read()
 
 
+def test_a_model_trained_without_labels_fits_on_x_alone_as_one_process(ray_session):
+    x, _ = km.binary_data()
+    reference = km.build_reconstruct()
+    expected = reference.fit(x, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    with dsgd.KerasTrainer(km.build_reconstruct, num_workers=2) as trainer:
+        history = trainer.fit(x, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=1e-5)
+        assert_weights_equal(trainer.model.get_weights(), reference.get_weights())
+        assert trainer.evaluate(x, verbose=0) == pytest.approx(reference.evaluate(x, verbose=0), rel=1e-5)
+
+
+def test_a_later_fit_whose_batches_differ_from_those_the_step_was_built_for_says_what_to_give(fresh):
+    x, y = km.binary_data()
+    fresh.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"are \('float32\[8\]', 'int32\[1\]', 'float32\[\]'\), but the engine's step "
+                                         r"was built for \('float32\[8\]', 'int32\[\]', 'float32\[\]'\)"):
+        fresh.fit(x, y[:, None], batch_size=BATCH, epochs=1, verbose=0)
+
+
 class BatchLogs(keras.callbacks.Callback):
     """Records each batch's logs, and the weights trainer.model holds at that batch's end."""
 

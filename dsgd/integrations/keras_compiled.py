@@ -84,7 +84,7 @@ class CompiledReplica(TF2Model):
         self.optimizer = model.optimizer
         self._batches = batches
         self._per_step_metrics = per_step_metrics
-        self._first = batches.next()
+        self._first = _carried(batches.next())
         x, y, sample_weight = _unpack(self._first)
         self._state = self._find_state(x)
         # Keras's own build of the compiled losses and metrics (their variables), from the batch's specs.
@@ -136,7 +136,7 @@ class CompiledReplica(TF2Model):
         if self._first is not None:
             batch, self._first = self._first, None
             return batch
-        return self._batches.next()
+        return _carried(self._batches.next())
 
     def get_loss(self, batch: Batch) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
         x, y, sample_weight = _unpack(batch)
@@ -165,13 +165,14 @@ class CompiledReplica(TF2Model):
     def evaluate_batches(self, batches: Iterator[Batch]) -> MetricState:
         """Keras's own ``evaluate`` of a stream of batches ``(x, y, sample_weight)``: the metrics' state it leaves
         (nothing counted if the stream is empty), to be reduced with the other replicas'. The metrics hold what
-        they held before, after it."""
+        they held before, after it. A batch without labels goes to Keras as ``(x,)``, the form its generator input
+        takes for a model whose own ``compute_loss`` needs none."""
         first = next(batches, None)
         kept = self.metric_state()
         self.model.reset_metrics()
         if first is not None:  # Keras takes a generator, not an iterator
             with _stream_ends_the_call():
-                self.model.evaluate((batch for batch in itertools.chain([first], batches)), verbose=0)
+                self.model.evaluate((_for_keras(batch) for batch in itertools.chain([first], batches)), verbose=0)
         evaluated = self.metric_state()
         self._set_metric_state(kept)
         return evaluated
@@ -242,8 +243,23 @@ def _stream_ends_the_call() -> Iterator[None]:
         yield
 
 
+def _carried(batch: Batch) -> Batch:
+    """``batch`` as the runtime carries it, arrays only: no labels (``y`` None, e.g. a model whose own
+    ``compute_loss`` needs none) as an empty structure, which ``_unpack`` reads back as None."""
+    if len(batch) == 3 and batch[1] is None:
+        return batch[0], (), batch[2]
+    return batch
+
+
+def _for_keras(batch: Batch) -> Batch:
+    """``batch`` as Keras's generator input takes it: ``(x,)`` if it has no labels."""
+    x, y, sample_weight = _unpack(batch)
+    return (x,) if y is None else batch
+
+
 def _unpack(batch: Batch) -> tuple[Any, Any, Any]:
     if len(batch) == 3:
-        return batch
+        x, y, sample_weight = batch
+        return x, None if isinstance(y, tuple) and not y else y, sample_weight
     x, y = batch
     return x, y, None

@@ -131,6 +131,7 @@ class KerasTrainer:
         self._options = engine_options
         self._engine: Any = None
         self._dataset: Any = None  # the Ray Dataset the engine reads (its datasets=), if fit gave one
+        self._batches: str | None = None  # the batches the engine's step is built for (_batch_specs)
         self._creator: ReplicaCreator | None = None
         self._names: list[str] = []  # the engine's weight names, model.weights order
         self._synced: list[np.ndarray] = []  # the weights trainer.model and the engine last agreed on
@@ -359,7 +360,7 @@ class KerasTrainer:
             columns = Columns.of(x, label_columns, feature_columns, None) if inputs.is_ray_dataset(x) else None
             if self._engine is None:
                 first = _first_batch(x) if columns is None else columns.first(x)
-                self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0))
+                self._start(first, ArraysStart(_put(first), EpochPlan(1, 1, 1), 0, 0), training=False)
             return lambda: inputs.source(x, batch_size, steps, self.engine.num_workers,
                                          self.engine.devices_per_worker, None if columns is None else columns.batch)
         if keras_reader.is_driver_input(x):
@@ -373,7 +374,7 @@ class KerasTrainer:
             if steps is not None:
                 arrays = take(arrays, slice(0, steps * batch_size))
         ref, rows = _put(arrays), num_rows(arrays)
-        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0))
+        self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0), training=False)
         return lambda: ArrayParts.of(ref, rows, self.replicas, batch_size)
 
     def _evaluate(self, evaluation: Callable[[], InputSource], verbose: str | int, callbacks: list | None,
@@ -415,11 +416,19 @@ class KerasTrainer:
 
     # ---- the engine and the driver's model ----------------------------------------------------
 
-    def _start(self, first: tuple, start: EpochStart, datasets: dict | None = None) -> None:
+    def _start(self, first: tuple, start: EpochStart, datasets: dict | None = None, training: bool = True) -> None:
         """Start the engine (unless started), its replicas reading ``start``'s input until the first epoch
-        begins, from ``trainer.model``'s weights; build the driver model's metrics for ``first``, a batch."""
+        begins, from ``trainer.model``'s weights; build the driver model's metrics for ``first``, a batch. For
+        ``training`` input, ``first`` is checked against the batches the engine's step was built for."""
         if self._engine is not None:
+            if training and _batch_specs(first) != self._batches:
+                raise ValueError(
+                    f"this fit's batches (x, y, sample_weight) are {_batch_specs(first)}, but the engine's step was "
+                    f"built for {self._batches}, the batches of the call that started it: give arrays of those "
+                    "shapes and dtypes, or call trainer.shutdown() first (the next fit starts an engine for its "
+                    "input, from trainer.model's weights; the optimizer's state starts anew)")
             return
+        self._batches = _batch_specs(first)
         from dsgd.distributed_sgd import DistributedSGD, _init_ray_if_needed
 
         self.model._symbolic_build(data_batch=first)
@@ -561,6 +570,11 @@ def _validation_arrays(validation_data: Any) -> tuple:
                          "a tf.data.Dataset, a keras PyDataset, a generator or a Ray Dataset, got "
                          f"{type(validation_data).__name__}")
     return tuple(validation_data) + (None,) * (3 - len(validation_data))
+
+
+def _batch_specs(batch: tuple) -> str:
+    """A batch's structure, with each array's dtype and shape past the rows: what the engine's step is traced for."""
+    return repr(tf.nest.map_structure(lambda a: f"{np.asarray(a).dtype.name}{list(np.shape(a)[1:])}", batch))
 
 
 def _part(batch_size: int, replicas: int) -> int:
