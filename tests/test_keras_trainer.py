@@ -281,6 +281,9 @@ def test_a_later_fit_whose_batches_differ_from_those_the_step_was_built_for_says
     with pytest.raises(ValueError, match=r"are \('float32\[8\]', 'int32\[1\]', 'float32\[\]'\), but the engine's step "
                                          r"was built for \('float32\[8\]', 'int32\[\]', 'float32\[\]'\)"):
         fresh.fit(x, y[:, None], batch_size=BATCH, epochs=1, verbose=0)
+    text = np.array([b"good", b"bad"] * 32, dtype=object)[:, None]
+    with pytest.raises(TypeError, match="holds strings .* turn text into numbers in the input pipeline"):
+        fresh.evaluate(text, y[:BATCH], verbose=0)
 
 
 class BatchLogs(keras.callbacks.Callback):

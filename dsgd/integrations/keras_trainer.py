@@ -420,6 +420,12 @@ class KerasTrainer:
         """Start the engine (unless started), its replicas reading ``start``'s input until the first epoch
         begins, from ``trainer.model``'s weights; build the driver model's metrics for ``first``, a batch. For
         ``training`` input, ``first`` is checked against the batches the engine's step was built for."""
+        strings = [np.asarray(a).dtype for a in tf.nest.flatten(first) if a is not None
+                   and np.asarray(a).dtype.kind in "OSU"]
+        if strings:
+            raise TypeError(f"the input holds strings ({strings[0]} arrays); the engine's step carries numbers only: "
+                            "turn text into numbers in the input pipeline, e.g. dataset.map(lambda x, y: "
+                            "(vectorize(x), y)) with a keras.layers.TextVectorization adapted on the driver")
         if self._engine is not None:
             if training and _batch_specs(first) != self._batches:
                 raise ValueError(
