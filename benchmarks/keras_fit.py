@@ -13,11 +13,15 @@ warm-up), interleaved in rounds, each system first in turn:
          which are copied to the driver's model);
   steps  `trainer.engine.step()` E x `--steps` times, the last with
          `fetch_stats=True` (a step loop's usual wait for its result),
-         reading the same rows (the trainer's feeds follow the step count).
+         reading the same rows (the trainer's feeds follow the step count);
+  fit-dataset  `fit` on the same rows as a `tf.data.Dataset` of global
+         batches made on the driver: each epoch read there by Keras's
+         iterator and put in the object store as it begins.
 
 Reported per model: the median per-step time of each over the measured
-rounds (`--warmup` rounds first, not counted) and fit's over the loop's
-(target <= 1.05). Writes benchmarks/results/keras_fit.json. From the
+rounds (`--warmup` rounds first, not counted), fit's over the loop's
+(target <= 1.05), and fit-dataset's over fit's (what reading the epochs on
+the driver costs). Writes benchmarks/results/keras_fit.json. From the
 repository root:
 
     .venv/bin/python -m benchmarks.keras_fit
@@ -67,6 +71,13 @@ def data(name: str, samples: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(samples, *shape)).astype(np.float32), rng.integers(0, CLASSES, samples)
 
 
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> Any:
+    """The rows as a Keras user's ``tf.data`` pipeline gives them: a dataset of global batches."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+
 def per_step(fn: Any, steps: int) -> float:
     start = time.perf_counter()
     fn()
@@ -105,17 +116,22 @@ def main(argv: list[str] | None = None) -> dict:
             systems = {"fit": lambda: per_step(lambda: trainer.fit(x, y, batch_size=args.batch_size,
                                                                     epochs=args.epochs, shuffle=False, verbose=0),
                                                steps),
-                       "steps": lambda: per_step(loop, steps)}
+                       "steps": lambda: per_step(loop, steps),
+                       "fit-dataset": lambda: per_step(lambda: trainer.fit(batches(x, y, args.batch_size),
+                                                                            epochs=args.epochs, verbose=0), steps)}
             print(f"== {name}: {args.num_workers} workers, global batch {args.batch_size}, {args.epochs} epochs of "
                   f"{args.steps} steps a round")
             times, order, _ = common.run_rounds(systems, args.rounds, warmup=args.warmup)
         measured = {k: v[args.warmup:] for k, v in times.items()}
         medians = {k: statistics.median(v) for k, v in measured.items() if v}
         result = {"per_step_s": measured, "median_s": medians, "order": order}
-        if len(medians) == 2:
+        if len(medians) == 3:
             result["fit_over_steps"] = medians["fit"] / medians["steps"]
+            result["dataset_over_fit"] = medians["fit-dataset"] / medians["fit"]
             print(f"{name}: fit {medians['fit'] * 1000:.1f} ms/step, step() loop {medians['steps'] * 1000:.1f} "
-                  f"ms/step: fit / loop = {result['fit_over_steps']:.3f} (target <= 1.05)", flush=True)
+                  f"ms/step, fit on a tf.data.Dataset {medians['fit-dataset'] * 1000:.1f} ms/step: fit / loop = "
+                  f"{result['fit_over_steps']:.3f} (target <= 1.05), dataset / arrays = "
+                  f"{result['dataset_over_fit']:.3f}", flush=True)
         record["models"][name] = result
     print(f"wrote {common.write_json(record, args.out)}")
     return record
