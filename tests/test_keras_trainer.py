@@ -258,7 +258,7 @@ def test_batches_read_on_the_driver_split_into_equal_parts_and_what_is_left_out_
     np.testing.assert_array_equal(epoch.arrays[1], y)
     np.testing.assert_array_equal(epoch.arrays[2], np.ones(70, np.float32))
     with caplog.at_level("WARNING", logger="dsgd.integrations.keras_reader"):
-        warn_left_out(epoch, 2, "x")
+        warn_left_out(epoch, 2)
     assert "leaving out 2 of the epoch's 70 rows; batch it by a multiple of 2" in caplog.text
     with pytest.raises(ValueError, match="gave no batch for this epoch"):
         DriverEpochs(tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(8)).read()

@@ -1,7 +1,8 @@
 """``KerasTrainer``'s input that only the driver can read: a ``tf.data.Dataset`` made there, a Keras ``PyDataset``,
 a Python generator.
 
-Keras's own epoch iterator (``TFEpochIterator``, as ``model.fit`` on TensorFlow) reads it on the driver, an epoch at a time, as
+Keras's own epoch iterator (``TFEpochIterator``, the one ``model.fit``
+uses on TensorFlow) reads it on the driver, an epoch at a time, as
 ``model.fit`` reads it: an epoch is a pass (a new iterator, so a shuffle
 draws a new order) or ``steps_per_epoch`` batches of an iterator that goes
 on across epochs; ``class_weight`` is applied by Keras's data adapter, a
@@ -55,15 +56,13 @@ class DriverEpochs:
     ``PyDataset``'s batches in a new order each epoch if ``shuffle`` (a dataset is shuffled by its own pipeline), at
     most ``steps`` batches an epoch (``steps_per_epoch``, or ``evaluate``'s and ``predict``'s ``steps``)."""
 
-    def __init__(self, x: Any, steps: int | None = None, class_weight: dict | None = None, shuffle: bool = False,
-                 what: str = "x"):
+    def __init__(self, x: Any, steps: int | None = None, class_weight: dict | None = None, shuffle: bool = False):
         from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
         if steps is None and (inspect.isgenerator(x) or _repeats_forever(x)):
             kind = "a generator, which has no length" if inspect.isgenerator(x) else "a dataset that repeats without end"
-            raise ValueError(f"{what} is {kind}: give steps_per_epoch (for evaluate and predict, steps), the "
+            raise ValueError(f"the input is {kind}: give steps_per_epoch (for evaluate and predict, steps), the "
                              "batches of an epoch")
-        self.what = what
         self._iterator = TFEpochIterator(tf.distribute.get_strategy(), x, steps_per_epoch=steps, shuffle=shuffle,
                                          class_weight=class_weight)
 
@@ -74,13 +73,13 @@ class DriverEpochs:
             for _, _, iterator in self._iterator:
                 batches.append(tf.nest.map_structure(np.asarray, next(iterator)))
         if not batches:
-            raise ValueError(f"{self.what} gave no batch for this epoch (a generator read to its end, or an empty "
+            raise ValueError("the input gave no batch for this epoch (a generator read to its end, or an empty "
                              "dataset): give input with a batch for every epoch, e.g. a dataset with repeat() and "
                              "steps_per_epoch")
-        return _as_epoch(batches, self.what)
+        return _as_epoch(batches)
 
 
-def _as_epoch(batches: list, what: str) -> Epoch:
+def _as_epoch(batches: list) -> Epoch:
     unpack = import_keras().utils.unpack_x_y_sample_weight
     parts = [unpack(b) for b in batches]
     sizes = [len(tf.nest.flatten(x)[0]) for x, _, _ in parts]
@@ -90,7 +89,7 @@ def _as_epoch(batches: list, what: str) -> Epoch:
         weights = [np.ones(n, np.float32) if p[2] is None else np.asarray(p[2], np.float32)
                    for p, n in zip(parts, sizes)]
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{what}'s batches differ in structure or shape beyond their rows, so they cannot be "
+        raise ValueError(f"the input's batches differ in structure or shape beyond their rows, so they cannot be "
                          f"read as one set of arrays: {e}") from None
     return Epoch((x, y, np.concatenate(weights)), tuple(int(e) for e in np.cumsum([0] + sizes)))
 
@@ -103,13 +102,13 @@ def _repeats_forever(x: Any) -> bool:
     return isinstance(x, tf.data.Dataset) and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
 
 
-def warn_left_out(epoch: Epoch, replicas: int, what: str) -> None:
+def warn_left_out(epoch: Epoch, replicas: int) -> None:
     """Say how many rows of ``epoch`` no step reads, if a batch other than the last lost any: each batch is cut to
     a multiple of the engine's ``replicas`` (a batch with fewer rows is left out whole)."""
     sizes = np.diff(epoch.edges)
-    lost = sizes % replicas + sizes * (sizes < replicas)
+    lost = sizes % replicas  # all of a batch with fewer rows than replicas
     if lost[:-1].any():
-        logger.warning("%s's batches of %s rows do not divide over the engine's %d replicas: each is cut to a "
+        logger.warning("x's batches of %s rows do not divide over the engine's %d replicas: each is cut to a "
                        "multiple of %d, leaving out %d of the epoch's %d rows; batch it by a multiple of %d",
-                       what, sorted(set(int(s) for s in sizes[:-1])), replicas, replicas, int(lost.sum()),
+                       sorted(set(int(s) for s in sizes[:-1])), replicas, replicas, int(lost.sum()),
                        epoch.rows, replicas)

@@ -314,7 +314,7 @@ class KerasTrainer:
         def epoch_start(epoch: int) -> ArraysStart:  # asked for at the epoch before's end, and as it begins
             if epoch not in held:
                 read = unnumbered.pop() if unnumbered else epochs.read()
-                keras_reader.warn_left_out(read, self.replicas, "x")
+                keras_reader.warn_left_out(read, self.replicas)
                 for done in [k for k in held if k < epoch - 1]:
                     del held[done]
                 held[epoch] = _put(read.arrays), read.edges
