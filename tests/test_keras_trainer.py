@@ -242,6 +242,61 @@ def test_a_pydataset_and_a_generator_train_with_class_weights_and_steps_per_epoc
         fresh.fit(endless(x, y), epochs=1, verbose=0)
 
 
+class StopAfter(keras.callbacks.Callback):
+    """Stops training at the end of epoch ``epoch``."""
+
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.model.stop_training = True
+
+
+def test_the_next_epoch_is_read_while_one_trains_and_a_fit_stopped_early_leaves_no_reader_running(fresh):
+    import threading
+
+    x, y = km.binary_data()
+    reference = km.build_binary()
+    expected = reference.fit(Batches(x, y), epochs=5, shuffle=False, verbose=0, callbacks=[StopAfter(1)])
+    batches = Batches(x, y)
+    history = fresh.fit(batches, epochs=5, shuffle=False, verbose=0, callbacks=[StopAfter(1)])
+    assert len(history.history["loss"]) == 2
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    assert batches.epochs == 3  # the third epoch was read while the second trained, and not trained on
+    assert not [t for t in threading.enumerate() if t.name.startswith("dsgd-input")]
+
+
+def test_an_epoch_read_ahead_is_read_in_the_background_and_read_returns_it():
+    import threading
+
+    from dsgd.integrations.keras_reader import DriverEpochs
+
+    x, y = km.binary_data(samples=4 * BATCH)
+    begun, go = threading.Event(), threading.Event()
+
+    class Held(Batches):  # its second epoch's first batch waits until the test lets it go
+        def __getitem__(self, k):
+            if self.epochs == 1 and k == 0:
+                begun.set()
+                assert go.wait(30)
+            return super().__getitem__(k)
+
+    epochs = DriverEpochs(Held(x, y))
+    first = epochs.read()
+    epochs.read_ahead()
+    assert begun.wait(30)  # the next epoch is being read while this thread goes on
+    go.set()
+    second = epochs.read()
+    epochs.close()
+    assert first.edges == second.edges == (0, 64, 128, 192, 256)
+    np.testing.assert_array_equal(second.arrays[0], x)
+    assert not [t for t in threading.enumerate() if t.name.startswith("dsgd-input")]
+
+
 def test_batches_read_on_the_driver_split_into_equal_parts_and_what_is_left_out_is_said(caplog):
     from dsgd.integrations.keras_reader import DriverEpochs, warn_left_out
 

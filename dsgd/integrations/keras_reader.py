@@ -11,14 +11,19 @@ of arrays with the batches' edges (``Epoch``); the trainer puts them in the
 object store and the replicas read their parts of each batch as of any
 arrays (``keras_feed.EpochPlan`` with ``edges``). So every replica reads the
 driver's one order, exactly the batches one process would train on, and a
-step run again after a fault reads the same rows. An epoch is held in the
-driver's memory and the object store while it trains: input larger than
-that is better given as a function ``(worker_index, device_index) ->
-tf.data.Dataset`` that each replica reads itself.
+step run again after a fault reads the same rows. While an epoch trains,
+the next is read in the background (``read_ahead``), so the driver's
+pipeline overlaps the steps; a ``fit`` stopped early (``EarlyStopping``)
+has read the epoch that would have come next. An epoch is held in the
+driver's memory and the object store while it trains, with the next one
+being read: input larger than that is better given as a function
+``(worker_index, device_index) -> tf.data.Dataset`` that each replica
+reads itself.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import inspect
 import logging
@@ -60,14 +65,35 @@ class DriverEpochs:
         from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
         if steps is None and (inspect.isgenerator(x) or _repeats_forever(x)):
-            kind = "a generator, which has no length" if inspect.isgenerator(x) else "a dataset that repeats without end"
+            kind = ("a generator, which has no length" if inspect.isgenerator(x)
+                    else "a dataset that repeats without end")
             raise ValueError(f"the input is {kind}: give steps_per_epoch (for evaluate and predict, steps), the "
                              "batches of an epoch")
         self._iterator = TFEpochIterator(tf.distribute.get_strategy(), x, steps_per_epoch=steps, shuffle=shuffle,
                                          class_weight=class_weight)
+        self._ahead: concurrent.futures.Future | None = None  # the next epoch, read in the background
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def read(self) -> Epoch:
-        """The next epoch's batches, as ``model.fit`` on TensorFlow iterates them."""
+        """The next epoch's batches, as ``model.fit`` on TensorFlow iterates them (the one read ahead, if any)."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            return ahead.result()
+        return self._read()
+
+    def read_ahead(self) -> None:
+        """Start reading the next epoch in the background, while this one trains; ``read`` returns it."""
+        if self._ahead is None:
+            self._reader = self._reader or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsgd-input")
+            self._ahead = self._reader.submit(self._read)
+
+    def close(self) -> None:
+        """Wait for an epoch read ahead that no step will train on (the input is the caller's again), and drop it."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = self._ahead = None
+
+    def _read(self) -> Epoch:
         batches = []
         with self._iterator.catch_stop_iteration():
             for _, _, iterator in self._iterator:

@@ -132,6 +132,7 @@ class KerasTrainer:
         self._engine: Any = None
         self._dataset: Any = None  # the Ray Dataset the engine reads (its datasets=), if fit gave one
         self._batches: str | None = None  # the batches the engine's step is built for (_batch_specs)
+        self._reading: keras_reader.DriverEpochs | None = None  # fit's input read on the driver, during a fit
         self._creator: ReplicaCreator | None = None
         self._names: list[str] = []  # the engine's weight names, model.weights order
         self._synced: list[np.ndarray] = []  # the weights trainer.model and the engine last agreed on
@@ -228,40 +229,46 @@ class KerasTrainer:
             label_columns, feature_columns)  # prepared once, evaluated at the epochs validation_freq names
         self.model.stop_training = False
         callback_list.on_train_begin()
-        epoch_logs: dict = {}
-        positioned = None  # (the epoch start the workers are at, the step count then), if fit put them there
-        for epoch in range(initial_epoch, epochs):
-            self._creator.start = start = epoch_start(epoch)
-            if positioned != (start, self.engine.num_steps):
-                self.engine.foreach_worker(functools.partial(_begin_epoch, start))
-            callback_list.on_epoch_begin(epoch)
-            # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
-            # scheduled learning rate, restored weights) reaches every replica before its first step.
-            if epoch == initial_epoch or model_callbacks:
-                self._push_changes()
-            logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps, self.engine.failures)
-            for step in range(start.plan.steps if isinstance(start, ArraysStart) else steps):
-                callback_list.on_train_batch_begin(step)
-                if batch_callbacks:
+        try:
+            epoch_logs: dict = {}
+            positioned = None  # (the epoch start the workers are at, the step count then), if fit put them there
+            for epoch in range(initial_epoch, epochs):
+                self._creator.start = start = epoch_start(epoch)
+                if positioned != (start, self.engine.num_steps):
+                    self.engine.foreach_worker(functools.partial(_begin_epoch, start))
+                callback_list.on_epoch_begin(epoch)
+                if self._reading is not None and epoch + 1 < epochs:
+                    self._reading.read_ahead()  # the next epoch, read on the driver while this one trains
+                # What the user or a callback set on trainer.model before this epoch (load_weights before fit, a
+                # scheduled learning rate, restored weights) reaches every replica before its first step.
+                if epoch == initial_epoch or model_callbacks:
                     self._push_changes()
-                self.engine.step()
-                if batch_callbacks or (verbose == 1 and time.monotonic() - fetched >= PROGRESS_INTERVAL_S):
-                    logs, fetched = self._logs(), time.monotonic()
-                if batch_callbacks:
-                    self._pull_weights()
-                callback_list.on_train_batch_end(step, logs)
+                logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps, self.engine.failures)
+                for step in range(start.plan.steps if isinstance(start, ArraysStart) else steps):
+                    callback_list.on_train_batch_begin(step)
+                    if batch_callbacks:
+                        self._push_changes()
+                    self.engine.step()
+                    if batch_callbacks or (verbose == 1 and time.monotonic() - fetched >= PROGRESS_INTERVAL_S):
+                        logs, fetched = self._logs(), time.monotonic()
+                    if batch_callbacks:
+                        self._pull_weights()
+                    callback_list.on_train_batch_end(step, logs)
+                    if self.model.stop_training:
+                        break
+                following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
+                epoch_logs = self._finish_epoch(epoch, begun, following,
+                                                pull=bool(model_callbacks) or following is None)
+                positioned = None if following is None else (following, self.engine.num_steps)
+                if validation is not None and self.model._should_eval(epoch, validation_freq):
+                    val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True,
+                                              push=bool(model_callbacks))
+                    epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+                callback_list.on_epoch_end(epoch, epoch_logs)
                 if self.model.stop_training:
                     break
-            following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
-            epoch_logs = self._finish_epoch(epoch, begun, following, pull=bool(model_callbacks) or following is None)
-            positioned = None if following is None else (following, self.engine.num_steps)
-            if validation is not None and self.model._should_eval(epoch, validation_freq):
-                val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True,
-                                          push=bool(model_callbacks))
-                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-            callback_list.on_epoch_end(epoch, epoch_logs)
-            if self.model.stop_training:
-                break
+        finally:
+            self._stop_reading()
         if getattr(self.model.optimizer, "use_ema", False):
             self.engine.foreach_model(_finalize_ema)
             self._pull_weights()
@@ -303,9 +310,11 @@ class KerasTrainer:
     def _driver_input(self, x: Any, class_weight: dict | None, shuffle: bool,
                       steps_per_epoch: int | None) -> tuple[int, Callable[[int], EpochStart]]:
         """``fit``'s input from a dataset, ``PyDataset`` or generator on the driver (``keras_reader``): read an
-        epoch at a time (the first now, which starts the engine), each epoch's batches put in the object store
-        as it begins; the steps of the first epoch."""
-        epochs = keras_reader.DriverEpochs(x, steps_per_epoch, class_weight, shuffle and not isinstance(x, tf.data.Dataset))
+        epoch at a time (the first now, which starts the engine; ``self._reading`` reads the others, each while
+        the one before trains, until fit ends), each epoch's batches put in the object store as it begins; the
+        steps of the first epoch."""
+        epochs = self._reading = keras_reader.DriverEpochs(x, steps_per_epoch, class_weight,
+                                                           shuffle and not isinstance(x, tf.data.Dataset))
         unnumbered = [epochs.read()]
         self._start(take(unnumbered[0].arrays, slice(0, 1)),
                     ArraysStart(_put(unnumbered[0].arrays), EpochPlan(1, 1, 1), 0, 0))
@@ -322,6 +331,12 @@ class KerasTrainer:
             return ArraysStart(ref, EpochPlan(edges[-1], 1, self.replicas, edges=edges), epoch,
                                self.engine.num_steps)
         return EpochPlan(unnumbered[0].rows, 1, self.replicas, edges=unnumbered[0].edges).steps, epoch_start
+
+    def _stop_reading(self) -> None:
+        """The end of a fit that read its input on the driver: an epoch read ahead and not trained on dropped."""
+        if self._reading is not None:
+            self._reading.close()
+            self._reading = None
 
     def _ray_data_input(self, dataset: Any, batch_size: int, steps_per_epoch: int | None,
                         columns: Columns) -> tuple[int, Callable[[int], EpochStart]]:
