@@ -67,8 +67,8 @@ class DriverEpochs:
         if steps is None and (inspect.isgenerator(x) or _repeats_forever(x)):
             kind = ("a generator, which has no length" if inspect.isgenerator(x)
                     else "a dataset that repeats without end")
-            raise ValueError(f"the input is {kind}: give steps_per_epoch (for evaluate and predict, steps), the "
-                             "batches of an epoch")
+            raise ValueError(f"the input is {kind}: give steps_per_epoch, the batches of an epoch (for "
+                             "validation_data, validation_steps; for evaluate and predict, steps)")
         self._iterator = TFEpochIterator(tf.distribute.get_strategy(), x, steps_per_epoch=steps, shuffle=shuffle,
                                          class_weight=class_weight)
         self._ahead: concurrent.futures.Future | None = None  # the next epoch, read in the background
