@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import numpy as np
 import ray
-import tensorflow as tf
 
 from dsgd.common.results import Evaluation, Means
 from dsgd.driver import checkpoint, step_stats
@@ -557,7 +556,7 @@ class DistributedSGD:
         """Every replica's outputs for its part of ``source``'s rows, concatenated in replica order."""
         per_worker = self._on_workers("predict", source, what="predict")
         parts = [part for worker in per_worker for part in worker if part is not None]
-        return tf.nest.map_structure(lambda *outputs: np.concatenate(outputs), *parts)
+        return inputs.concatenate(parts)
 
     def warmup(self) -> None:
         """Run each worker's forward and backward pass once without applying it.

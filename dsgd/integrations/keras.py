@@ -20,6 +20,7 @@ import tensorflow as tf
 from dsgd.integrations import keras_outputs
 from dsgd.integrations.keras_batches import Batches, split
 from dsgd.model import Model
+from dsgd.worker import inputs
 
 _BUILD_INSIDE = ("build the tf_keras model inside model_creator, e.g. "
                  "model_creator = lambda w, d: dsgd.KerasModel(tf_keras.Sequential([...]), ...)")
@@ -236,7 +237,7 @@ class KerasModel(Model):
         parts = [sess.run(self._inference_outputs, dict(zip(tf.nest.flatten(self.inputs),
                                                             [a[i:i + step] for a in arrays])))
                  for i in range(0, size, step)]
-        return tf.nest.map_structure(lambda *chunks: np.concatenate(chunks), *parts)
+        return inputs.concatenate(parts)
 
     # ---- input -------------------------------------------------------------
 

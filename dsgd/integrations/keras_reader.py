@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from dsgd.integrations.keras_backend import import_keras
+from dsgd.worker import inputs
 
 logger = logging.getLogger(__name__)
 
@@ -110,18 +111,14 @@ def _as_epoch(batches: list) -> Epoch:
     parts = [unpack(b) for b in batches]
     sizes = [len(tf.nest.flatten(x)[0]) for x, _, _ in parts]
     try:
-        x = _concatenate([p[0] for p in parts])
-        y = None if parts[0][1] is None else _concatenate([p[1] for p in parts])
+        x = inputs.concatenate([p[0] for p in parts])  # numpy: _read made every leaf an array
+        y = None if parts[0][1] is None else inputs.concatenate([p[1] for p in parts])
         weights = [np.ones(n, np.float32) if p[2] is None else np.asarray(p[2], np.float32)
                    for p, n in zip(parts, sizes)]
     except (ValueError, TypeError) as e:
         raise ValueError(f"the input's batches differ in structure or shape beyond their rows, so they cannot be "
                          f"read as one set of arrays: {e}") from None
     return Epoch((x, y, np.concatenate(weights)), tuple(int(e) for e in np.cumsum([0] + sizes)))
-
-
-def _concatenate(structures: list) -> Any:
-    return tf.nest.map_structure(lambda *arrays: np.concatenate([np.asarray(a) for a in arrays]), *structures)
 
 
 def _repeats_forever(x: Any) -> bool:

@@ -315,22 +315,26 @@ class KerasTrainer:
         steps of the first epoch."""
         epochs = self._reading = keras_reader.DriverEpochs(x, steps_per_epoch, class_weight,
                                                            shuffle and not isinstance(x, tf.data.Dataset))
-        unnumbered = [epochs.read()]
-        self._start(take(unnumbered[0].arrays, slice(0, 1)),
-                    ArraysStart(_put(unnumbered[0].arrays), EpochPlan(1, 1, 1), 0, 0))
+        first = epochs.read()
+        unnumbered = [(_put(first.arrays), first)]  # epochs read and put, not yet given a number
+        self._start(take(first.arrays, slice(0, 1)), ArraysStart(unnumbered[0][0], EpochPlan(1, 1, 1), 0, 0))
         held: dict[int, tuple[Any, tuple[int, ...]]] = {}  # epoch -> (its arrays' reference, its batches' edges)
 
         def epoch_start(epoch: int) -> ArraysStart:  # asked for at the epoch before's end, and as it begins
             if epoch not in held:
-                read = unnumbered.pop() if unnumbered else epochs.read()
+                if unnumbered:
+                    ref, read = unnumbered.pop()
+                else:
+                    read = epochs.read()
+                    ref = _put(read.arrays)
                 keras_reader.warn_left_out(read, self.replicas)
                 for done in [k for k in held if k < epoch - 1]:
                     del held[done]
-                held[epoch] = _put(read.arrays), read.edges
+                held[epoch] = ref, read.edges
             ref, edges = held[epoch]
             return ArraysStart(ref, EpochPlan(edges[-1], 1, self.replicas, edges=edges), epoch,
                                self.engine.num_steps)
-        return EpochPlan(unnumbered[0].rows, 1, self.replicas, edges=unnumbered[0].edges).steps, epoch_start
+        return EpochPlan(first.rows, 1, self.replicas, edges=first.edges).steps, epoch_start
 
     def _stop_reading(self) -> None:
         """The end of a fit that read its input on the driver: an epoch read ahead and not trained on dropped."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -53,6 +53,11 @@ def passes(one_pass: Callable[[], Iterable[Any]], repeat: bool, what: str) -> It
 def take(arrays: Any, rows: slice | np.ndarray) -> Any:
     """``rows`` of every array of a structure (``None`` stays ``None``)."""
     return tf.nest.map_structure(lambda a: None if a is None else a[rows], arrays)
+
+
+def concatenate(parts: Sequence[Any]) -> Any:
+    """The rows of several structures of arrays (alike in structure), in order: ``take``'s inverse."""
+    return tf.nest.map_structure(lambda *arrays: np.concatenate(arrays), *parts)
 
 
 def num_rows(arrays: Any) -> int:
