@@ -24,7 +24,7 @@ from dsgd.cluster import placement
 from dsgd.cluster.cluster import Cluster
 from dsgd.config import Options
 from dsgd.errors import DSGDError
-from dsgd.driver.ledger import StepLedger
+from dsgd.driver.ledger import Queued, StepLedger
 from dsgd.model import Model
 from dsgd.sgd_worker import SGDWorker
 from dsgd.worker import inputs
@@ -467,6 +467,14 @@ class DistributedSGD:
                 call again.
         """
         return self._on_workers("apply_fn", fn, what="foreach_worker", rerun=False)
+
+    def _queue_on_workers(self, fn: Callable[[SGDWorker], Any], what: str) -> Queued:
+        """``fn(worker)`` sent to each worker behind the steps in flight, not waited for (``StepLedger.queue``)."""
+        return self._ledger.queue("apply_fn", fn, what=what)
+
+    def _queued_answers(self, queued: Queued) -> list | None:
+        """``_queue_on_workers``'s answers, or None if a failure or resize came since (``StepLedger.queued_answers``)."""
+        return self._ledger.queued_answers(queued)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
         """``fn(model)`` on every replica, its worker's session the default; a flat list, worker then device order.

@@ -39,8 +39,9 @@ def assert_logs_equal(got: dict, expected: dict, rel: float = 1e-5) -> None:
 
 @pytest.fixture(scope="module")
 def binary(ray_session) -> Iterator[dsgd.KerasTrainer]:
-    """``km.build_binary`` (plain SGD; accuracy, AUC, precision) on 2 workers, "ps", started by a first fit."""
-    with dsgd.KerasTrainer(km.build_binary, num_workers=2, strategy="ps") as trainer:
+    """``km.build_binary`` (plain SGD; accuracy, AUC, precision) on 2 workers, "ps", started by a first fit; it
+    recovers from the module's four kills (``max_failures``)."""
+    with dsgd.KerasTrainer(km.build_binary, num_workers=2, strategy="ps", max_failures=4) as trainer:
         yield trainer
 
 
@@ -473,7 +474,7 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_fit_ends_with_the_fault_free_
     engine runs the step no worker applied again. The weights are the fault-free ones; the second epoch's
     metrics are Keras's, the step run twice on both workers counted once; the first epoch's leave out what the
     lost worker computed, and a warning says so. Arrays, or a dataset whose epochs the driver read (the
-    replacement reads the epoch under way; the worker only: the module's engine recovers three times at most)."""
+    replacement reads the epoch under way; the worker only: the module's engine recovers four times at most)."""
     class Kill(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
@@ -501,6 +502,42 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_fit_ends_with_the_fault_free_
     warnings = [r.getMessage() for r in caplog.records if "metrics leave out" in r.getMessage()]
     assert warnings == ["epoch 1's metrics leave out worker 1's first 5 steps: a replacement's metrics start empty "
                         "(the lost worker's state went with it); the weights are exact"]
+
+
+def test_a_worker_lost_as_an_epoch_ends_while_the_next_epochs_first_step_is_submitted_loses_no_step(fresh, caplog):
+    """Without a callback that reads trainer.model, an epoch's end is queued behind its last step and the next
+    epoch's first step submitted before the logs are read. Worker 1 killed right after the first epoch's last
+    step (a History, which reads only the logs, kills it): the queued call fails on it, the engine replaces it
+    and runs the next epoch's first step again, and the logs are read from the state each replica kept as that
+    step began. The weights and the second epoch's logs are the fault-free ones; the first epoch's leave out
+    the lost worker's, and a warning says so."""
+    class KillAtTheLastBatch(keras.callbacks.History):
+        def on_epoch_begin(self, epoch, logs=None):
+            super().on_epoch_begin(epoch, logs)
+            self.epoch_now = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch_now == 0 and batch == steps - 1:
+                kill(fresh.engine.workers[1])
+
+    x, y = km.binary_data()
+    steps = len(x) // BATCH
+    fresh.evaluate(x[:BATCH], y[:BATCH], verbose=0)  # the engine started, if no test before started it
+    failures, steps_before = fresh.engine.failures, fresh.engine.num_steps
+    reference = km.build_binary()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    with caplog.at_level("WARNING", logger="dsgd.integrations.keras_trainer"):
+        history = fresh.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[KillAtTheLastBatch()])
+    assert fresh.engine.failures - failures == 1
+    assert fresh.engine.num_steps - steps_before == 2 * steps
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+    assert_replicas_identical(fresh.engine, 2)
+    for name, values in expected.history.items():
+        assert history.history[name][1] == pytest.approx(values[1], rel=1e-5), name
+    warnings = [r.getMessage() for r in caplog.records if "metrics leave out" in r.getMessage()]
+    assert warnings == [f"epoch 1's metrics leave out worker 1's first {steps} steps: a replacement's metrics "
+                        "start empty (the lost worker's state went with it); the weights are exact"]
 
 
 def test_a_callback_resizing_the_engine_between_epochs_leaves_fit_exact(fresh):

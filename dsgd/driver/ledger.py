@@ -29,6 +29,7 @@ Resizing is ``dsgd.driver.resizer``; the step's timeline ``dsgd.driver.tracing``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Callable, Iterator, Sequence
 
@@ -45,6 +46,16 @@ from dsgd.driver.tracing import StepTrace
 from dsgd.errors import ActorFailure, DSGDError, DSGDTimeoutError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """Calls sent to every worker behind the steps then in flight (``StepLedger.queue``), not yet waited for."""
+
+    refs: list[ray.ObjectRef]
+    what: str
+    workers: list  # the actors sent to
+    failures: int  # the failures recovered from when sent
 
 
 def warn_if_skipped(results: Sequence[StepResult]) -> None:
@@ -247,6 +258,30 @@ class StepLedger:
                         raise DSGDError(f"{what} may have run on some workers and not others, so it was not run "
                                         "again after the engine recovered from the failure below (every replica "
                                         f"holds the same state again); call it again if that is safe. {e}") from e
+
+    def queue(self, method: str, *args, what: str) -> Queued:
+        """``method(*args)`` sent to every worker behind the steps in flight, not waited for: a worker runs its
+        calls in order, so it runs after the steps submitted before and before those submitted after, which the
+        caller may submit before reading its answers (``queued_answers``). A step run again after a fault may
+        run after it: the call must leave such a step computing as it did before."""
+        with self.call():
+            workers = list(self.cluster.workers)
+            with sending():
+                refs = [getattr(w, method).remote(*args) for w in workers]
+            return Queued(refs, what, workers, self.recovery.failures)
+
+    def queued_answers(self, queued: Queued) -> list | None:
+        """``queued``'s answers, worker order; None if, since it was sent, the engine recovered from a failure
+        (a step it followed may have run again after it, or a worker that ran it is gone) or was resized. A
+        worker that died is replaced, the steps in flight run again, as after a failed step."""
+        def unchanged() -> bool:
+            return self.recovery.failures == queued.failures and self.cluster.workers == queued.workers
+
+        with self.call():
+            if not unchanged():  # not read: a dead worker's call would count its failure again
+                return None
+            answers = self._guarded(lambda: self.cluster.calls.call(queued.refs, queued.what))
+            return answers if unchanged() else None
 
     def restore(self, state: dict) -> None:
         """Load a checkpoint's ``state`` onto every worker; steps go on from its step count."""

@@ -57,6 +57,8 @@ class TrainerReplica(CompiledReplica):
         # epoch's earlier steps, until it begins an epoch with the others (``begin_epoch``).
         self._built_mid_epoch = True
         self.joined_at: int | None = None  # the engine's step it first computed, if built mid-epoch
+        self._next: tuple | None = None  # (step, begin_epoch's arguments): the epoch it begins at that step
+        self._ended: tuple[int, EpochEnd] | None = None  # (step, the epoch's end) as it began the epoch at step
 
     @property
     def feed(self) -> Feed:
@@ -70,9 +72,28 @@ class TrainerReplica(CompiledReplica):
         """Metrics reset, the feed at ``start``'s epoch, with every other replica."""
         self.reset_metrics()
         self.feed = start.feed(self.feed, worker_index, device_index, devices)
-        self._built_mid_epoch, self.joined_at = False, None
+        self._built_mid_epoch, self.joined_at, self._next = False, None, None
+
+    def begin_epoch_at(self, step: int, start: EpochStart, worker_index: int, device_index: int,
+                       devices: int) -> None:
+        """``begin_epoch`` as step ``step`` begins (the engine's count of applied steps): a step before it, run
+        again after a fault, still counts in and reads the epoch before. The epoch before's end is kept for
+        ``ended_at``."""
+        self._next = step, (start, worker_index, device_index, devices)
+
+    def ended_at(self, step: int) -> EpochEnd:
+        """The metric state of the epoch that ended as step ``step`` began (``begin_epoch_at``); a replica built
+        since has counted nothing of it (it joined at ``step``)."""
+        if self._ended is not None and self._ended[0] == step:
+            return self._ended[1]
+        return EpochEnd([self.metric_state()], None, step)
 
     def _dsgd_seek(self, step: int) -> bool:
+        if self._next is not None and step >= self._next[0]:
+            # Before the step's metric state is saved (CountedOnce), so a step run again counts in the new epoch.
+            joined_at = step if self._built_mid_epoch and self.joined_at is None else self.joined_at
+            self._ended = self._next[0], EpochEnd([self.metric_state()], None, joined_at)
+            self.begin_epoch(*self._next[1])
         super()._dsgd_seek(step)
         if self._built_mid_epoch and self.joined_at is None:
             self.joined_at = step
@@ -81,15 +102,20 @@ class TrainerReplica(CompiledReplica):
 
 class ReplicaCreator:
     """The engine's ``model_creator``: ``build()``'s model on a device, reading the epoch the trainer began last
-    (``start``, set on the driver before each epoch, so a worker built mid-epoch joins it)."""
+    (``start``, set on the driver before each epoch, so a worker built mid-epoch joins it), and beginning the
+    next at its first step if the trainer queued it already (``following``: that step and the epoch's start)."""
 
     def __init__(self, build: Callable[[], Any], devices_per_worker: int, start: EpochStart):
         self.build, self.devices_per_worker, self.start = build, devices_per_worker, start
+        self.following: tuple[int, EpochStart] | None = None
 
     def __call__(self, worker_index: int, device_index: int) -> TrainerReplica:
         model = self.build()
         check_compiled(model, "KerasTrainer's build()")
-        return TrainerReplica(model, self.start.feed(None, worker_index, device_index, self.devices_per_worker))
+        replica = TrainerReplica(model, self.start.feed(None, worker_index, device_index, self.devices_per_worker))
+        if self.following is not None:
+            replica.begin_epoch_at(*self.following, worker_index, device_index, self.devices_per_worker)
+        return replica
 
 
 class KerasTrainer:
@@ -232,10 +258,12 @@ class KerasTrainer:
         try:
             epoch_logs: dict = {}
             positioned = None  # (the epoch start the workers are at, the step count then), if fit put them there
+            ahead = False  # the epoch's first step was submitted as the epoch before ended (``_end_ahead``)
             for epoch in range(initial_epoch, epochs):
-                self._creator.start = start = epoch_start(epoch)
-                if positioned != (start, self.engine.num_steps):
-                    self.engine.foreach_worker(functools.partial(_begin_epoch, start))
+                if not ahead:
+                    self._creator.start = start = epoch_start(epoch)
+                    if positioned != (start, self.engine.num_steps):
+                        self.engine.foreach_worker(functools.partial(_begin_epoch, start))
                 callback_list.on_epoch_begin(epoch)
                 if self._reading is not None and epoch + 1 < epochs:
                     self._reading.read_ahead()  # the next epoch, read on the driver while this one trains
@@ -243,12 +271,13 @@ class KerasTrainer:
                 # scheduled learning rate, restored weights) reaches every replica before its first step.
                 if epoch == initial_epoch or model_callbacks:
                     self._push_changes()
-                logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps, self.engine.failures)
+                logs, fetched, begun = {}, time.monotonic(), (self.engine.num_steps - ahead, self.engine.failures)
                 for step in range(start.plan.steps if isinstance(start, ArraysStart) else steps):
                     callback_list.on_train_batch_begin(step)
                     if batch_callbacks:
                         self._push_changes()
-                    self.engine.step()
+                    if not (ahead and step == 0):
+                        self.engine.step()
                     if batch_callbacks or (verbose == 1 and time.monotonic() - fetched >= PROGRESS_INTERVAL_S):
                         logs, fetched = self._logs(), time.monotonic()
                     if batch_callbacks:
@@ -257,10 +286,19 @@ class KerasTrainer:
                     if self.model.stop_training:
                         break
                 following = epoch_start(epoch + 1) if epoch + 1 < epochs and not self.model.stop_training else None
-                epoch_logs = self._finish_epoch(epoch, begun, following,
-                                                pull=bool(model_callbacks) or following is None)
+                validating = validation is not None and self.model._should_eval(epoch, validation_freq)
+                # Nothing reads or changes trainer.model between the epochs: the next epoch's first step need not
+                # wait for this epoch's logs.
+                ahead = (following is not None and not model_callbacks and not validating
+                         and not self.engine.options.elastic)
+                if ahead:
+                    epoch_logs = self._end_ahead(epoch, begun, following)
+                    start = following
+                else:
+                    epoch_logs = self._finish_epoch(epoch, begun, following,
+                                                    pull=bool(model_callbacks) or following is None)
                 positioned = None if following is None else (following, self.engine.num_steps)
-                if validation is not None and self.model._should_eval(epoch, validation_freq):
+                if validating:
                     val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True,
                                               push=bool(model_callbacks))
                     epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
@@ -464,14 +502,37 @@ class KerasTrainer:
         self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
 
     def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None, pull: bool) -> dict:
-        """One call on the workers ends epoch ``epoch`` (begun at the engine's step count and failure count
-        ``begun``): its logs from their metrics' state, worker 0's weights onto ``trainer.model`` if ``pull``, and
+        """One call on the workers, after the epoch's last step, ends epoch ``epoch`` (begun at the engine's step
+        count and failure count ``begun``): its logs, worker 0's weights onto ``trainer.model`` if ``pull``, and
         every replica at ``following``'s start if another epoch follows (a replacement built from here on joins
-        that epoch too). A replacement that joined the epoch late is named in a warning: the logs leave out what
-        the worker it replaced had computed."""
+        that epoch too)."""
         if following is not None:
             self._creator.start = following
         ended = self.engine.foreach_worker(functools.partial(_end_epoch, following, pull))
+        if pull:
+            self._set_pulled(ended[0].weights)
+        return self._epoch_logs(epoch, begun, ended)
+
+    def _end_ahead(self, epoch: int, begun: tuple[int, int], following: EpochStart) -> dict:
+        """Epoch ``epoch``'s end with the next epoch's first step submitted before its logs are read: a call
+        queued behind the epoch's last step reads the metrics' state and has every replica begin ``following``
+        as that first step begins; the first step is submitted; the logs are computed while it runs. After a
+        fault meanwhile (the call may have run before a step run again, or on a lost worker), the logs are read
+        from the state each replica kept as it began the next epoch, once that first step is done."""
+        step = self.engine.num_steps
+        self._creator.following = step, following
+        queued = self.engine._queue_on_workers(functools.partial(_end_epoch_at, step, following),
+                                               what="the epoch's end")
+        self.engine.step()
+        ended = self.engine._queued_answers(queued)
+        if ended is None:
+            ended = self.engine._on_workers("apply_fn", functools.partial(_ended_at, step), what="the epoch's end")
+        self._creator.start, self._creator.following = following, None
+        return self._epoch_logs(epoch, begun, ended)
+
+    def _epoch_logs(self, epoch: int, begun: tuple[int, int], ended: list[EpochEnd]) -> dict:
+        """Epoch ``epoch``'s logs from what each worker reported at its end (``ended``). A replacement that joined
+        the epoch late is named in a warning: the logs leave out what the worker it replaced had computed."""
         first_step, failures = begun
         late = {w: end.joined_at - first_step for w, end in enumerate(ended)
                 if end.joined_at is not None and end.joined_at > first_step}
@@ -479,8 +540,6 @@ class KerasTrainer:
             logger.warning("epoch %d's metrics leave out %s: a replacement's metrics start empty (the lost "
                            "worker's state went with it); the weights are exact", epoch + 1,
                            ", ".join(f"worker {w}'s first {n} steps" for w, n in late.items()))
-        if pull:
-            self._set_pulled(ended[0].weights)
         return self._results([state for end in ended for state in end.states])
 
     def _logs(self) -> dict:
@@ -539,6 +598,21 @@ def _end_epoch(following: EpochStart | None, weights: bool, worker: Any) -> Epoc
     if following is not None:
         _begin_epoch(following, worker)
     return ended
+
+
+def _end_epoch_at(step: int, following: EpochStart, worker: Any) -> EpochEnd:
+    """Queued behind an epoch's last step on ``worker``: what it reports now; every replica begins ``following``
+    as step ``step`` begins."""
+    ended = EpochEnd(_metric_states(worker), None, worker.models[0].joined_at)
+    for device, replica in enumerate(worker.models):
+        replica.begin_epoch_at(step, following, worker.worker_index, device, len(worker.models))
+    return ended
+
+
+def _ended_at(step: int, worker: Any) -> EpochEnd:
+    """What ``worker`` reports of the epoch that ended as step ``step`` began, from what its replicas kept."""
+    ends = [replica.ended_at(step) for replica in worker.models]
+    return EpochEnd([state for end in ends for state in end.states], None, ends[0].joined_at)
 
 
 def _metric_states(worker: Any) -> list[MetricState]:
