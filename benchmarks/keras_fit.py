@@ -16,12 +16,16 @@ warm-up), interleaved in rounds, each system first in turn:
          reading the same rows (the trainer's feeds follow the step count);
   fit-dataset  `fit` on the same rows as a `tf.data.Dataset` of global
          batches made on the driver: each epoch read there by Keras's
-         iterator and put in the object store as it begins.
+         iterator and put in the object store as it begins;
+  fit-one-epoch  `fit` of one epoch of E x `--steps` steps over the rows
+         repeated E times: the same steps on the same rows as `fit`,
+         with one epoch's end instead of E.
 
 Reported per model: the median per-step time of each over the measured
 rounds (`--warmup` rounds first, not counted), fit's over the loop's
-(target <= 1.05), and fit-dataset's over fit's (what reading the epochs on
-the driver costs). Writes benchmarks/results/keras_fit.json. From the
+(target <= 1.05), fit-dataset's over fit's (what reading the epochs on
+the driver costs), and what one epoch's end costs: (fit - fit-one-epoch)
+over the E - 1 epoch ends fit has more. Writes benchmarks/results/keras_fit.json. From the
 repository root:
 
     .venv/bin/python -m benchmarks.keras_fit
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                               "machine": common.machine(), "models": {}}
     for name in args.models:
         x, y = data(name, args.steps * args.batch_size)
+        x_all, y_all = np.concatenate([x] * args.epochs), np.concatenate([y] * args.epochs)
         with dsgd.KerasTrainer(functools.partial(build, name), num_workers=args.num_workers) as trainer:
             trainer.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)  # builds, traces
 
@@ -118,20 +123,25 @@ def main(argv: list[str] | None = None) -> dict:
                                                steps),
                        "steps": lambda: per_step(loop, steps),
                        "fit-dataset": lambda: per_step(lambda: trainer.fit(batches(x, y, args.batch_size),
-                                                                            epochs=args.epochs, verbose=0), steps)}
+                                                                            epochs=args.epochs, verbose=0), steps),
+                       "fit-one-epoch": lambda: per_step(lambda: trainer.fit(x_all, y_all, batch_size=args.batch_size,
+                                                                              epochs=1, shuffle=False, verbose=0),
+                                                         steps)}
             print(f"== {name}: {args.num_workers} workers, global batch {args.batch_size}, {args.epochs} epochs of "
                   f"{args.steps} steps a round")
             times, order, _ = common.run_rounds(systems, args.rounds, warmup=args.warmup)
         measured = {k: v[args.warmup:] for k, v in times.items()}
         medians = {k: statistics.median(v) for k, v in measured.items() if v}
         result = {"per_step_s": measured, "median_s": medians, "order": order}
-        if len(medians) == 3:
+        if len(medians) == len(systems):
             result["fit_over_steps"] = medians["fit"] / medians["steps"]
             result["dataset_over_fit"] = medians["fit-dataset"] / medians["fit"]
+            result["epoch_end_s"] = (medians["fit"] - medians["fit-one-epoch"]) * steps / max(args.epochs - 1, 1)
             print(f"{name}: fit {medians['fit'] * 1000:.1f} ms/step, step() loop {medians['steps'] * 1000:.1f} "
                   f"ms/step, fit on a tf.data.Dataset {medians['fit-dataset'] * 1000:.1f} ms/step: fit / loop = "
                   f"{result['fit_over_steps']:.3f} (target <= 1.05), dataset / arrays = "
-                  f"{result['dataset_over_fit']:.3f}", flush=True)
+                  f"{result['dataset_over_fit']:.3f}; one epoch's end {result['epoch_end_s'] * 1000:.1f} ms",
+                  flush=True)
         record["models"][name] = result
     print(f"wrote {common.write_json(record, args.out)}")
     return record

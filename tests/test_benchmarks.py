@@ -543,18 +543,20 @@ def test_first_step_benchmark_times_keras_and_dsgd_first_steps(ray_session, tmp_
         "to_first_step_s"]
 
 
-@pytest.mark.slow  # a benchmark's smoke run: one KerasTrainer, fit (on arrays and on a dataset) and its step() loop
+@pytest.mark.slow  # a benchmark's smoke run: one KerasTrainer, fit (arrays, a dataset, one long epoch), its step() loop
 def test_keras_fit_benchmark_interleaves_fit_and_the_step_loop_on_one_engine(ray_session, tmp_path):
     from benchmarks import keras_fit
 
     out = tmp_path / "keras_fit.json"
     keras_fit.main(["--models", "mlp", "--rounds", "2", "--warmup", "1", "--steps", "4", "--out", str(out)])
     result = json.loads(out.read_text())["models"]["mlp"]
-    names = ["fit", "steps", "fit-dataset"]
+    names = ["fit", "steps", "fit-dataset", "fit-one-epoch"]
     assert result["order"] == names + names[1:] + names[:1]  # each system first in turn
     assert {k: len(v) for k, v in result["per_step_s"].items()} == {name: 1 for name in names}
-    assert result["fit_over_steps"] == result["median_s"]["fit"] / result["median_s"]["steps"]
-    assert result["dataset_over_fit"] == result["median_s"]["fit-dataset"] / result["median_s"]["fit"]
+    medians = result["median_s"]
+    assert result["fit_over_steps"] == medians["fit"] / medians["steps"]
+    assert result["dataset_over_fit"] == medians["fit-dataset"] / medians["fit"]
+    assert result["epoch_end_s"] == pytest.approx((medians["fit"] - medians["fit-one-epoch"]) * 3 * 4 / 2)
 
 
 @pytest.mark.slow  # a benchmark's smoke run: dsgd, Ray Train and one Keras process each fitting (about 50 s here)

@@ -57,8 +57,8 @@ class TrainerReplica(CompiledReplica):
         # epoch's earlier steps, until it begins an epoch with the others (``begin_epoch``).
         self._built_mid_epoch = True
         self.joined_at: int | None = None  # the engine's step it first computed, if built mid-epoch
-        self._next: tuple | None = None  # (step, begin_epoch's arguments): the epoch it begins at that step
-        self._ended: tuple[int, EpochEnd] | None = None  # (step, the epoch's end) as it began the epoch at step
+        self._next: tuple | None = None  # (step, begin_epoch's arguments): the epoch it begins as that step begins
+        self._ended: tuple[int, MetricState, int | None] | None = None  # (step, state, joined) at the epoch's end
 
     @property
     def feed(self) -> Feed:
@@ -76,23 +76,28 @@ class TrainerReplica(CompiledReplica):
 
     def begin_epoch_at(self, step: int, start: EpochStart, worker_index: int, device_index: int,
                        devices: int) -> None:
-        """``begin_epoch`` as step ``step`` begins (the engine's count of applied steps): a step before it, run
-        again after a fault, still counts in and reads the epoch before. The epoch before's end is kept for
-        ``ended_at``."""
+        """``begin_epoch`` as step ``step`` (the engine's count of applied steps) begins: a step before it, run
+        again after a fault, still reads and counts in the epoch before, whose end is kept for ``ended_at``."""
         self._next = step, (start, worker_index, device_index, devices)
 
-    def ended_at(self, step: int) -> EpochEnd:
-        """The metric state of the epoch that ended as step ``step`` began (``begin_epoch_at``); a replica built
-        since has counted nothing of it (it joined at ``step``)."""
+    def joined(self, step: int) -> int | None:
+        """The step at which this replica joined the epoch under way, if it was built during it (the first step
+        it computed, or ``step``, the next, if none yet); None if it began the epoch with the others."""
+        if not self._built_mid_epoch:
+            return None
+        return step if self.joined_at is None else self.joined_at
+
+    def ended_at(self, step: int) -> tuple[MetricState, int | None]:
+        """The metric state of the epoch that ended as step ``step`` began (``begin_epoch_at``), and the step at
+        which this replica had joined it (``joined``); a replica built since counted none of it."""
         if self._ended is not None and self._ended[0] == step:
-            return self._ended[1]
-        return EpochEnd([self.metric_state()], None, step)
+            return self._ended[1], self._ended[2]
+        return self.metric_state(), step
 
     def _dsgd_seek(self, step: int) -> bool:
         if self._next is not None and step >= self._next[0]:
             # Before the step's metric state is saved (CountedOnce), so a step run again counts in the new epoch.
-            joined_at = step if self._built_mid_epoch and self.joined_at is None else self.joined_at
-            self._ended = self._next[0], EpochEnd([self.metric_state()], None, joined_at)
+            self._ended = self._next[0], self.metric_state(), self.joined(step)
             self.begin_epoch(*self._next[1])
         super()._dsgd_seek(step)
         if self._built_mid_epoch and self.joined_at is None:
@@ -503,12 +508,14 @@ class KerasTrainer:
 
     def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None, pull: bool) -> dict:
         """One call on the workers, after the epoch's last step, ends epoch ``epoch`` (begun at the engine's step
-        count and failure count ``begun``): its logs, worker 0's weights onto ``trainer.model`` if ``pull``, and
-        every replica at ``following``'s start if another epoch follows (a replacement built from here on joins
-        that epoch too)."""
-        if following is not None:
-            self._creator.start = following
-        ended = self.engine.foreach_worker(functools.partial(_end_epoch, following, pull))
+        count and failure count ``begun``): its logs, worker 0's weights onto ``trainer.model`` if ``pull``, and,
+        if another epoch follows, every replica beginning ``following`` with the next step (a replacement built
+        from here on joins that epoch too). A worker lost during the call is replaced and the call made again."""
+        step = self.engine.num_steps
+        self._creator.following = None if following is None else (step, following)
+        ended = self.engine._on_workers("apply_fn", functools.partial(_end_epoch, step, following, pull),
+                                        what="the epoch's end")
+        self._creator.start, self._creator.following = following or self._creator.start, None
         if pull:
             self._set_pulled(ended[0].weights)
         return self._epoch_logs(epoch, begun, ended)
@@ -521,7 +528,7 @@ class KerasTrainer:
         from the state each replica kept as it began the next epoch, once that first step is done."""
         step = self.engine.num_steps
         self._creator.following = step, following
-        queued = self.engine._queue_on_workers(functools.partial(_end_epoch_at, step, following),
+        queued = self.engine._queue_on_workers(functools.partial(_end_epoch, step, following, False),
                                                what="the epoch's end")
         self.engine.step()
         ended = self.engine._queued_answers(queued)
@@ -587,32 +594,25 @@ class EpochEnd:
 
     states: list[MetricState]  # its replicas' metric states, device order
     weights: dict | None  # worker 0's weights, if asked for (None from the others)
-    joined_at: int | None  # the engine's step it first computed in the epoch, if it was built during it
+    joined_at: int | None  # the step at which it joined the epoch, if it was built during it (TrainerReplica.joined)
 
 
-def _end_epoch(following: EpochStart | None, weights: bool, worker: Any) -> EpochEnd:
-    """The epoch's end on ``worker``: what it reports (worker 0's weights too if ``weights``); then every replica
-    at ``following``'s start, if another epoch follows."""
+def _end_epoch(step: int, following: EpochStart | None, weights: bool, worker: Any) -> EpochEnd:
+    """An epoch's end on ``worker``, after its last step (step ``step`` comes next): what it reports (worker 0's
+    weights too if ``weights``); every replica begins ``following``, if another epoch follows, as step ``step``
+    begins. Made again before that step, it reports the same."""
     ended = EpochEnd(_metric_states(worker), worker.get_weights() if weights and worker.worker_index == 0 else None,
-                     worker.models[0].joined_at)
+                     worker.models[0].joined(step))
     if following is not None:
-        _begin_epoch(following, worker)
-    return ended
-
-
-def _end_epoch_at(step: int, following: EpochStart, worker: Any) -> EpochEnd:
-    """Queued behind an epoch's last step on ``worker``: what it reports now; every replica begins ``following``
-    as step ``step`` begins."""
-    ended = EpochEnd(_metric_states(worker), None, worker.models[0].joined_at)
-    for device, replica in enumerate(worker.models):
-        replica.begin_epoch_at(step, following, worker.worker_index, device, len(worker.models))
+        for device, replica in enumerate(worker.models):
+            replica.begin_epoch_at(step, following, worker.worker_index, device, len(worker.models))
     return ended
 
 
 def _ended_at(step: int, worker: Any) -> EpochEnd:
     """What ``worker`` reports of the epoch that ended as step ``step`` began, from what its replicas kept."""
     ends = [replica.ended_at(step) for replica in worker.models]
-    return EpochEnd([state for end in ends for state in end.states], None, ends[0].joined_at)
+    return EpochEnd([state for state, _ in ends], None, ends[0][1])
 
 
 def _metric_states(worker: Any) -> list[MetricState]:
