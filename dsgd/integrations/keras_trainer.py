@@ -266,7 +266,9 @@ class KerasTrainer:
             ahead = False  # the epoch's first step was submitted as the epoch before ended (``_end_ahead``)
             for epoch in range(initial_epoch, epochs):
                 if not ahead:
-                    self._creator.start = start = epoch_start(epoch)
+                    start = epoch_start(epoch)
+                    # No epoch queued to begin later, even if a fit was cut short while one was.
+                    self._creator.start, self._creator.following = start, None
                     if positioned != (start, self.engine.num_steps):
                         self.engine.foreach_worker(functools.partial(_begin_epoch, start))
                 callback_list.on_epoch_begin(epoch)
