@@ -141,6 +141,8 @@ def trainable(config_to_model_creator: Callable[[dict], Any], *, steps_per_repor
     elif not isinstance(fit, dict) or "callbacks" in fit:
         raise TypeError(f"dsgd.tune.trainable's fit= is a dict of KerasTrainer.fit's arguments, without callbacks "
                         f"(the trial reports to Tune itself), got {fit!r}")
+    if fit is not None:
+        _check_sendable(fit)
     checkpoint_every = check_int("checkpoint_every", checkpoint_every, 0, " (0: no checkpoints)")
     names = _option_names()
     unknown = sorted(set(sgd_options) - names)
@@ -158,6 +160,25 @@ def trainable(config_to_model_creator: Callable[[dict], Any], *, steps_per_repor
                        checkpoint_every)
 
     return tune.with_resources(dsgd_trial, options.resources)
+
+
+def _check_sendable(fit: dict[str, Any]) -> None:
+    """Refuse, by name, fit input that only this process can read (a ``tf.data.Dataset``, a generator) and that
+    cannot be pickled to a trial."""
+    from ray import cloudpickle
+
+    from dsgd.integrations import keras_reader
+
+    for name, value in fit.items():
+        if not keras_reader.is_driver_input(value):
+            continue
+        try:
+            cloudpickle.dumps(value)
+        except Exception as e:  # what each kind raises differs (TypeError, TensorFlow's InvalidArgumentError)
+            raise TypeError(f"dsgd.tune.trainable's fit[{name!r}] is a {type(value).__name__}, which cannot be sent "
+                            f"to a trial ({type(e).__name__}: {e}); give what a trial can read: numpy arrays, a Ray "
+                            "Dataset, or a function (worker_index, device_index) -> tf.data.Dataset of each "
+                            "replica's batches (with steps_per_epoch)") from None
 
 
 def _run_trial(config: dict, config_to_model_creator: Callable[[dict], ModelCreator], options: dict[str, Any],

@@ -193,3 +193,22 @@ def test_a_keras_trainer_trainable_refuses_steps_per_report_and_callbacks():
         dsgd_tune.trainable(regression_creator, steps_per_report=2, fit={"epochs": 1})
     with pytest.raises(TypeError, match="without callbacks"):
         dsgd_tune.trainable(regression_creator, fit={"callbacks": []})
+
+
+def test_a_keras_trainer_trainable_refuses_a_dataset_or_generator_a_trial_cannot_receive():
+    import keras_trainer_models as km
+    import tensorflow as tf
+
+    x, y = km.binary_data(8)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    with pytest.raises(TypeError, match=r"fit\['x'\] is a \w*Dataset\w*, which cannot be sent to a trial .*numpy "
+                                        r"arrays, a Ray Dataset, or a function \(worker_index, device_index\)"):
+        dsgd_tune.trainable(km.binary_build_for, fit={"x": dataset, "epochs": 1})
+    with pytest.raises(TypeError, match=r"fit\['validation_data'\] is a generator, which cannot be sent"):
+        dsgd_tune.trainable(km.binary_build_for, fit={"x": x, "y": y, "validation_data": iter_batches(x, y)})
+
+
+def iter_batches(x, y):
+    """A generator of (x, y) batches of 4."""
+    for start in range(0, len(x), 4):
+        yield x[start:start + 4], y[start:start + 4]
