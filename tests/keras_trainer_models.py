@@ -173,6 +173,31 @@ class Reconstruct(keras.Model):
         return keras.ops.mean(keras.ops.square(y_pred - x))
 
 
+WORDS = ("good", "bad", "great", "awful", "fine", "poor", "the", "a", "movie", "plot")
+
+
+def text_data(samples: int = 256, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Five-word reviews as a numpy array of str, shape (N,), and int32 labels 0/1 (more kind words than unkind)."""
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, len(WORDS), size=(samples, 5))
+    x = np.array([" ".join(WORDS[w] for w in row) for row in words], dtype=object)
+    y = (np.isin(words, [0, 2, 4]).sum(1) > np.isin(words, [1, 3, 5]).sum(1)).astype(np.int32)
+    return x, y
+
+
+def build_text() -> keras.Model:
+    """Text in: a TextVectorization of a fixed vocabulary is the model's first layer, as in keras-io's end-to-end
+    text classifiers; an embedding, averaged; a sigmoid out."""
+    keras.utils.set_random_seed(16)
+    inputs = keras.Input(shape=(), dtype="string")
+    tokens = keras.layers.TextVectorization(vocabulary=list(WORDS), output_sequence_length=5)(inputs)
+    features = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(len(WORDS) + 2, 8)(tokens))
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(features))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC(name="auc")])
+    return model
+
+
 def build_reconstruct() -> keras.Model:
     keras.utils.set_random_seed(15)
     model = Reconstruct()

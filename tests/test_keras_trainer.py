@@ -337,9 +337,31 @@ def test_a_later_fit_whose_batches_differ_from_those_the_step_was_built_for_says
     with pytest.raises(ValueError, match=r"are \('float32\[8\]', 'int32\[1\]', 'float32\[\]'\), but the engine's step "
                                          r"was built for \('float32\[8\]', 'int32\[\]', 'float32\[\]'\)"):
         fresh.fit(x, y[:, None], batch_size=BATCH, epochs=1, verbose=0)
-    text = np.array([b"good", b"bad"] * 32, dtype=object)[:, None]
-    with pytest.raises(TypeError, match="holds strings .* turn text into numbers in the input pipeline"):
-        fresh.evaluate(text, y[:BATCH], verbose=0)
+    with pytest.raises(ValueError, match=r"are \('string\[\]', 'int32\[\]', 'float32\[\]'\), but the engine's step"):
+        fresh.fit(km.text_data(BATCH)[0], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_text_reaches_the_step_and_a_model_that_vectorizes_it_trains_as_one_process(ray_session):
+    """A model whose first layer is a TextVectorization, given a numpy array of str, then a tf.data.Dataset of
+    the same text (bytes): fit's weights and every epoch's logs, evaluate and predict equal one process's."""
+    import tensorflow as tf
+
+    x, y = km.text_data()
+    reference = km.build_text()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    expected_more = reference.fit(tf.data.Dataset.from_tensor_slices((x.astype(str), y)).batch(BATCH), verbose=0)
+    with dsgd.KerasTrainer(km.build_text, num_workers=2) as trainer:
+        history = trainer.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        for name, values in expected.history.items():
+            assert history.history[name] == pytest.approx(values, rel=1e-5), name
+        more = trainer.fit(tf.data.Dataset.from_tensor_slices((x.astype(str), y)).batch(BATCH), verbose=0)
+        for name, values in expected_more.history.items():
+            assert more.history[name] == pytest.approx(values, rel=1e-5), name
+        assert_weights_equal(trainer.model.get_weights(), reference.get_weights())
+        assert_logs_equal(trainer.evaluate(x, y, verbose=0, return_dict=True),
+                          reference.evaluate(x, y, verbose=0, return_dict=True))
+        np.testing.assert_allclose(trainer.predict(x[:50]), reference.predict(x[:50], verbose=0), rtol=1e-5,
+                                   atol=1e-6)
 
 
 class BatchLogs(keras.callbacks.Callback):

@@ -89,7 +89,7 @@ class CompiledReplica(TF2Model):
         self._state = self._find_state(x)
         # Keras's own build of the compiled losses and metrics (their variables), from the batch's specs.
         try:
-            model._symbolic_build(data_batch=(x, y, sample_weight))
+            model._symbolic_build(data_batch=text_as_tensors((x, y, sample_weight)))
         except ValueError as e:
             raise ValueError(f"Keras could not build the compiled loss and metrics for the model's outputs and the "
                              f"batches' labels: {e} (Keras pairs a list of losses or metrics with the outputs: give "
@@ -195,7 +195,7 @@ class CompiledReplica(TF2Model):
         if first is None:
             return None
         with _stream_ends_the_call():
-            return self.model.predict(((x,) for x in itertools.chain([first], batches)), verbose=0)
+            return self.model.predict(((text_as_tensors(x),) for x in itertools.chain([first], batches)), verbose=0)
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for ``x`` in inference mode (``keras.Model.predict``), as numpy; call it on a
@@ -234,6 +234,13 @@ class CountedOnce:
         self._saved_step.assign(self._step)
 
 
+def text_as_tensors(batch: Any) -> Any:
+    """``batch`` with text (numpy arrays of str or bytes, which have no Keras dtype) as ``tf.string`` tensors, the
+    rest as it is: what Keras's build and its generator input take."""
+    return tf.nest.map_structure(
+        lambda a: tf.constant(a) if a is not None and np.asarray(a).dtype.kind in "OSU" else a, batch)
+
+
 @contextlib.contextmanager
 def _stream_ends_the_call() -> Iterator[None]:
     """Keras's ``evaluate`` or ``predict`` of a stream whose end is the call's end (every batch it gives is read):
@@ -252,9 +259,9 @@ def _carried(batch: Batch) -> Batch:
 
 
 def _for_keras(batch: Batch) -> Batch:
-    """``batch`` as Keras's generator input takes it: ``(x,)`` if it has no labels."""
+    """``batch`` as Keras's generator input takes it: ``(x,)`` if it has no labels; text as tensors."""
     x, y, sample_weight = _unpack(batch)
-    return (x,) if y is None else batch
+    return text_as_tensors((x,) if y is None else batch)
 
 
 def _unpack(batch: Batch) -> tuple[Any, Any, Any]:

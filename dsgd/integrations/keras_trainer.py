@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from dsgd.integrations import keras_reader, metric_states
 from dsgd.integrations.keras_backend import import_keras
-from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled
+from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled, text_as_tensors
 from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
                                           RayDataStart, with_weights)
 from dsgd.integrations.metric_states import MetricState
@@ -484,12 +484,6 @@ class KerasTrainer:
         """Start the engine (unless started), its replicas reading ``start``'s input until the first epoch
         begins, from ``trainer.model``'s weights; build the driver model's metrics for ``first``, a batch. For
         ``training`` input, ``first`` is checked against the batches the engine's step was built for."""
-        strings = [np.asarray(a).dtype for a in tf.nest.flatten(first) if a is not None
-                   and np.asarray(a).dtype.kind in "OSU"]
-        if strings:
-            raise TypeError(f"the input holds strings ({strings[0]} arrays); the engine's step carries numbers only: "
-                            "turn text into numbers in the input pipeline, e.g. dataset.map(lambda x, y: "
-                            "(vectorize(x), y)) with a keras.layers.TextVectorization adapted on the driver")
         if self._engine is not None:
             if training and _batch_specs(first) != self._batches:
                 raise ValueError(
@@ -501,7 +495,7 @@ class KerasTrainer:
         self._batches = _batch_specs(first)
         from dsgd.distributed_sgd import DistributedSGD, _init_ray_if_needed
 
-        self.model._symbolic_build(data_batch=first)
+        self.model._symbolic_build(data_batch=text_as_tensors(first))
         _init_ray_if_needed()
         self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
         self._engine = DistributedSGD(self._creator, **self._options, datasets=datasets)
@@ -675,7 +669,10 @@ def _validation_arrays(validation_data: Any) -> tuple:
 
 def _batch_specs(batch: tuple) -> str:
     """A batch's structure, with each array's dtype and shape past the rows: what the engine's step is traced for."""
-    return repr(tf.nest.map_structure(lambda a: f"{np.asarray(a).dtype.name}{list(np.shape(a)[1:])}", batch))
+    def spec(a: Any) -> str:
+        dtype = np.asarray(a).dtype
+        return f"{'string' if dtype.kind in 'OSU' else dtype.name}{list(np.shape(a)[1:])}"
+    return repr(tf.nest.map_structure(spec, batch))
 
 
 def _part(batch_size: int, replicas: int) -> int:

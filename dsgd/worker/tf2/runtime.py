@@ -419,16 +419,28 @@ def _next_batch(replica: Tf2Replica, worker_index: int) -> Any:
 def _spec(value: Any, worker_index: int, device_index: int) -> tf.TensorSpec:
     """A batch array's spec, its first dimension (the batch size) left free."""
     array = np.asarray(value)
-    if array.dtype.kind not in "biuf":
+    dtype = _dtype(array)
+    if dtype is None:
         raise ModelCreatorError(f"get_batch() on worker {worker_index}, device {device_index} returned an array "
-                                f"of dtype {array.dtype}; expected numbers")
+                                f"of dtype {array.dtype}; expected numbers or strings")
     shape = [None, *array.shape[1:]] if array.ndim else []
-    return tf.TensorSpec(shape, tf.as_dtype(array.dtype))
+    return tf.TensorSpec(shape, dtype)
+
+
+def _dtype(array: np.ndarray) -> tf.DType | None:
+    """The TensorFlow dtype of a batch array: its own for numbers, ``tf.string`` for text (``str`` or ``bytes``,
+    in a fixed-width or an object array); None for anything else."""
+    if array.dtype.kind in "biuf":
+        return tf.as_dtype(array.dtype)
+    if array.dtype.kind in "SU" or (array.dtype.kind == "O" and all(isinstance(v, (str, bytes)) for v in array.flat)):
+        return tf.string
+    return None
 
 
 def _tensor(value: Any, spec: tf.TensorSpec, worker_index: int) -> tf.Tensor:
     array = np.asarray(value)
-    if not spec.is_compatible_with(tf.TensorSpec(array.shape, tf.as_dtype(array.dtype))):
+    dtype = _dtype(array)
+    if dtype is None or not spec.is_compatible_with(tf.TensorSpec(array.shape, dtype)):
         raise DSGDError(f"get_batch() on worker {worker_index} returned an array of shape {array.shape} and "
                         f"dtype {array.dtype}, where its first batch had {spec.shape} and {spec.dtype.name}")
     return tf.constant(array)
