@@ -532,3 +532,14 @@ class WiderOnDevice1(m.Regression):
 def test_replicas_whose_variables_disagree_are_refused_naming_the_variable(ray_session):
     with pytest.raises(dsgd.WorkerMismatchError, match="replica 1 on worker 0 built different variables.*'w'"):
         dsgd.DistributedSGD(WiderOnDevice1, num_workers=1, devices_per_worker=2)
+
+
+def test_a_batch_array_of_text_gets_a_string_spec_and_other_objects_are_refused_by_name():
+    from dsgd.errors import ModelCreatorError
+    from dsgd.worker.tf2.runtime import _spec
+
+    assert _spec(np.array(["a b", "c"]), 0, 0) == tf.TensorSpec([None], tf.string)
+    assert _spec(np.array([[b"a"], ["b"]], dtype=object), 0, 0) == tf.TensorSpec([None, 1], tf.string)
+    with pytest.raises(ModelCreatorError, match=r"worker 1, device 0 returned an array of dtype object; expected "
+                                                r"numbers or strings"):
+        _spec(np.array([{"a": 1}, None], dtype=object), 1, 0)
