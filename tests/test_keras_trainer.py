@@ -412,6 +412,43 @@ def test_callbacks_see_keras_logs_and_the_engines_weights_and_steer_every_replic
     assert [float(r["val_loss"]) for r in rows] == pytest.approx(history.history["val_loss"], rel=1e-5)
 
 
+def test_a_lambda_callback_at_batch_ends_sees_each_batchs_logs_and_weights(fresh):
+    """A LambdaCallback sets its batch hook on itself, not in its class: fit still reads the logs and the
+    engine's weights at every batch's end for it."""
+    x, y = km.binary_data()
+    seen: list = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append((dict(logs), fresh.model.get_weights()[0].copy())))
+    history = fresh.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    assert len(seen) == len(x) // BATCH
+    assert seen[-1][0]["loss"] == pytest.approx(history.history["loss"][0], rel=1e-6)
+    assert not np.array_equal(seen[0][1], seen[1][1])
+
+
+def test_keras_callbacks_set_to_act_at_epochs_do_not_make_fit_read_every_batch(tmp_path):
+    """Which callbacks make fit read the logs and the weights at every batch's end (a round trip to the
+    workers each): a batch hook of their own, unless Keras's ModelCheckpoint or TensorBoard is set to act at
+    epochs only (their defaults), whose batch hooks then read neither."""
+    from dsgd.integrations.keras_trainer import _act_at_batches
+
+    path = str(tmp_path / "m.keras")
+
+    class Subclass(keras.callbacks.ModelCheckpoint):
+        pass
+
+    at_epochs = [keras.callbacks.ModelCheckpoint(path), keras.callbacks.TensorBoard(str(tmp_path)),
+                 keras.callbacks.EarlyStopping(), keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+                 keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)]
+    at_batches = [keras.callbacks.ModelCheckpoint(path, save_freq=5),
+                  keras.callbacks.TensorBoard(str(tmp_path), update_freq="batch"),
+                  keras.callbacks.TensorBoard(str(tmp_path), write_steps_per_second=True),
+                  keras.callbacks.TerminateOnNaN(), Subclass(path),
+                  keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None), BatchLogs()]
+    assert [_act_at_batches([cb], keras) for cb in at_epochs] == [False] * len(at_epochs)
+    assert [_act_at_batches([cb], keras) for cb in at_batches] == [True] * len(at_batches)
+    assert _act_at_batches(at_epochs + at_batches[:1], keras)
+
+
 class EpochWeights(keras.callbacks.Callback):
     """Records the weights trainer.model holds at each epoch's end (and nothing at batches)."""
 

@@ -709,10 +709,22 @@ def _model_callbacks(callback_list: Any, keras: Any) -> list:
 
 
 def _act_at_batches(callbacks: list, keras: Any) -> bool:
-    """Whether one of ``callbacks`` acts at batch ends or beginnings."""
+    """Whether one of ``callbacks`` acts at batch ends or beginnings: has a batch hook of its own (from its class,
+    or set on it, as ``LambdaCallback`` sets them), unless it is one of Keras's callbacks set to act at epochs
+    only (``ModelCheckpoint(save_freq="epoch")``, ``TensorBoard(update_freq="epoch")``: their batch hooks then
+    read neither the logs nor the weights)."""
     base = keras.callbacks.Callback
-    return any(getattr(type(cb), hook) is not getattr(base, hook) for cb in callbacks
-               for hook in ("on_train_batch_end", "on_batch_end", "on_train_batch_begin", "on_batch_begin"))
+    epochs_only = {keras.callbacks.ModelCheckpoint: lambda cb: cb.save_freq == "epoch",
+                   keras.callbacks.TensorBoard: lambda cb: cb.update_freq == "epoch" and not cb.write_steps_per_second}
+
+    hooks = ("on_train_batch_end", "on_batch_end", "on_train_batch_begin", "on_batch_begin")
+
+    def acts(cb: Any) -> bool:
+        if type(cb) in epochs_only and epochs_only[type(cb)](cb):
+            return False
+        own = [getattr(cb, hook) for hook in hooks]  # bound methods, or functions set on the instance
+        return any(getattr(method, "__func__", method) is not getattr(base, hook) for method, hook in zip(own, hooks))
+    return any(acts(cb) for cb in callbacks)
 
 
 def _learning_rate(optimizer: Any) -> float | None:
