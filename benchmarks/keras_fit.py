@@ -19,13 +19,16 @@ warm-up), interleaved in rounds, each system first in turn:
          iterator and put in the object store as it begins;
   fit-one-epoch  `fit` of one epoch of E x `--steps` steps over the rows
          repeated E times: the same steps on the same rows as `fit`,
-         with one epoch's end instead of E.
+         with one epoch's end instead of E;
+  fit-checkpoint  `fit` with `keras.callbacks.ModelCheckpoint` at its
+         defaults (the model saved at every epoch's end, into a temporary
+         directory): what the most common callback costs.
 
 Reported per model: the median per-step time of each over the measured
 rounds (`--warmup` rounds first, not counted), fit's over the loop's
 (target <= 1.05), fit-dataset's over fit's (what reading the epochs on
-the driver costs), and what one epoch's end costs: (fit - fit-one-epoch)
-over the E - 1 epoch ends fit has more. Writes benchmarks/results/keras_fit.json. From the
+the driver costs), what one epoch's end costs: (fit - fit-one-epoch)
+over the E - 1 epoch ends fit has more, and fit-checkpoint's over fit's. Writes benchmarks/results/keras_fit.json. From the
 repository root:
 
     .venv/bin/python -m benchmarks.keras_fit
@@ -40,6 +43,7 @@ if not __package__:  # run as `python benchmarks/keras_fit.py`
 import argparse
 import functools
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     common.add_ray_flags(p, default_cpus="4")
     args = p.parse_args(argv)
     common.connect_ray(args, default_cpus=4)
+    import keras
+
     import dsgd
 
     record: dict[str, Any] = {"command": common.command_line("benchmarks.keras_fit", argv),
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.models:
         x, y = data(name, args.steps * args.batch_size)
         x_all, y_all = np.concatenate([x] * args.epochs), np.concatenate([y] * args.epochs)
-        with dsgd.KerasTrainer(functools.partial(build, name), num_workers=args.num_workers) as trainer:
+        with dsgd.KerasTrainer(functools.partial(build, name), num_workers=args.num_workers) as trainer, \
+                tempfile.TemporaryDirectory(prefix="keras-fit-") as scratch:
             trainer.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)  # builds, traces
 
             steps = args.epochs * args.steps
@@ -126,7 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                                             epochs=args.epochs, verbose=0), steps),
                        "fit-one-epoch": lambda: per_step(lambda: trainer.fit(x_all, y_all, batch_size=args.batch_size,
                                                                               epochs=1, shuffle=False, verbose=0),
-                                                         steps)}
+                                                         steps),
+                       "fit-checkpoint": lambda: per_step(lambda: trainer.fit(
+                           x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0,
+                           callbacks=[keras.callbacks.ModelCheckpoint(str(Path(scratch) / "model.keras"))]), steps)}
             print(f"== {name}: {args.num_workers} workers, global batch {args.batch_size}, {args.epochs} epochs of "
                   f"{args.steps} steps a round")
             times, order, _ = common.run_rounds(systems, args.rounds, warmup=args.warmup)
@@ -137,11 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
             result["fit_over_steps"] = medians["fit"] / medians["steps"]
             result["dataset_over_fit"] = medians["fit-dataset"] / medians["fit"]
             result["epoch_end_s"] = (medians["fit"] - medians["fit-one-epoch"]) * steps / max(args.epochs - 1, 1)
+            result["checkpoint_over_fit"] = medians["fit-checkpoint"] / medians["fit"]
             print(f"{name}: fit {medians['fit'] * 1000:.1f} ms/step, step() loop {medians['steps'] * 1000:.1f} "
                   f"ms/step, fit on a tf.data.Dataset {medians['fit-dataset'] * 1000:.1f} ms/step: fit / loop = "
                   f"{result['fit_over_steps']:.3f} (target <= 1.05), dataset / arrays = "
-                  f"{result['dataset_over_fit']:.3f}; one epoch's end {result['epoch_end_s'] * 1000:.1f} ms",
-                  flush=True)
+                  f"{result['dataset_over_fit']:.3f}; one epoch's end {result['epoch_end_s'] * 1000:.1f} ms; with "
+                  f"a ModelCheckpoint {medians['fit-checkpoint'] * 1000:.1f} ms/step, "
+                  f"{result['checkpoint_over_fit']:.2f} x fit", flush=True)
         record["models"][name] = result
     print(f"wrote {common.write_json(record, args.out)}")
     return record

@@ -550,13 +550,14 @@ def test_keras_fit_benchmark_interleaves_fit_and_the_step_loop_on_one_engine(ray
     out = tmp_path / "keras_fit.json"
     keras_fit.main(["--models", "mlp", "--rounds", "2", "--warmup", "1", "--steps", "4", "--out", str(out)])
     result = json.loads(out.read_text())["models"]["mlp"]
-    names = ["fit", "steps", "fit-dataset", "fit-one-epoch"]
+    names = ["fit", "steps", "fit-dataset", "fit-one-epoch", "fit-checkpoint"]
     assert result["order"] == names + names[1:] + names[:1]  # each system first in turn
     assert {k: len(v) for k, v in result["per_step_s"].items()} == {name: 1 for name in names}
     medians = result["median_s"]
     assert result["fit_over_steps"] == medians["fit"] / medians["steps"]
     assert result["dataset_over_fit"] == medians["fit-dataset"] / medians["fit"]
     assert result["epoch_end_s"] == pytest.approx((medians["fit"] - medians["fit-one-epoch"]) * 3 * 4 / 2)
+    assert result["checkpoint_over_fit"] == medians["fit-checkpoint"] / medians["fit"]
 
 
 @pytest.mark.slow  # a benchmark's smoke run: dsgd, Ray Train and one Keras process each fitting (about 50 s here)
