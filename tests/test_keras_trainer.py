@@ -810,6 +810,22 @@ def test_keras_model_compiles_through_keras_int_labels_a_loss_name_and_a_metric_
             assert stats[name] == pytest.approx(float(expected[name]), rel=1e-5), name
 
 
+def test_keras_model_steps_on_batches_of_text_as_keras_does():
+    """dsgd.KerasModel given batches of str, which a TextVectorization in the model turns into tokens: each step's
+    loss and accuracy are Keras's train_on_batch's."""
+    x, y = km.text_data(samples=64)
+    worker = local_worker(lambda w, d: dsgd.KerasModel(km.text_net(), loss="binary_crossentropy",
+                                                       optimizer=keras.optimizers.SGD(0.5), metrics=["accuracy"],
+                                                       batches=[(x, y)]))
+    reference = km.text_net()
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy", metrics=["accuracy"])
+    for step in range(2):
+        expected = reference.train_on_batch(x, y, return_dict=True)
+        stats = worker.step(step, fetch_stats=True).floats()
+        for name in ("loss", "accuracy"):
+            assert stats[name] == pytest.approx(float(expected[name]), rel=1e-5), name
+
+
 def test_the_epoch_plan_splits_each_global_batch_into_equal_contiguous_parts():
     plan = EpochPlan(num_samples=10, batch_size=4, replicas=2)
     assert plan.steps == 3  # the last batch of 2 rows has one for each replica
