@@ -35,6 +35,7 @@ from dsgd.integrations import metric_states
 from dsgd.integrations.keras_backend import check_optimizer, import_keras
 from dsgd.integrations.metric_states import MetricState
 from dsgd.model import TF2Model
+from dsgd.worker import inputs
 
 # A step's batch: (x, y) or (x, y, sample_weight), numpy structures.
 Batch = tuple
@@ -237,8 +238,7 @@ class CountedOnce:
 def text_as_tensors(batch: Any) -> Any:
     """``batch`` with text (numpy arrays of str or bytes, which have no Keras dtype) as ``tf.string`` tensors, the
     rest as it is: what Keras's build and its generator input take."""
-    return tf.nest.map_structure(
-        lambda a: tf.constant(a) if a is not None and np.asarray(a).dtype.kind in "OSU" else a, batch)
+    return tf.nest.map_structure(lambda a: tf.constant(a) if a is not None and inputs.is_text(a) else a, batch)
 
 
 @contextlib.contextmanager

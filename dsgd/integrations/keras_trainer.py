@@ -670,8 +670,7 @@ def _validation_arrays(validation_data: Any) -> tuple:
 def _batch_specs(batch: tuple) -> str:
     """A batch's structure, with each array's dtype and shape past the rows: what the engine's step is traced for."""
     def spec(a: Any) -> str:
-        dtype = np.asarray(a).dtype
-        return f"{'string' if dtype.kind in 'OSU' else dtype.name}{list(np.shape(a)[1:])}"
+        return f"{'string' if inputs.is_text(a) else np.asarray(a).dtype.name}{list(np.shape(a)[1:])}"
     return repr(tf.nest.map_structure(spec, batch))
 
 

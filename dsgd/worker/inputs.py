@@ -60,6 +60,13 @@ def concatenate(parts: Sequence[Any]) -> Any:
     return tf.nest.map_structure(lambda *arrays: np.concatenate(arrays), *parts)
 
 
+def is_text(array: Any) -> bool:
+    """Whether ``array`` holds text: numpy ``str`` or ``bytes``, fixed-width or as objects that all are."""
+    array = np.asarray(array)
+    return array.dtype.kind in "SU" or (array.dtype.kind == "O" and all(isinstance(v, (str, bytes))
+                                                                       for v in array.flat))
+
+
 def num_rows(arrays: Any) -> int:
     """The rows of a structure of arrays, checked to agree."""
     counts = {len(a) for a in tf.nest.flatten(arrays) if a is not None}

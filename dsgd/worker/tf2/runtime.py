@@ -36,7 +36,7 @@ import tensorflow as tf
 from dsgd import ops
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError, ModelCreatorError
-from dsgd.worker import put_back
+from dsgd.worker import inputs, put_back
 from dsgd.worker.finite_checks import finite_tensors
 from dsgd.common.results import Means, Value
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
@@ -432,9 +432,7 @@ def _dtype(array: np.ndarray) -> tf.DType | None:
     in a fixed-width or an object array); None for anything else."""
     if array.dtype.kind in "biuf":
         return tf.as_dtype(array.dtype)
-    if array.dtype.kind in "SU" or (array.dtype.kind == "O" and all(isinstance(v, (str, bytes)) for v in array.flat)):
-        return tf.string
-    return None
+    return tf.string if inputs.is_text(array) else None
 
 
 def _tensor(value: Any, spec: tf.TensorSpec, worker_index: int) -> tf.Tensor:
