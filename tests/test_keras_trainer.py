@@ -705,6 +705,33 @@ def test_adam_and_sparse_labels_fit_and_evaluate_as_in_one_process(classes):
                       reference.evaluate(x_test, y_test, verbose=0, return_dict=True))
 
 
+def test_two_outputs_fit_validate_and_evaluate_with_each_outputs_loss_and_metrics_as_one_process(ray_session):
+    """Each output's loss and metrics (``value_loss``, ``label_accuracy``, ...), in training, validation and
+    ``evaluate``, equal one process's; in evaluation they were counted once a batch, not once a sample. With a
+    last batch smaller than the others they are the mean over every sample, which Keras gives when its batches
+    are whole (Keras counts each output's loss of a partial batch once: it traces the step for an unknown batch
+    size)."""
+    x, y = km.binary_data(samples=256)
+    labels = km.two_outputs_labels(x, y)
+    x_val, y_val = km.binary_data(samples=200, seed=3)
+    validation = (x_val[:192], km.two_outputs_labels(x_val[:192], y_val[:192]))
+    reference = km.build_two_outputs()
+    expected = reference.fit(x, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=validation)
+    with dsgd.KerasTrainer(km.build_two_outputs, num_workers=2) as trainer:
+        history = trainer.fit(x, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                              validation_data=validation)
+        assert "val_value_loss" in history.history and "val_label_accuracy" in history.history
+        for name, values in expected.history.items():
+            assert history.history[name] == pytest.approx(values, rel=1e-5), name
+        assert_weights_equal(trainer.model.get_weights(), reference.get_weights())
+        test = (x_val, km.two_outputs_labels(x_val, y_val))
+        assert_logs_equal(trainer.evaluate(*test, batch_size=50, verbose=0, return_dict=True),
+                          reference.evaluate(*test, batch_size=50, verbose=0, return_dict=True))
+        assert_logs_equal(trainer.evaluate(*test, batch_size=BATCH, verbose=0, return_dict=True),
+                          reference.evaluate(*test, batch_size=len(x_val), verbose=0, return_dict=True))
+
+
 def test_ema_weights_are_finalized_at_the_end_of_fit_as_keras_does(ray_session):
     x, y = km.binary_data(samples=128)
     target = x @ np.linspace(-1, 1, km.FEATURES).astype(np.float32)

@@ -16,8 +16,8 @@ values (the state is reset at every step, as its step stats are per step);
 ``KerasTrainer`` lets the state accumulate over an epoch and sums it across
 the replicas on the driver (``dsgd.integrations.metric_states``). A step
 the engine runs again after a fault counts its batch in that state once
-(``CountedOnce``). Both evaluate and predict with Keras's own ``evaluate``
-and ``predict`` on the batches the runtime gives them
+(``CountedOnce``). Both evaluate with Keras's own ``test_step`` and predict
+with Keras's own ``predict`` on the batches the runtime gives them
 (``dsgd.worker.runtime.Evaluates``, ``Predicts``).
 """
 
@@ -97,6 +97,7 @@ class CompiledReplica(TF2Model):
                              "one per output, or a dict keyed by output name)") from e
         model.reset_metrics()
         self._counted_once = None if per_step_metrics else CountedOnce(model.metrics_variables)
+        self._test_step = tf.function(model.test_step)  # traced once for each batch shape
 
     def _find_state(self, x: Any) -> list:
         """The non-trainable float weights a call on ``x`` in training mode writes (put back as they were);
@@ -164,16 +165,18 @@ class CompiledReplica(TF2Model):
         self.model.reset_metrics()
 
     def evaluate_batches(self, batches: Iterator[Batch]) -> MetricState:
-        """Keras's own ``evaluate`` of a stream of batches ``(x, y, sample_weight)``: the metrics' state it leaves
-        (nothing counted if the stream is empty), to be reduced with the other replicas'. The metrics hold what
-        they held before, after it. A batch without labels goes to Keras as ``(x,)``, the form its generator input
-        takes for a model whose own ``compute_loss`` needs none."""
-        first = next(batches, None)
+        """Keras's own ``test_step`` on each of a stream of batches ``(x, y, sample_weight)``: the metrics' state
+        it leaves (nothing counted if the stream is empty), to be reduced with the other replicas'. The metrics
+        hold what they held before, after it. A batch without labels goes to Keras as ``(x,)``, the form its
+        data takes for a model whose own ``compute_loss`` needs none.
+
+        The step is traced for each batch shape (``_test_step``), as Keras's ``evaluate`` of arrays traces it:
+        Keras's ``evaluate`` of a generator (unknown batch size) counts each output's loss of a model with
+        several outputs once a batch, not once a sample, so its ``<output>_loss`` differ from one process's."""
         kept = self.metric_state()
         self.model.reset_metrics()
-        if first is not None:  # Keras takes a generator, not an iterator
-            with _stream_ends_the_call():
-                self.model.evaluate((_for_keras(batch) for batch in itertools.chain([first], batches)), verbose=0)
+        for batch in batches:
+            self._test_step(_for_keras(batch))
         evaluated = self.metric_state()
         self._set_metric_state(kept)
         return evaluated
@@ -243,7 +246,7 @@ def text_as_tensors(batch: Any) -> Any:
 
 @contextlib.contextmanager
 def _stream_ends_the_call() -> Iterator[None]:
-    """Keras's ``evaluate`` or ``predict`` of a stream whose end is the call's end (every batch it gives is read):
+    """Keras's ``predict`` of a stream whose end is the call's end (every batch it gives is read):
     without Keras's warning that the input "ran out of data", which it gives for any input of unknown length."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Your input ran out of data")
@@ -259,7 +262,7 @@ def _carried(batch: Batch) -> Batch:
 
 
 def _for_keras(batch: Batch) -> Batch:
-    """``batch`` as Keras's generator input takes it: ``(x,)`` if it has no labels; text as tensors."""
+    """``batch`` as Keras's ``test_step`` takes it: ``(x,)`` if it has no labels; text as tensors."""
     x, y, sample_weight = _unpack(batch)
     return text_as_tensors((x,) if y is None else batch)
 
