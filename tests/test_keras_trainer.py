@@ -72,6 +72,27 @@ def test_fit_without_shuffling_equals_one_process_fit_with_validation(fresh):
     assert_replicas_identical(fresh.engine, 2)
 
 
+@pytest.mark.parametrize("steps_per_epoch, steps", [(5, [5, 3, 5]), (100, [8, 8, 8])])
+def test_steps_per_epoch_over_arrays_goes_on_across_epochs_as_keras_fit_does(fresh, steps_per_epoch, steps):
+    """8 batches a pass: with 5 steps an epoch, the second epoch goes on where the first stopped and stops at the
+    data's end, and the third begins a new pass (5, 3, 5 steps), as keras.Model.fit; with 100, each epoch is a
+    pass. Logs and weights equal one process's."""
+    x, y = km.binary_data()
+    reference = km.build_binary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras's "Your input ran out of data" at each epoch cut short
+        expected = reference.fit(x, y, batch_size=BATCH, epochs=3, steps_per_epoch=steps_per_epoch, shuffle=False,
+                                 verbose=0)
+    before = fresh.engine.num_steps
+    with pytest.warns(UserWarning, match=f"steps_per_epoch={steps_per_epoch} does not divide the 8 batches"):
+        history = fresh.fit(x, y, batch_size=BATCH, epochs=3, steps_per_epoch=steps_per_epoch, shuffle=False,
+                            verbose=0)
+    assert fresh.engine.num_steps - before == sum(steps)
+    for name, values in expected.history.items():
+        assert history.history[name] == pytest.approx(values, rel=1e-5), name
+    assert_weights_equal(fresh.model.get_weights(), reference.get_weights())
+
+
 def test_evaluate_sums_the_metric_state_and_equals_one_process_evaluate(fresh):
     x, y = km.binary_data(samples=301, seed=3)  # parts of 151 and 150 rows
     reference = km.build_binary()
@@ -651,8 +672,8 @@ def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_
         binary.fit(x, y, batch_size=63, verbose=0)
     with pytest.raises(ValueError, match="different numbers of rows"):
         binary.fit(x, y[:10], batch_size=BATCH, verbose=0)
-    with pytest.raises(ValueError, match="steps_per_epoch=100.* 8 batches"):
-        binary.fit(x, y, batch_size=BATCH, steps_per_epoch=100, verbose=0)
+    with pytest.raises(ValueError, match="steps_per_epoch must be a positive int, got 0"):
+        binary.fit(x, y, batch_size=BATCH, steps_per_epoch=0, verbose=0)
     with pytest.raises(ValueError, match="cannot run keras.callbacks.BackupAndRestore.*engine.save"):
         binary.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.BackupAndRestore("/tmp/unused")])
     with pytest.raises(ValueError, match="cannot run keras.callbacks.SwapEMAWeights"):
@@ -859,6 +880,14 @@ def test_the_epoch_plan_splits_each_global_batch_into_equal_contiguous_parts():
     assert [plan.part(None, 0, r) for r in range(2)] == [slice(0, 2), slice(2, 4)]
     assert [plan.part(None, 2, r) for r in range(2)] == [slice(8, 9), slice(9, 10)]
     assert EpochPlan(num_samples=9, batch_size=4, replicas=2).steps == 2  # a last row alone is left out
+    window, walked = EpochPlan(num_samples=32, batch_size=4, replicas=2, steps_per_epoch=3), []
+    for _ in range(4):  # 8 batches a pass in epochs of 3: 3, 3, 2, then a new pass
+        walked.append((window.first_batch, window.steps))
+        window, new_pass = window.following()
+        walked.append(new_pass)
+    assert walked == [(0, 3), False, (3, 3), False, (6, 2), True, (0, 3), False]
+    assert EpochPlan(num_samples=32, batch_size=4, replicas=2, steps_per_epoch=3, first_batch=6).part(None, 1, 1) \
+        == slice(30, 32)
     shuffled = EpochPlan(num_samples=10, batch_size=4, replicas=2, shuffle=True, seed=3)
     rows = np.concatenate([shuffled.part(shuffled.order(1), s, r) for s in range(3) for r in range(2)])
     assert sorted(rows) == list(range(10))

@@ -3,14 +3,19 @@
 ``EpochPlan`` says which rows of the arrays make replica r's part of step i
 of an epoch, the same on the driver (which counts the steps) and on every
 replica (which reads its part). Global batch i is rows ``[i*B, (i+1)*B)``
-of the epoch's order (the rows as they are, or a permutation drawn from
-the plan's seed and the epoch when shuffling), each of the R replicas
+of the pass's order (the rows as they are, or a permutation drawn from
+the plan's seed and the pass when shuffling), each of the R replicas
 taking an equal contiguous part of it, in replica order (worker, then
 device). A last batch smaller than B is cut to a multiple of R (at most
 R - 1 rows of an epoch left out), so every part of a step has the same size
 and the mean of the replicas' gradients is the global batch's. An epoch
 the driver read from input only it can read (``keras_reader``) keeps that
 input's batches instead (``edges``), each cut to a multiple of R.
+
+An epoch is a pass over the arrays, or with ``steps_per_epoch`` a window
+of one, as in ``keras.Model.fit``: the next epoch goes on where the last
+one stopped, an epoch that reaches the pass's end stops there (fewer
+steps), and the epoch after it begins a new pass (``EpochPlan.following``).
 
 ``ArrayFeed`` is a replica's ``Feed``: the arrays (read once from the
 object store, zero-copy) and the plan, positioned at an epoch's start
@@ -47,6 +52,7 @@ class EpochPlan:
     seed: int = 0
     steps_per_epoch: int | None = None
     edges: tuple[int, ...] | None = None  # global batch k is rows [edges[k], edges[k+1]), if given (batch_size unused)
+    first_batch: int = 0  # the epoch's first global batch in its pass (a window of it, with steps_per_epoch)
 
     def __post_init__(self):
         if self.edges is not None:
@@ -64,9 +70,9 @@ class EpochPlan:
         if self.num_samples < self.replicas:
             raise ValueError(f"the data has {self.num_samples} samples, fewer than the engine's {self.replicas} "
                              "replicas: each needs at least one")
-        if self.steps_per_epoch is not None and not 1 <= self.steps_per_epoch <= self.batches:
-            raise ValueError(f"steps_per_epoch={self.steps_per_epoch!r}: the data has {self.batches} batches of "
-                             f"{self.batch_size}; give at most that many")
+        if self.steps_per_epoch is not None and not (isinstance(self.steps_per_epoch, int)
+                                                      and self.steps_per_epoch >= 1):
+            raise ValueError(f"steps_per_epoch must be a positive int, got {self.steps_per_epoch!r}")
 
     @property
     def batches(self) -> int:
@@ -83,16 +89,26 @@ class EpochPlan:
 
     @property
     def steps(self) -> int:
-        return self.steps_per_epoch or self.batches
+        """The epoch's steps: ``steps_per_epoch``, or fewer where the pass ends."""
+        return min(self.steps_per_epoch or self.batches, self.batches - self.first_batch)
 
-    def order(self, epoch: int) -> np.ndarray | None:
-        """The epoch's order of the rows: a permutation drawn from the seed and the epoch, or None (as they are)."""
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle else None
+    def following(self) -> tuple[EpochPlan, bool]:
+        """The next epoch's plan, and whether it begins a new pass (as ``keras.Model.fit`` goes on across epochs
+        with ``steps_per_epoch``)."""
+        first = self.first_batch + self.steps
+        if first < self.batches:
+            return dataclasses.replace(self, first_batch=first), False
+        return dataclasses.replace(self, first_batch=0), True
+
+    def order(self, pass_number: int) -> np.ndarray | None:
+        """A pass's order of the rows: a permutation drawn from the seed and the pass, or None (as they are)."""
+        return np.random.default_rng([self.seed, pass_number]).permutation(self.num_samples) if self.shuffle else None
 
     def part(self, order: np.ndarray | None, step: int, replica: int) -> slice | np.ndarray:
-        """The rows of ``replica``'s part of step ``step`` of an epoch in ``order`` (``order(epoch)``'s): a
-        slice, or indices (sorted) when shuffling."""
-        start = self.edges[self.kept[step]] if self.edges is not None else step * self.batch_size
+        """The rows of ``replica``'s part of step ``step`` of the epoch, in its pass's ``order`` (``order(pass)``'s):
+        a slice, or indices (sorted) when shuffling."""
+        batch = self.first_batch + step
+        start = self.edges[self.kept[batch]] if self.edges is not None else batch * self.batch_size
         size = self._size(step)
         first = start + replica * size
         if order is None:
@@ -101,10 +117,11 @@ class EpochPlan:
 
     def _size(self, step: int) -> int:
         """A replica's part of step ``step``: its global batch's rows over the replicas, rounded down."""
+        batch = self.first_batch + step
         if self.edges is not None:
-            k = self.kept[step]
+            k = self.kept[batch]
             return (self.edges[k + 1] - self.edges[k]) // self.replicas
-        start = step * self.batch_size
+        start = batch * self.batch_size
         return (min(start + self.batch_size, self.num_samples) - start) // self.replicas
 
 
@@ -126,12 +143,13 @@ class EpochStart(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ArraysStart:
-    """An epoch of arrays: the arrays (an object-store reference), the plan, the epoch, and the engine's step
-    count as it began (so a step count says which of the epoch's steps comes next)."""
+    """An epoch of arrays: the arrays (an object-store reference), the plan, the pass over the arrays it is part
+    of (its order's key when shuffling), and the engine's step count as it began (so a step count says which of
+    the epoch's steps comes next)."""
 
     arrays_ref: Any
     plan: EpochPlan
-    epoch: int
+    pass_number: int
     first_step: int
 
     def feed(self, current: Feed | None, worker_index: int, device_index: int, devices: int) -> Feed:
@@ -156,24 +174,28 @@ class ArrayFeed:
 
             self._arrays = ray.get(start.arrays_ref, timeout=600)  # zero-copy on the node; put by the driver
             self._ref = start.arrays_ref
-        self.start, self.replica = start, replica
-        self.epoch, self.step, self._order = start.epoch, 0, start.plan.order(start.epoch)
+        self.start, self.replica, self._pass = start, replica, None
+        self._at(start.plan, start.pass_number, 0)
 
     def seek(self, applied_steps: int) -> bool:
-        epochs, step = divmod(applied_steps - self.start.first_step, self.start.plan.steps)
-        self._move(self.start.epoch + epochs, step)
+        plan, pass_number, step = self.start.plan, self.start.pass_number, applied_steps - self.start.first_step
+        while step >= plan.steps:  # past the epoch: the epochs that follow it, as fit would plan them
+            step -= plan.steps
+            plan, new_pass = plan.following()
+            pass_number += new_pass
+        self._at(plan, pass_number, step)
         return True
 
-    def _move(self, epoch: int, step: int) -> None:
-        if epoch != self.epoch:
-            self._order = self.start.plan.order(epoch)
-        self.epoch, self.step = epoch, step
+    def _at(self, plan: EpochPlan, pass_number: int, step: int) -> None:
+        if pass_number != self._pass:
+            self._order = plan.order(pass_number)
+        self._plan, self._pass, self.step = plan, pass_number, step
 
     def next(self) -> tuple:
-        plan = self.start.plan
-        if self.step == plan.steps:
-            self._move(self.epoch + 1, 0)
-        rows = plan.part(self._order, self.step, self.replica)
+        if self.step == self._plan.steps:
+            plan, new_pass = self._plan.following()
+            self._at(plan, self._pass + new_pass, 0)
+        rows = self._plan.part(self._order, self.step, self.replica)
         self.step += 1
         return take(self._arrays, rows)
 

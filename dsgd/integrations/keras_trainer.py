@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -245,7 +246,7 @@ class KerasTrainer:
             (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
         steps, epoch_start = self._training_input(x, y, batch_size or 32, shuffle, class_weight, sample_weight,
-                                                  steps_per_epoch, columns)
+                                                  steps_per_epoch, initial_epoch, columns)
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                      verbose=verbose, epochs=epochs, steps=steps,
@@ -322,7 +323,7 @@ class KerasTrainer:
         return self.model.history
 
     def _training_input(self, x: Any, y: Any, batch_size: int, shuffle: bool, class_weight: dict | None,
-                        sample_weight: Any, steps_per_epoch: int | None,
+                        sample_weight: Any, steps_per_epoch: int | None, initial_epoch: int,
                         columns: Columns | None) -> tuple[int, Callable[[int], EpochStart]]:
         """The engine started for ``fit``'s input; the steps of an epoch, and where each epoch's input is."""
         if self._engine is not None and (self._dataset is not None or columns is not None) and x is not self._dataset:
@@ -342,14 +343,29 @@ class KerasTrainer:
             return steps_per_epoch, lambda epoch: start
         if keras_reader.is_driver_input(x):
             return self._driver_input(x, class_weight, shuffle, steps_per_epoch)
-        arrays = _arrays(x, y, sample_weight, class_weight)
+        return self._arrays_input(_arrays(x, y, sample_weight, class_weight), batch_size, shuffle, steps_per_epoch,
+                                  initial_epoch)
+
+    def _arrays_input(self, arrays: Any, batch_size: int, shuffle: bool, steps_per_epoch: int | None,
+                      initial_epoch: int) -> tuple[int, Callable[[int], ArraysStart]]:
+        """``fit``'s arrays, put in the object store once: an epoch is a pass over them, or ``steps_per_epoch``
+        steps of one, the next epoch going on where it stopped (``EpochPlan.following``), as in Keras."""
         ref = _put(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
         plan = EpochPlan(num_rows(arrays), batch_size, self.replicas, shuffle, int(np.random.randint(2 ** 31)),
                          steps_per_epoch)
+        if steps_per_epoch is not None and plan.batches % steps_per_epoch:
+            warnings.warn(f"steps_per_epoch={steps_per_epoch} does not divide the {plan.batches} batches of "
+                          f"{batch_size} a pass over the data makes: as in keras.Model.fit, each epoch goes on where "
+                          "the last one stopped, one that reaches the end of the data stops there, with fewer "
+                          "steps, and the next begins a new pass", stacklevel=4)
 
         def epoch_start(epoch: int) -> ArraysStart:  # the engine may have been resized since the last epoch
-            return ArraysStart(ref, dataclasses.replace(plan, replicas=self.replicas), epoch, self.engine.num_steps)
+            epoch_plan, pass_number = dataclasses.replace(plan, replicas=self.replicas), 0
+            for _ in range(epoch - initial_epoch):
+                epoch_plan, new_pass = epoch_plan.following()
+                pass_number += new_pass
+            return ArraysStart(ref, epoch_plan, pass_number, self.engine.num_steps)
         return plan.steps, epoch_start
 
     def _driver_input(self, x: Any, class_weight: dict | None, shuffle: bool,
