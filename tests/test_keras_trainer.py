@@ -470,6 +470,27 @@ def test_keras_callbacks_set_to_act_at_epochs_do_not_make_fit_read_every_batch(t
     assert _act_at_batches(at_epochs + at_batches[:1], keras)
 
 
+def test_a_csv_logger_reads_only_the_logs_so_the_epochs_end_need_not_stop_the_steps(fresh, tmp_path):
+    """Keras's History, progress bar and CSVLogger read only the logs: with them alone nothing reads
+    trainer.model during fit, so each epoch's end is queued behind its last step; the CSV holds one-process
+    fit's logs."""
+    from dsgd.integrations.keras_trainer import _model_callbacks
+
+    csv_path = tmp_path / "log.csv"
+    logger, checkpoint = keras.callbacks.CSVLogger(str(csv_path)), keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "m.keras"))
+    listed = keras.callbacks.CallbackList([logger, checkpoint], add_history=True, add_progbar=True, model=fresh.model)
+    assert _model_callbacks(listed, keras) == [checkpoint]
+    x, y = km.binary_data()
+    expected = km.build_binary().fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    fresh.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.CSVLogger(str(csv_path))])
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    for name, values in expected.history.items():
+        assert [float(r[name]) for r in rows] == pytest.approx(values, rel=1e-5), name
+
+
 class EpochWeights(keras.callbacks.Callback):
     """Records the weights trainer.model holds at each epoch's end (and nothing at batches)."""
 

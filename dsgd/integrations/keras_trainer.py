@@ -252,7 +252,7 @@ class KerasTrainer:
                                                      verbose=verbose, epochs=epochs, steps=steps,
                                                      model=self.model)
         _refuse_callbacks(callback_list, keras)
-        # Keras's History and progress bar read only the logs: without another callback nothing reads
+        # Keras's History, progress bar and CSVLogger read only the logs: without another callback nothing reads
         # trainer.model, or changes it, until fit ends, so the weights come to it once, at the end.
         model_callbacks = _model_callbacks(callback_list, keras)
         batch_callbacks = _act_at_batches(model_callbacks, keras)
@@ -717,10 +717,10 @@ def _refuse_callbacks(callback_list: Any, keras: Any) -> None:
 
 
 def _model_callbacks(callback_list: Any, keras: Any) -> list:
-    """The callbacks other than Keras's History and progress bar (which read only the logs): those that may read
-    or change ``trainer.model``."""
-    own = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
-    return [cb for cb in callback_list.callbacks if not isinstance(cb, own)]
+    """The callbacks other than Keras's History, progress bar and CSVLogger (which read only the logs, and
+    ``stop_training``): those that may read or change ``trainer.model``."""
+    logs_only = (keras.callbacks.History, keras.callbacks.ProgbarLogger, keras.callbacks.CSVLogger)
+    return [cb for cb in callback_list.callbacks if not isinstance(cb, logs_only)]
 
 
 def _act_at_batches(callbacks: list, keras: Any) -> bool:
