@@ -774,6 +774,17 @@ def test_two_outputs_fit_validate_and_evaluate_with_each_outputs_loss_and_metric
                           reference.evaluate(*test, batch_size=len(x_val), verbose=0, return_dict=True))
 
 
+def test_an_error_a_worker_raises_in_a_step_names_the_worker_and_the_error_and_fit_can_go_on(classes):
+    """Labels outside the model's classes: TensorFlow's error on the worker, led by which worker raised what
+    (its traceback, which ends with why, follows); a fit with good labels then trains."""
+    x, y = km.classes_data()
+    with pytest.raises(dsgd.DSGDError, match=r"^failed while waiting for [^:]*step \d+: worker \d \(pid \d+ on "
+                                             r"node \w+\) raised InvalidArgumentError:(.|\n)*outside the valid range"):
+        classes.fit(x, y + km.CLASSES, batch_size=BATCH, epochs=1, verbose=0)
+    history = classes.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
 def test_ema_weights_are_finalized_at_the_end_of_fit_as_keras_does(ray_session):
     x, y = km.binary_data(samples=128)
     target = x @ np.linspace(-1, 1, km.FEATURES).astype(np.float32)

@@ -143,7 +143,7 @@ class Calls:
         pending, failed = list(refs), []
         start = time.monotonic()
         deadline, next_report = start + timeout, start + PROGRESS_AFTER_S
-        values = {}
+        values, raising = {}, None
         try:
             with peer_errors(f"timed out after {timeout:.0f}s waiting for {what}; {hint}",
                              lambda fault: ActorFailure(f"{self._describe(fault)} while waiting for {what}: {fault}"),
@@ -156,6 +156,7 @@ class Calls:
                             values[ready[0]] = ray.get(ready[0], timeout=timeout)  # ready: at once
                         except ray.exceptions.RayError as e:
                             if _fault_of(e) is None or len(failed) >= spare_failures:
+                                raising = ready[0]
                                 raise
                             failed.append(ready[0])
                             if on_failure is not None:
@@ -168,7 +169,7 @@ class Calls:
         except ray.exceptions.RayError as e:  # not a dead actor: an actor's own error
             if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, DSGDError):
                 raise e.cause.with_traceback(None) from None
-            raise DSGDError(f"failed while waiting for {what}:\n{e}") from e
+            raise DSGDError(f"failed while waiting for {what}: {self._raised(e, raising)}:\n{e}") from e
         return values, pending + failed
 
     def _log_progress(self, what: str, done: int, pending: list, waited_s: float) -> None:
@@ -191,6 +192,14 @@ class Calls:
         identities = self.call_startup([a.identity.remote() for a in actors], what)
         self._identities.update((i.actor_id, i) for i in identities)
         return identities
+
+    def _raised(self, error: ray.exceptions.RayError, ref: Any) -> str:
+        """'worker 1 (pid 4242 on node 3fa2c1e0) raised InvalidArgumentError': who raised an actor's own error (the
+        call ``ref``'s actor), and what, ahead of its traceback (whose end says why)."""
+        identity = None if ref is None else self._identities.get(ref.task_id().actor_id().hex())
+        who = f"{identity} ({identity.where})" if identity else "an actor"
+        cause = getattr(error, "cause", None)
+        return f"{who} raised {type(cause).__name__ if cause is not None else type(error).__name__}"
 
     def _describe(self, error: BaseException) -> str:
         """'worker 1 (pid 4242 on node 3fa2c1e0) failed', for the actor behind an error."""
