@@ -441,7 +441,12 @@ class DistributedSGD:
         """
         self._ledger.check_open()
         signature = self._cluster.signature
-        state = checkpoint.load(path, {"weights": signature.weights, "optimizer": signature.optimizer})
+        self._restore_state(checkpoint.load(path, {"weights": signature.weights, "optimizer": signature.optimizer}))
+
+    def _restore_state(self, state: dict) -> None:
+        """``state`` (``get_state()``'s: weights and optimizer state by name, and the step count) onto every
+        replica."""
+        self._ledger.check_open()
         self._ledger.restore(state)
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import os
 import time
 import types
 import warnings
@@ -695,8 +696,6 @@ def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_
         binary.fit(x, y[:10], batch_size=BATCH, verbose=0)
     with pytest.raises(ValueError, match="steps_per_epoch must be a positive int, got 0"):
         binary.fit(x, y, batch_size=BATCH, steps_per_epoch=0, verbose=0)
-    with pytest.raises(ValueError, match="cannot run keras.callbacks.BackupAndRestore.*engine.save"):
-        binary.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.BackupAndRestore("/tmp/unused")])
     with pytest.raises(ValueError, match="cannot run keras.callbacks.SwapEMAWeights"):
         binary.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
 
@@ -772,6 +771,57 @@ def test_two_outputs_fit_validate_and_evaluate_with_each_outputs_loss_and_metric
                           reference.evaluate(*test, batch_size=50, verbose=0, return_dict=True))
         assert_logs_equal(trainer.evaluate(*test, batch_size=BATCH, verbose=0, return_dict=True),
                           reference.evaluate(*test, batch_size=len(x_val), verbose=0, return_dict=True))
+
+
+def test_a_model_a_callback_saves_holds_the_engines_optimizer_state_and_state_set_on_it_reaches_the_replicas(
+        classes, tmp_path):
+    """ModelCheckpoint's .keras file holds Adam's state as the replicas have it (one-process fit's), not the
+    driver's optimizer's, which never steps; Adam's state set on trainer.model (here: a fresh one, after the
+    tests before trained) reaches every replica before the next step."""
+    start = km.build_classes()
+    start.optimizer.build(start.trainable_variables)
+    classes.model.set_weights(start.get_weights())
+    for variable, value in zip(classes.model.optimizer.variables, start.optimizer.variables):
+        variable.assign(value)
+    x, y = km.classes_data()
+    reference = km.build_classes()
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    path = str(tmp_path / "last.keras")
+    classes.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.ModelCheckpoint(path)])
+    saved = keras.models.load_model(path)
+    assert int(saved.optimizer.iterations) == 2 * (len(x) // BATCH)
+    assert_weights_equal([v.numpy() for v in saved.optimizer.variables],
+                         [v.numpy() for v in reference.optimizer.variables])
+    assert_weights_equal(saved.get_weights(), reference.get_weights())
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_with_the_weights_and_optimizer_state_it_saved(ray_session,
+                                                                                                      tmp_path):
+    """keras.callbacks.BackupAndRestore as Keras documents it: a fit interrupted as its third epoch begins, then
+    the program run again (a new trainer, from build()'s weights and a fresh Adam) resumes at the third epoch with
+    the weights and Adam's state saved after the second: the weights equal one uninterrupted one-process fit."""
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("interrupted")
+
+    x, y = km.classes_data()
+    backup = str(tmp_path / "backup")
+    reference = km.build_classes()
+    reference.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    with dsgd.KerasTrainer(km.build_classes, num_workers=2) as trainer:
+        with pytest.raises(RuntimeError, match="interrupted"):
+            trainer.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+    with dsgd.KerasTrainer(km.build_classes, num_workers=2) as restarted:
+        history = restarted.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                                callbacks=[keras.callbacks.BackupAndRestore(backup)])
+        assert len(history.history["loss"]) == 2  # the third and fourth epochs
+        assert_weights_equal(restarted.model.get_weights(), reference.get_weights())
+        assert_weights_equal(list(restarted.engine.get_weights().values()), reference.get_weights())
+        assert int(restarted.model.optimizer.iterations) == int(reference.optimizer.iterations)
+    assert not os.path.exists(backup)  # deleted as the fit ended, as Keras does
 
 
 def test_an_error_a_worker_raises_in_a_step_names_the_worker_and_the_error_and_fit_can_go_on(classes):

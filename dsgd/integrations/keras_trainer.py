@@ -167,8 +167,9 @@ class KerasTrainer:
         self._reading: keras_reader.DriverEpochs | None = None  # fit's input read on the driver, during a fit
         self._creator: ReplicaCreator | None = None
         self._names: list[str] = []  # the engine's weight names, model.weights order
+        self._optimizer_names: list[str] = []  # the engine's optimizer variable names, optimizer.variables order
         self._synced: list[np.ndarray] = []  # the weights trainer.model and the engine last agreed on
-        self._learning_rate: float | None = None  # the learning rate the replicas last got
+        self._synced_optimizer: list[np.ndarray] = []  # and its optimizer's variables
 
     @property
     def engine(self) -> Any:
@@ -246,7 +247,7 @@ class KerasTrainer:
             (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
         steps, epoch_start = self._training_input(x, y, batch_size or 32, shuffle, class_weight, sample_weight,
-                                                  steps_per_epoch, initial_epoch, columns)
+                                                  steps_per_epoch, columns)
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                      verbose=verbose, epochs=epochs, steps=steps,
@@ -261,6 +262,7 @@ class KerasTrainer:
             label_columns, feature_columns)  # prepared once, evaluated at the epochs validation_freq names
         self.model.stop_training = False
         callback_list.on_train_begin()
+        initial_epoch = self.model._initial_epoch or initial_epoch  # as Keras: BackupAndRestore's resumed epoch
         try:
             epoch_logs: dict = {}
             positioned = None  # (the epoch start the workers are at, the step count then), if fit put them there
@@ -289,7 +291,7 @@ class KerasTrainer:
                     if batch_callbacks or (verbose == 1 and time.monotonic() - fetched >= PROGRESS_INTERVAL_S):
                         logs, fetched = self._logs(), time.monotonic()
                     if batch_callbacks:
-                        self._pull_weights()
+                        self._pull_state()
                     callback_list.on_train_batch_end(step, logs)
                     if self.model.stop_training:
                         break
@@ -317,21 +319,21 @@ class KerasTrainer:
             self._stop_reading()
         if getattr(self.model.optimizer, "use_ema", False):
             self.engine.foreach_model(_finalize_ema)
-            self._pull_weights()
+            self._pull_state()
         callback_list.on_train_end(logs=epoch_logs)
         self._push_changes()  # e.g. EarlyStopping's restore_best_weights, at the end of training
         return self.model.history
 
     def _training_input(self, x: Any, y: Any, batch_size: int, shuffle: bool, class_weight: dict | None,
-                        sample_weight: Any, steps_per_epoch: int | None, initial_epoch: int,
+                        sample_weight: Any, steps_per_epoch: int | None,
                         columns: Columns | None) -> tuple[int, Callable[[int], EpochStart]]:
         """The engine started for ``fit``'s input; the steps of an epoch, and where each epoch's input is."""
         if self._engine is not None and (self._dataset is not None or columns is not None) and x is not self._dataset:
             reads = ("reads the Ray Dataset the fit that started it gave (as its datasets=): fit again with that "
                      "dataset" if self._dataset is not None else "was started for other input than a Ray Dataset")
             raise ValueError(f"this trainer's engine {reads}; to train on other input, call trainer.shutdown() "
-                             "first: the next fit starts an engine for it, from trainer.model's weights (the "
-                             "optimizer's state starts anew)")
+                             "first: the next fit starts an engine for it, from trainer.model's weights and "
+                             "optimizer state")
         if columns is not None:
             return self._ray_data_input(x, batch_size, steps_per_epoch, columns)
         if callable(x):
@@ -343,13 +345,13 @@ class KerasTrainer:
             return steps_per_epoch, lambda epoch: start
         if keras_reader.is_driver_input(x):
             return self._driver_input(x, class_weight, shuffle, steps_per_epoch)
-        return self._arrays_input(_arrays(x, y, sample_weight, class_weight), batch_size, shuffle, steps_per_epoch,
-                                  initial_epoch)
+        return self._arrays_input(_arrays(x, y, sample_weight, class_weight), batch_size, shuffle, steps_per_epoch)
 
-    def _arrays_input(self, arrays: Any, batch_size: int, shuffle: bool, steps_per_epoch: int | None,
-                      initial_epoch: int) -> tuple[int, Callable[[int], ArraysStart]]:
+    def _arrays_input(self, arrays: Any, batch_size: int, shuffle: bool,
+                      steps_per_epoch: int | None) -> tuple[int, Callable[[int], ArraysStart]]:
         """``fit``'s arrays, put in the object store once: an epoch is a pass over them, or ``steps_per_epoch``
-        steps of one, the next epoch going on where it stopped (``EpochPlan.following``), as in Keras."""
+        steps of one, the next epoch going on where it stopped (``EpochPlan.following``), as in Keras; the fit's
+        first epoch (the first asked for) begins a pass."""
         ref = _put(arrays)
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(num_rows(arrays), 1, 1), 0, 0))
         plan = EpochPlan(num_rows(arrays), batch_size, self.replicas, shuffle, int(np.random.randint(2 ** 31)),
@@ -360,9 +362,12 @@ class KerasTrainer:
                           "the last one stopped, one that reaches the end of the data stops there, with fewer "
                           "steps, and the next begins a new pass", stacklevel=4)
 
+        first: list[int] = []  # the fit's first epoch, once asked for
+
         def epoch_start(epoch: int) -> ArraysStart:  # the engine may have been resized since the last epoch
+            first[:] = first or [epoch]
             epoch_plan, pass_number = dataclasses.replace(plan, replicas=self.replicas), 0
-            for _ in range(epoch - initial_epoch):
+            for _ in range(epoch - first[0]):
                 epoch_plan, new_pass = epoch_plan.following()
                 pass_number += new_pass
             return ArraysStart(ref, epoch_plan, pass_number, self.engine.num_steps)
@@ -506,7 +511,7 @@ class KerasTrainer:
                     f"this fit's batches (x, y, sample_weight) are {_batch_specs(first)}, but the engine's step was "
                     f"built for {self._batches}, the batches of the call that started it: give arrays of those "
                     "shapes and dtypes, or call trainer.shutdown() first (the next fit starts an engine for its "
-                    "input, from trainer.model's weights; the optimizer's state starts anew)")
+                    "input, from trainer.model's weights and optimizer state)")
             return
         self._batches = _batch_specs(first)
         from dsgd.distributed_sgd import DistributedSGD, _init_ray_if_needed
@@ -515,8 +520,10 @@ class KerasTrainer:
         _init_ray_if_needed()
         self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
         self._engine = DistributedSGD(self._creator, **self._options, datasets=datasets)
-        self._names = list(self._engine.get_weights())
-        self._synced = []  # the engine starts from trainer.model's weights: pushed by the next _push_changes
+        names = self._engine._on_worker_0("get_state", what="worker 0's weights and optimizer state")
+        self._names, self._optimizer_names = list(names["weights"]), list(names["optimizer"])  # in their order
+        # The engine starts from trainer.model's weights and optimizer state: pushed by the next _push_changes.
+        self._synced, self._synced_optimizer = [], []
 
     def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None, pull: bool) -> dict:
         """One call on the workers, after the epoch's last step, ends epoch ``epoch`` (begun at the engine's step
@@ -529,7 +536,7 @@ class KerasTrainer:
                                         what="the epoch's end")
         self._creator.start, self._creator.following = following or self._creator.start, None
         if pull:
-            self._set_pulled(ended[0].weights)
+            self._set_pulled(ended[0].state)
         return self._epoch_logs(epoch, begun, ended)
 
     def _end_ahead(self, epoch: int, begun: tuple[int, int], following: EpochStart) -> dict:
@@ -569,27 +576,42 @@ class KerasTrainer:
         """Keras's results of the metrics whose state the replicas give (``states``, one a replica), reduced once."""
         return metric_states.results(self.model, MetricState.reduce(states).state)
 
-    def _pull_weights(self) -> None:
-        """The engine's weights onto ``trainer.model``."""
-        self._set_pulled(self.engine.get_weights())
+    def _pull_state(self) -> None:
+        """The engine's weights and optimizer state onto ``trainer.model``."""
+        self._set_pulled(self.engine._on_worker_0("get_state", what="worker 0's weights and optimizer state"))
 
-    def _set_pulled(self, weights: dict[str, np.ndarray]) -> None:
-        """``weights``, the engine's (by name, ``model.weights`` order), onto ``trainer.model``."""
-        weights = list(weights.values())
+    def _set_pulled(self, state: dict) -> None:
+        """``state``, a replica's (``get_state()``: weights and optimizer variables by name, in the model's and
+        the optimizer's order), onto ``trainer.model``: what a callback saving it (``ModelCheckpoint``,
+        ``BackupAndRestore``) writes."""
+        weights, optimizer = list(state["weights"].values()), list(state["optimizer"].values())
         self.model.set_weights(weights)
-        self._synced = weights
+        for variable, value in zip(self._optimizer_variables(len(optimizer)), optimizer):
+            variable.assign(value)
+        self._synced, self._synced_optimizer = weights, optimizer
+
+    def _optimizer_variables(self, expected: int) -> list:
+        """``trainer.model``'s optimizer's variables (built if it was not), as many as the replicas' (``expected``)."""
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        variables = list(optimizer.variables)
+        if len(variables) != expected:
+            raise ValueError(f"the replicas' optimizer has {expected} variables, trainer.model's {len(variables)}: "
+                             "build() must compile the same optimizer every time it is called")
+        return variables
 
     def _push_changes(self) -> None:
-        """Weights or a learning rate set on ``trainer.model`` since the engine and it last agreed: onto every
-        replica."""
+        """Weights or optimizer variables set on ``trainer.model`` since the engine and it last agreed
+        (``load_weights``, a learning rate or weights a callback sets, ``BackupAndRestore``'s restored state): onto
+        every replica."""
         weights = self.model.get_weights()
-        if len(weights) != len(self._synced) or any(not np.array_equal(a, b) for a, b in zip(weights, self._synced)):
-            self.engine.set_weights(dict(zip(self._names, weights)))
-            self._synced = weights
-        learning_rate = _learning_rate(self.model.optimizer)
-        if learning_rate is not None and learning_rate != self._learning_rate:
-            self.engine.foreach_model(functools.partial(_set_learning_rate, learning_rate))
-            self._learning_rate = learning_rate
+        optimizer = [np.asarray(v.numpy()) for v in self._optimizer_variables(len(self._optimizer_names))]
+        changed = {"weights": _changed(self._names, weights, self._synced),
+                   "optimizer": _changed(self._optimizer_names, optimizer, self._synced_optimizer)}
+        if changed["weights"] or changed["optimizer"]:
+            self.engine._restore_state({**changed, "applied_steps": self.engine.num_steps})
+            self._synced, self._synced_optimizer = weights, optimizer
 
 
 # ---- what runs on the workers (foreach_worker / foreach_model) -------------------------------------------------
@@ -605,15 +627,15 @@ class EpochEnd:
     """What a worker reports at an epoch's end."""
 
     states: list[MetricState]  # its replicas' metric states, device order
-    weights: dict | None  # worker 0's weights, if asked for (None from the others)
+    state: dict | None  # worker 0's weights and optimizer state (get_state()), if asked for (None from the others)
     joined_at: int | None  # the step at which it joined the epoch, if it was built during it (TrainerReplica.joined)
 
 
-def _end_epoch(step: int, following: EpochStart | None, weights: bool, worker: Any) -> EpochEnd:
+def _end_epoch(step: int, following: EpochStart | None, pull: bool, worker: Any) -> EpochEnd:
     """An epoch's end on ``worker``, after its last step (step ``step`` comes next): what it reports (worker 0's
-    weights too if ``weights``); every replica begins ``following``, if another epoch follows, as step ``step``
-    begins. Made again before that step, it reports the same."""
-    ended = EpochEnd(_metric_states(worker), worker.get_weights() if weights and worker.worker_index == 0 else None,
+    weights and optimizer state too if ``pull``); every replica begins ``following``, if another epoch follows,
+    as step ``step`` begins. Made again before that step, it reports the same."""
+    ended = EpochEnd(_metric_states(worker), worker.get_state() if pull and worker.worker_index == 0 else None,
                      worker.models[0].joined(step))
     if following is not None:
         for device, replica in enumerate(worker.models):
@@ -634,10 +656,6 @@ def _metric_states(worker: Any) -> list[MetricState]:
 
 def _finalize_ema(replica: TrainerReplica) -> None:
     replica.optimizer.finalize_variable_values(replica.model.trainable_weights)
-
-
-def _set_learning_rate(learning_rate: float, replica: TrainerReplica) -> None:
-    replica.optimizer.learning_rate = learning_rate
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -703,17 +721,13 @@ def _put(value: Any) -> Any:
 
 
 def _refuse_callbacks(callback_list: Any, keras: Any) -> None:
-    """Refuse, by name, Keras's callbacks that need the optimizer's state on the driver, which only the replicas
-    hold (the driver's model gets their weights, not their optimizer's variables)."""
-    instead = {keras.callbacks.BackupAndRestore: "trainer.engine.save(path) and restore(path) (weights and "
-                                                 "optimizer state), or dsgd.tune.trainable's checkpoints",
-               keras.callbacks.SwapEMAWeights: "use_ema's averages are finalized at the end of fit"}
+    """Refuse, by name, Keras's ``SwapEMAWeights``, which swaps the driver's weights with the optimizer's moving
+    averages around an evaluation that runs on the replicas."""
     for callback in callback_list.callbacks:
-        for kind, advice in instead.items():
-            if isinstance(callback, kind):
-                raise ValueError(f"KerasTrainer.fit cannot run keras.callbacks.{kind.__name__}: it reads or writes "
-                                 "the optimizer's state on the driver's model, whose optimizer never steps (the "
-                                 f"replicas' do); instead: {advice}")
+        if isinstance(callback, keras.callbacks.SwapEMAWeights):
+            raise ValueError("KerasTrainer.fit cannot run keras.callbacks.SwapEMAWeights: it swaps trainer.model's "
+                             "weights with the optimizer's moving averages around evaluations, which run on the "
+                             "replicas; instead: use_ema's averages are finalized at the end of fit")
 
 
 def _model_callbacks(callback_list: Any, keras: Any) -> list:
@@ -742,8 +756,8 @@ def _act_at_batches(callbacks: list, keras: Any) -> bool:
     return any(acts(cb) for cb in callbacks)
 
 
-def _learning_rate(optimizer: Any) -> float | None:
-    """The optimizer's learning rate if it is a value (not a schedule, which every replica computes itself)."""
-    if isinstance(getattr(optimizer, "_learning_rate", None), import_keras().optimizers.schedules.LearningRateSchedule):
-        return None
-    return float(np.asarray(optimizer.learning_rate))
+def _changed(names: list[str], values: list[np.ndarray], synced: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The ``values`` (by name) that differ from ``synced``, the values last agreed on (all, if none were)."""
+    if len(synced) != len(values):
+        return dict(zip(names, values))
+    return {name: value for name, value, old in zip(names, values, synced) if not np.array_equal(value, old)}
