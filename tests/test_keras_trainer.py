@@ -796,6 +796,36 @@ def test_a_model_a_callback_saves_holds_the_engines_optimizer_state_and_state_se
     assert_weights_equal(saved.get_weights(), reference.get_weights())
 
 
+def test_a_checkpoint_restored_onto_the_engine_as_training_begins_keeps_its_optimizer_state(classes, tmp_path):
+    """What dsgd.tune's trials do when resumed: a new engine, restored from engine.save's checkpoint in
+    on_train_begin (trainer.model given its weights, its optimizer left fresh): Adam's moments and step count come
+    from the checkpoint, not from trainer.model's fresh optimizer, so one epoch more equals two in one process."""
+    def reset_to_build() -> None:
+        start = km.build_classes()
+        start.optimizer.build(start.trainable_variables)
+        classes.model.set_weights(start.get_weights())
+        for variable, value in zip(classes.model.optimizer.variables, start.optimizer.variables):
+            variable.assign(value)
+
+    class RestoreAsTuneDoes(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            classes.engine.restore(str(checkpoint))
+            self.model.set_weights(list(classes.engine.get_weights().values()))
+
+    x, y = km.classes_data()
+    checkpoint = tmp_path / "checkpoint.npz"
+    reset_to_build()
+    classes.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    classes.engine.save(str(checkpoint))
+    classes.shutdown()
+    reset_to_build()  # a new trial's trainer.model: build()'s weights, a fresh Adam
+    classes.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[RestoreAsTuneDoes()])
+    reference = km.build_classes()
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_equal(classes.model.get_weights(), reference.get_weights())
+    assert int(classes.model.optimizer.iterations) == int(reference.optimizer.iterations)
+
+
 def test_backup_and_restore_resumes_an_interrupted_fit_with_the_weights_and_optimizer_state_it_saved(ray_session,
                                                                                                       tmp_path):
     """keras.callbacks.BackupAndRestore as Keras documents it: a fit interrupted as its third epoch begins, then

@@ -520,10 +520,12 @@ class KerasTrainer:
         _init_ray_if_needed()
         self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
         self._engine = DistributedSGD(self._creator, **self._options, datasets=datasets)
-        names = self._engine._on_worker_0("get_state", what="worker 0's weights and optimizer state")
-        self._names, self._optimizer_names = list(names["weights"]), list(names["optimizer"])  # in their order
-        # The engine starts from trainer.model's weights and optimizer state: pushed by the next _push_changes.
-        self._synced, self._synced_optimizer = [], []
+        built = self._engine._on_worker_0("get_state", what="worker 0's weights and optimizer state")
+        self._names, self._optimizer_names = list(built["weights"]), list(built["optimizer"])  # in their order
+        # What the replicas built: the next _push_changes sends what trainer.model holds that differs from it (all
+        # the weights if build() is not seeded, those loaded before fit), so the engine starts from trainer.model,
+        # and state restored onto the engine meanwhile (dsgd.tune's trials) is not overwritten by the same build's.
+        self._synced, self._synced_optimizer = list(built["weights"].values()), list(built["optimizer"].values())
 
     def _finish_epoch(self, epoch: int, begun: tuple[int, int], following: EpochStart | None, pull: bool) -> dict:
         """One call on the workers, after the epoch's last step, ends epoch ``epoch`` (begun at the engine's step
