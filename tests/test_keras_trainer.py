@@ -696,8 +696,6 @@ def test_a_global_batch_the_replicas_do_not_divide_and_other_misuse_are_refused_
         binary.fit(x, y[:10], batch_size=BATCH, verbose=0)
     with pytest.raises(ValueError, match="steps_per_epoch must be a positive int, got 0"):
         binary.fit(x, y, batch_size=BATCH, steps_per_epoch=0, verbose=0)
-    with pytest.raises(ValueError, match="cannot run keras.callbacks.SwapEMAWeights"):
-        binary.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
 
 
 def test_a_trainer_on_another_keras_backend_is_refused_naming_the_variable_to_set(ray_session):
@@ -865,15 +863,29 @@ def test_an_error_a_worker_raises_in_a_step_names_the_worker_and_the_error_and_f
     assert np.isfinite(history.history["loss"][0])
 
 
-def test_ema_weights_are_finalized_at_the_end_of_fit_as_keras_does(ray_session):
+def test_ema_weights_are_finalized_at_the_end_of_fit_and_swapped_in_for_validation_as_keras_does(ray_session):
+    """use_ema: the weights after fit are the finalized averages; with SwapEMAWeights the validation, evaluate
+    and predict run on the averages (swapped onto trainer.model by the callback, then onto the replicas) and the
+    training goes on from the weights, as in one process."""
     x, y = km.binary_data(samples=128)
     target = x @ np.linspace(-1, 1, km.FEATURES).astype(np.float32)
+    validation = (x[:64], target[:64])
     reference = km.build_ema()
-    reference.fit(x, target, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, target, batch_size=32, epochs=3, shuffle=False, verbose=0, validation_data=validation,
+                             callbacks=[keras.callbacks.SwapEMAWeights()])
     with dsgd.KerasTrainer(km.build_ema, num_workers=1, devices_per_worker=1) as trainer:
-        trainer.fit(x, target, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        assert_weights_equal(trainer.model.get_weights(), reference.get_weights())
-        assert_weights_equal(list(trainer.engine.get_weights().values()), reference.get_weights())
+        history = trainer.fit(x, target, batch_size=32, epochs=3, shuffle=False, verbose=0,
+                              validation_data=validation, callbacks=[keras.callbacks.SwapEMAWeights()])
+        for name, values in expected.history.items():  # the swaps add and subtract: equal to rounding
+            assert history.history[name] == pytest.approx(values, rel=1e-4), name
+        assert_weights_equal(trainer.model.get_weights(), reference.get_weights(), rtol=1e-4, atol=1e-5)
+        assert_weights_equal(list(trainer.engine.get_weights().values()), reference.get_weights(), rtol=1e-4,
+                             atol=1e-5)
+        swapped = reference.evaluate(*validation, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
+        assert trainer.evaluate(*validation, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()]) == \
+            pytest.approx(swapped, rel=1e-4)
+        assert_weights_equal(list(trainer.engine.get_weights().values()), reference.get_weights(), rtol=1e-4,
+                             atol=1e-5)
 
 
 # ---- the Keras 3 replica's step against Keras's own train_on_batch (no Ray: a worker in this process) ----------

@@ -252,7 +252,6 @@ class KerasTrainer:
         callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                                      verbose=verbose, epochs=epochs, steps=steps,
                                                      model=self.model)
-        _refuse_callbacks(callback_list, keras)
         # Keras's History, progress bar and CSVLogger read only the logs: without another callback nothing reads
         # trainer.model, or changes it, until fit ends, so the weights come to it once, at the end.
         model_callbacks = _model_callbacks(callback_list, keras)
@@ -309,7 +308,7 @@ class KerasTrainer:
                                                     pull=bool(model_callbacks) or following is None)
                 positioned = None if following is None else (following, self.engine.num_steps)
                 if validating:
-                    val_logs = self._evaluate(validation, verbose=0, callbacks=None, return_dict=True,
+                    val_logs = self._evaluate(validation, verbose=0, callbacks=callback_list, return_dict=True,
                                               push=bool(model_callbacks))
                     epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
                 callback_list.on_epoch_end(epoch, epoch_logs)
@@ -462,21 +461,27 @@ class KerasTrainer:
         self._start(take(arrays, slice(0, 1)), ArraysStart(ref, EpochPlan(rows, 1, 1), 0, 0), training=False)
         return lambda: ArrayParts.of(ref, rows, self.replicas, batch_size)
 
-    def _evaluate(self, evaluation: Callable[[], InputSource], verbose: str | int, callbacks: list | None,
+    def _evaluate(self, evaluation: Callable[[], InputSource], verbose: str | int, callbacks: Any,
                   return_dict: bool, push: bool = True) -> Any:
-        """One evaluation of ``evaluation``'s data (``_evaluation``'s) on the workers: Keras's logs; first, unless
-        ``push`` is false (fit's validation with no callback that could have changed it), what was set on
-        ``trainer.model`` onto every replica."""
+        """One evaluation of ``evaluation``'s data (``_evaluation``'s) on the workers, between the callbacks'
+        ``on_test_begin`` and ``on_test_end`` (``callbacks``: a list, or fit's ``CallbackList`` for validation, as
+        Keras's fit passes its own): Keras's logs. Unless ``push`` is false (fit's validation with no callback that
+        could have changed it), what was set on ``trainer.model`` reaches every replica after ``on_test_begin``
+        (``SwapEMAWeights`` swaps in the averages there) and again after ``on_test_end``."""
         keras = import_keras()
+        verbose = 1 if verbose == "auto" else verbose
+        callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else \
+            keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=1,
+                                         model=self.model)
+        callback_list.on_test_begin()
         if push:
             self._push_changes()
-        verbose = 1 if verbose == "auto" else verbose
-        callback_list = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
-                                                     epochs=1, steps=1, model=self.model)
-        callback_list.on_test_begin()
+        callback_list.on_test_batch_begin(0)
         logs = self._results([self.engine._evaluate(evaluation())])
         callback_list.on_test_batch_end(0, logs)
         callback_list.on_test_end(logs)
+        if push:
+            self._push_changes()
         if return_dict:
             return logs
         return self.model._flatten_metrics_in_order(logs)
@@ -496,8 +501,13 @@ class KerasTrainer:
         batch_size = batch_size or 32
         if self._engine is None:
             return self.model.predict(x, batch_size=batch_size, verbose=0, callbacks=callbacks)
+        callback_list = import_keras().callbacks.CallbackList(callbacks, model=self.model)
+        callback_list.on_predict_begin()
+        self._push_changes()  # after on_predict_begin: what a callback set there (SwapEMAWeights) predicts
+        outputs = self.engine.predict(x, batch_size)
+        callback_list.on_predict_end()
         self._push_changes()
-        return self.engine.predict(x, batch_size)
+        return outputs
 
     # ---- the engine and the driver's model ----------------------------------------------------
 
@@ -720,16 +730,6 @@ def _put(value: Any) -> Any:
     import ray
 
     return ray.put(value)
-
-
-def _refuse_callbacks(callback_list: Any, keras: Any) -> None:
-    """Refuse, by name, Keras's ``SwapEMAWeights``, which swaps the driver's weights with the optimizer's moving
-    averages around an evaluation that runs on the replicas."""
-    for callback in callback_list.callbacks:
-        if isinstance(callback, keras.callbacks.SwapEMAWeights):
-            raise ValueError("KerasTrainer.fit cannot run keras.callbacks.SwapEMAWeights: it swaps trainer.model's "
-                             "weights with the optimizer's moving averages around evaluations, which run on the "
-                             "replicas; instead: use_ema's averages are finalized at the end of fit")
 
 
 def _model_callbacks(callback_list: Any, keras: Any) -> list:
