@@ -364,7 +364,8 @@ class KerasTrainer:
         first: list[int] = []  # the fit's first epoch, once asked for
 
         def epoch_start(epoch: int) -> ArraysStart:  # the engine may have been resized since the last epoch
-            first[:] = first or [epoch]
+            if not first:
+                first.append(epoch)
             epoch_plan, pass_number = dataclasses.replace(plan, replicas=self.replicas), 0
             for _ in range(epoch - first[0]):
                 epoch_plan, new_pass = epoch_plan.following()
@@ -530,7 +531,7 @@ class KerasTrainer:
         _init_ray_if_needed()
         self._creator = ReplicaCreator(self._build, self._options.get("devices_per_worker", 1), start)
         self._engine = DistributedSGD(self._creator, **self._options, datasets=datasets)
-        built = self._engine._on_worker_0("get_state", what="worker 0's weights and optimizer state")
+        built = self._replica_state()
         self._names, self._optimizer_names = list(built["weights"]), list(built["optimizer"])  # in their order
         # What the replicas built: the next _push_changes sends what trainer.model holds that differs from it (all
         # the weights if build() is not seeded, those loaded before fit), so the engine starts from trainer.model,
@@ -588,9 +589,13 @@ class KerasTrainer:
         """Keras's results of the metrics whose state the replicas give (``states``, one a replica), reduced once."""
         return metric_states.results(self.model, MetricState.reduce(states).state)
 
+    def _replica_state(self) -> dict:
+        """Worker 0's weights and optimizer state (``get_state()``), after the steps in flight."""
+        return self.engine._on_worker_0("get_state", what="worker 0's weights and optimizer state")
+
     def _pull_state(self) -> None:
         """The engine's weights and optimizer state onto ``trainer.model``."""
-        self._set_pulled(self.engine._on_worker_0("get_state", what="worker 0's weights and optimizer state"))
+        self._set_pulled(self._replica_state())
 
     def _set_pulled(self, state: dict) -> None:
         """``state``, a replica's (``get_state()``: weights and optimizer variables by name, in the model's and
