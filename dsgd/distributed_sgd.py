@@ -445,8 +445,7 @@ class DistributedSGD:
 
     def _restore_state(self, state: dict) -> None:
         """``state`` (``get_state()``'s: weights and optimizer state by name, and the step count) onto every
-        replica."""
-        self._ledger.check_open()
+        replica (a shut-down engine refuses, as every call on the workers does)."""
         self._ledger.restore(state)
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike) -> str:
