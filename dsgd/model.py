@@ -176,6 +176,18 @@ class TF2Model:
         ``get_state_variables()`` (a Keras model's: all its weights)."""
         return [*self.get_variables(), *self.get_state_variables()]
 
+    def _dsgd_local_state(self) -> list:
+        """Variables this replica keeps to itself, exchanged with no one (a Keras model's metrics over an epoch),
+        read after every step: the driver keeps each worker's latest, and a replacement for a lost worker starts
+        from its predecessor's (``_dsgd_take_local_state``). Default: none."""
+        return []
+
+    def _dsgd_take_local_state(self, values: list, applied_steps: int) -> None:
+        """Start from ``values``, a lost replica's ``_dsgd_local_state()`` after its first ``applied_steps``
+        steps (the engine goes on from there)."""
+        for variable, value in zip(self._dsgd_local_state(), values):
+            variable.assign(value)
+
     def _dsgd_seek(self, step: int) -> bool:
         """Called before every step's ``get_batch`` with the number of steps the engine applied before it: an
         input that follows the engine's step count (so that a step run again after a fault, or by a replacement

@@ -24,7 +24,7 @@ import tensorflow as tf
 from dsgd.common import actor_identity, timeline
 from dsgd.config import WorkerConfig
 from dsgd.common.calls import peer_errors
-from dsgd.common.results import Evaluation, StepResult
+from dsgd.common.results import Evaluation, LocalState, StepResult
 from dsgd.errors import DSGDError, ModelCreatorError
 from dsgd.exchange import registry
 from dsgd.exchange.base import Exchange
@@ -287,6 +287,10 @@ class SGDWorker:
     def set_state(self, state: dict) -> None:
         """Load get_state()'s result onto every replica."""
         self.runtime.set_state(state)
+
+    def take_local_state(self, state: LocalState) -> None:
+        """Start every replica from the local state of the lost worker this one replaces (``LocalState``)."""
+        self.runtime.take_local_state(state)
 
     def applied_steps_count(self) -> int:
         return self.runtime.applied_steps

@@ -222,6 +222,19 @@ def test_tf2_killed_worker_and_server_are_replaced_and_training_matches_the_refe
     assert_replicas_identical(sgd, 2)
 
 
+def test_a_replacement_worker_starts_from_the_local_state_its_lost_predecessor_reported(fixed_regression_engine):
+    """A replica's local state (``TF2Model._dsgd_local_state``: ``NaNOnCue.computed``, the steps it computed)
+    comes back with each step's result; the replacement for a killed worker starts from what the lost one
+    reported with its last step, then computes the step run again."""
+    sgd = on_two_workers(fixed_regression_engine)
+    sgd.step()
+    before = sgd.foreach_model(lambda m: float(m.computed.numpy()))
+    assert before[1] >= 1
+    kill(sgd.workers[1])
+    sgd.step()
+    assert sgd.foreach_model(lambda m: float(m.computed.numpy()))[1] == before[1] + 1
+
+
 @pytest.mark.parametrize("strategy", ["ps", "simple"])
 def test_tf2_non_finite_mean_is_skipped_on_every_worker_under_nan_policy_skip(ray_session, request, strategy):
     with contextlib.ExitStack() as new:

@@ -219,9 +219,21 @@ def reference_stages(net_name: str, optimizer_name: str, weights: dict[str, np.n
 
 class NaNOnCue(FixedRegression):
     """``FixedRegression`` whose next batch has a NaN target once ``nan_next`` is set (by a test, between steps,
-    on the replicas it picks); the batches after it are finite again."""
+    on the replicas it picks); the batches after it are finite again. It counts the steps it computes in a
+    variable of its own (``computed``), its local state."""
 
     nan_next = False
+
+    def __init__(self, worker_index: int, device_index: int):
+        super().__init__(worker_index, device_index)
+        self.computed = tf.Variable(0.0, trainable=False, name="computed")
+
+    def _dsgd_local_state(self):
+        return [self.computed]
+
+    def get_loss(self, batch):
+        self.computed.assign_add(1.0)
+        return super().get_loss(batch)
 
     def get_batch(self):
         b = super().get_batch()

@@ -70,14 +70,26 @@ class Backup:
     kept: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class LocalState:
+    """A worker's replicas' local state after its first ``applied_steps`` steps: variables each replica keeps to
+    itself, exchanged with no one (a Keras model's metrics over an epoch), one list of arrays per replica, device
+    order. The driver keeps each worker's latest, so a replacement for a lost worker starts from it."""
+
+    applied_steps: int
+    replicas: list
+
+
 @dataclass
 class StepResult:
     """One worker's step: its values (none if stats were not fetched, or if it caught up without computing),
-    why its apply skipped the step (nan_policy "skip"), and its backup outcome (with backup workers)."""
+    why its apply skipped the step (nan_policy "skip"), its backup outcome (with backup workers), and its
+    replicas' local state after it (if they keep any)."""
 
     values: dict[str, Value] = field(default_factory=dict)
     skipped: str | None = None
     backup: Backup | None = None
+    local_state: LocalState | None = None
 
     def floats(self) -> dict[str, float]:
         """Every value as the user sees it."""

@@ -179,7 +179,7 @@ class StepLedger:
             if self.cluster.topology.backup_workers and not everyone:
                 results = self._guarded(lambda: self._wait_quorum(step_id, refs))
             else:
-                results = self._guarded(lambda: calls.call(refs, f"step {step_id} on all workers"))
+                results = self._guarded(lambda: self._results(refs, f"step {step_id} on all workers"))
             if not self._in_flight:  # recovery aborted every step in flight and re-ran them
                 return results
             self._in_flight.pop(0)
@@ -207,7 +207,14 @@ class StepLedger:
             spare_failures=topology.backup_workers,
             on_failure=self.cluster.servers.excuse)
         self._behind += rest
+        self.recovery.keep_local_state(done)
         return [done[k] for k in sorted(done)]
+
+    def _results(self, refs: list, what: str) -> list:
+        """The step results of ``refs`` (one call a worker, worker order), the workers' local state kept."""
+        results = self.cluster.calls.call(refs, what)
+        self.recovery.keep_local_state(dict(enumerate(results)))
+        return results
 
     def _collect_behind(self) -> None:
         """The results of the workers behind that have returned; raise if one failed."""
@@ -321,7 +328,7 @@ class StepLedger:
                 for step_id in range(applied, self.num_steps):
                     in_flight = self.driver_half.submit(self.cluster.workers, step_id, True)
                     newest = step_id, in_flight
-                    results = self.cluster.calls.call(in_flight, f"re-run of step {step_id}")
+                    results = self._results(in_flight, f"re-run of step {step_id}")
                     warn_if_skipped(results)
                 return results
             except ActorFailure as e:

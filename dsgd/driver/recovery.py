@@ -7,15 +7,23 @@ of the most advanced survivor. A worker applies a step only once it holds
 every averaged partition, so no replica applies a partial or duplicated
 update; parameter servers hold nothing across steps, so they only need a
 reset. The step ledger then runs again the steps no worker applied.
+
+What a replica keeps to itself (its local state, e.g. a Keras model's
+metrics over an epoch) no survivor holds: each worker's latest comes back
+with its step results (``keep_local_state``), and a worker whose replicas are
+built anew starts from the one its slot held, if that is of the step count
+the engine goes on from.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Collection, Mapping
 
 import ray
 
 from dsgd.cluster.cluster import Cluster
+from dsgd.common.results import LocalState, StepResult
 from dsgd.errors import ActorFailure, DSGDError
 
 logger = logging.getLogger(__name__)
@@ -29,6 +37,13 @@ class Recovery:
         self.max_failures = max_failures
         self.failures = 0
         self.early_state: tuple | None = None  # (a survivor, its get_state call) made as a grow began
+        self._local_states: dict[int, tuple[Any, LocalState]] = {}  # worker index -> (its actor, its latest)
+
+    def keep_local_state(self, results: Mapping[int, Any]) -> None:
+        """Each worker's latest local state, from its step result (worker index -> ``StepResult``)."""
+        for i, result in results.items():
+            if isinstance(result, StepResult) and result.local_state is not None:
+                self._local_states[i] = self.cluster.workers[i], result.local_state
 
     def count(self, error: ActorFailure) -> None:
         """Count a failure to recover from; a DSGDError past ``max_failures``."""
@@ -45,8 +60,31 @@ class Recovery:
         if replace_dead:
             cluster.stop_datasets()  # and those waiting on a dataset split (replace_dead splits anew)
         cluster.calls.wait_finished(in_flight)
-        fresh = cluster.replace_dead() if replace_dead else set()
-        return self.resynchronize(fresh)
+        if not replace_dead:
+            return self.resynchronize(set())
+        before = list(cluster.workers)
+        fresh = cluster.replace_dead()
+        applied = self.resynchronize(fresh)
+        # With datasets every worker's replicas were built anew, on new splits (replacement.replace_dead).
+        self._pass_on_local_state(range(len(before)) if cluster.splits.datasets else fresh, before, applied)
+        return applied
+
+    def _pass_on_local_state(self, built: Collection[int], before: list, applied: int) -> None:
+        """Workers ``built`` (their replicas new) start from the local state the worker in their slot
+        (``before``, the workers before the recovery) held after ``applied`` steps, if its last step result
+        gave it; else their replicas start with none (an elastic engine that went on with fewer renumbered its
+        workers: none is passed on)."""
+        workers = self.cluster.workers
+        if len(workers) != len(before):
+            self._local_states.clear()
+            return
+        calls = []
+        for i in built:
+            actor, state = self._local_states.get(i, (None, None))
+            if actor is before[i] and state.applied_steps == applied:
+                calls.append(workers[i].take_local_state.remote(state))
+        if calls:
+            self.cluster.calls.call(calls, "the new workers to start from their predecessors' local state")
 
     def resynchronize(self, fresh: set[int]) -> int:
         """Copy the most advanced survivor's state to every worker behind it (or new, ``fresh``); its step count.

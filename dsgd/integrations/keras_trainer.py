@@ -50,14 +50,18 @@ _NO_ENGINE = ("the engine starts with the first fit or evaluate: call trainer.fi
 class TrainerReplica(CompiledReplica):
     """One device's replica of ``build()``'s model: its metrics accumulate until the trainer resets them, its
     batches come from a ``Feed`` at the epoch the trainer began; an array feed reads each step's rows by the
-    engine's step count (so a step run again after a fault, or by a replacement worker, reads the same rows)."""
+    engine's step count (so a step run again after a fault, or by a replacement worker, reads the same rows).
+    Its local state (``_dsgd_local_state``) is the epoch's metric state and the step it joined the epoch at, so a
+    replacement for a lost worker goes on with the epoch's metrics where the lost one left them."""
 
     def __init__(self, model: Any, feed: Feed):
         super().__init__(model, feed, per_step_metrics=False)
         # Built while an epoch was under way (a replacement for a lost worker), so its metrics hold none of the
-        # epoch's earlier steps, until it begins an epoch with the others (``begin_epoch``).
+        # epoch's earlier steps, until it begins an epoch with the others (``begin_epoch``) or takes its lost
+        # predecessor's metrics (``_dsgd_take_local_state``).
         self._built_mid_epoch = True
         self.joined_at: int | None = None  # the engine's step it first computed, if built mid-epoch
+        self._joined = tf.Variable(-1, dtype=tf.int64, trainable=False)  # joined_at, -1 for None: local state
         self._next: tuple | None = None  # (step, begin_epoch's arguments): the epoch it begins as that step begins
         self._ended: tuple[int, MetricState, int | None] | None = None  # (step, state, joined) at the epoch's end
 
@@ -73,7 +77,20 @@ class TrainerReplica(CompiledReplica):
         """Metrics reset, the feed at ``start``'s epoch, with every other replica."""
         self.reset_metrics()
         self.feed = start.feed(self.feed, worker_index, device_index, devices)
-        self._built_mid_epoch, self.joined_at, self._next = False, None, None
+        self._next = None
+        self._set_joined(False, None)
+
+    def _set_joined(self, built_mid_epoch: bool, joined_at: int | None) -> None:
+        self._built_mid_epoch, self.joined_at = built_mid_epoch, joined_at
+        self._joined.assign(-1 if joined_at is None else joined_at)
+
+    def _dsgd_local_state(self) -> list:
+        return [*self.model.metrics_variables, self._joined]
+
+    def _dsgd_take_local_state(self, values: list, applied_steps: int) -> None:
+        super()._dsgd_take_local_state(values, applied_steps)
+        joined = int(values[-1])
+        self._set_joined(joined >= 0, joined if joined >= 0 else None)
 
     def begin_epoch_at(self, step: int, start: EpochStart, worker_index: int, device_index: int,
                        devices: int) -> None:
@@ -102,7 +119,7 @@ class TrainerReplica(CompiledReplica):
             self.begin_epoch(*self._next[1])
         super()._dsgd_seek(step)
         if self._built_mid_epoch and self.joined_at is None:
-            self.joined_at = step
+            self._set_joined(True, step)
         return self.feed.seek(step)
 
 
@@ -571,13 +588,15 @@ class KerasTrainer:
 
     def _epoch_logs(self, epoch: int, begun: tuple[int, int], ended: list[EpochEnd]) -> dict:
         """Epoch ``epoch``'s logs from what each worker reported at its end (``ended``). A replacement that joined
-        the epoch late is named in a warning: the logs leave out what the worker it replaced had computed."""
+        the epoch late without its lost predecessor's metrics (``TrainerReplica._dsgd_take_local_state``) is
+        named in a warning: the logs leave out what that worker had computed."""
         first_step, failures = begun
         late = {w: end.joined_at - first_step for w, end in enumerate(ended)
                 if end.joined_at is not None and end.joined_at > first_step}
         if late and self.engine.failures > failures:  # replacements (a worker grown mid-epoch lost nothing)
-            logger.warning("epoch %d's metrics leave out %s: a replacement's metrics start empty (the lost "
-                           "worker's state went with it); the weights are exact", epoch + 1,
+            logger.warning("epoch %d's metrics leave out %s: a replacement's metrics start empty where the lost "
+                           "worker's last step did not report them (an elastic engine that went on with fewer, a "
+                           "backup worker behind); the weights are exact", epoch + 1,
                            ", ".join(f"worker {w}'s first {n} steps" for w, n in late.items()))
         return self._results([state for end in ended for state in end.states])
 

@@ -22,8 +22,11 @@ one raises or skips the step on every replica, by ``nan_policy``
 ``dsgd.common.results.StepResult``) holds, when stats were fetched, the loss
 and metrics (means over replicas, as total and count), the time of each
 phase (``<phase>_s``, from ``phase``) and ``sent_bytes`` (this worker's, one
-contribution each to their means over the workers), and why the apply
-skipped the step if it did. The driver reduces the workers' results once.
+contribution each to their means over the workers), why the apply
+skipped the step if it did, and the replicas' local state after it (what a
+replica keeps to itself and a replacement should start from, e.g. a Keras
+model's metrics over an epoch). The driver reduces the workers' results
+once, and keeps each worker's latest local state.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Proto
 import numpy as np
 
 from dsgd.common import timeline
-from dsgd.common.results import Evaluation, StepResult, Value
+from dsgd.common.results import Evaluation, LocalState, StepResult, Value
 from dsgd.config import WorkerConfig
 from dsgd.errors import DSGDError
 from dsgd.worker import nonfinite
@@ -111,6 +114,7 @@ class ReplicaRuntime(abc.ABC):
         self.applied_steps = 0
         self.trace: timeline.Recorder | None = None
         self._phase_s: dict[str, float] = {}  # this step's phases, reported with its stats
+        self.local_state: list | None = None  # the replicas' local state after this step, if they keep any (LocalState)
         # One thread per replica to ask for batches, with Ray Data input: a
         # streaming split starts an epoch only once every replica has asked.
         self._batch_pool = (ThreadPoolExecutor(config.devices_per_worker, thread_name_prefix="dsgd-batches")
@@ -187,8 +191,9 @@ class ReplicaRuntime(abc.ABC):
     # ---- phases, stats and the checked apply --------------------------------
 
     def start_step(self) -> None:
-        """A step begins: its phase timings start anew."""
+        """A step begins: its phase timings start anew, and its local state is not read yet."""
         self._phase_s = {}
+        self.local_state = None
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -204,10 +209,17 @@ class ReplicaRuntime(abc.ABC):
     def result(self, values: dict[str, Value], applied: dict, sent_bytes: int) -> StepResult:
         """A step's result: ``values`` (loss and metrics) with its phase times and ``sent_bytes`` (what this
         worker pushed to the servers or the driver), each this worker's one contribution to its mean over the
-        workers (no values if ``values`` has none: no stats fetched); and why if the apply skipped it."""
+        workers (no values if ``values`` has none: no stats fetched); why if the apply skipped it; the replicas'
+        local state after it, if they keep any and it was read."""
         own = {**self._phase_s, "sent_bytes": float(sent_bytes)} if values else {}
+        local_state = None if self.local_state is None else LocalState(self.applied_steps, self.local_state)
         return StepResult({**values, **{name: Value.mean([figure]) for name, figure in own.items()}},
-                          applied.get("skipped"))
+                          applied.get("skipped"), local_state=local_state)
+
+    def take_local_state(self, state: LocalState) -> None:
+        """A replacement's replicas start from the local state its lost predecessor's held (``state``)."""
+        for model, values in zip(self.models, state.replicas):
+            model._dsgd_take_local_state(values, state.applied_steps)
 
     def skipped(self, error_text: str) -> dict | None:
         """The outcome of an apply whose run failed with ``error_text``: {"skipped": why} (counted as applied) if

@@ -60,6 +60,7 @@ class Tf2Runtime(ReplicaRuntime):
         self._structure: list = []  # per replica: its batch's structure
         self._batch_specs: list[tf.TensorSpec] = []  # the flat batches' specs, every replica's in device order
         self._losses: list[Callable] = []  # per replica: get_loss, converted by autograph
+        self._keeps_local_state = False  # whether a replica keeps local state (TF2Model._dsgd_local_state)
         self._compute: Any = None  # ConcreteFunction: flat batches -> local means, losses, metrics
         self._apply: Any = None  # ConcreteFunction: means -> (), checked
         self._pending: list | None = None  # the replicas' first batches, for the first step
@@ -80,6 +81,7 @@ class Tf2Runtime(ReplicaRuntime):
         self._batch_specs = [_spec(a, self.worker_index, r.index)
                              for r in built for a in tf.nest.flatten(r.first_batch)]
         self._losses = [_converted(r.model.get_loss) for r in built]
+        self._keeps_local_state = any(r.model._dsgd_local_state() for r in built)
         self._compute = self._apply = None  # traced on first use, like a fused step
         self._evaluations = {}
         weights, exchange, optimizer = replica_builds.specs(built[0], self.names)
@@ -174,9 +176,17 @@ class Tf2Runtime(ReplicaRuntime):
                            else finite_tensors(means[:n_train], names[:n_train], "gradient", self.config))
         return gradient_checks + finite_tensors(means[n_train:], names[n_train:], "value", self.config)
 
+    def _local_state_reads(self) -> list[list[tf.Tensor]]:
+        """Every replica's local state (``TF2Model._dsgd_local_state``) as the step leaves it, device order."""
+        reads = []
+        for r in self.replicas:
+            with tf.device(r.device):
+                reads.append([tf_variable(v).read_value() for v in r.model._dsgd_local_state()])
+        return reads
+
     def _compute_body(self, *flat: tf.Tensor):
         means, losses, metrics = self._forward(flat)
-        return list(means), losses, metrics
+        return list(means), losses, metrics, self._local_state_reads()
 
     def _apply_body(self, *means: tf.Tensor):
         self._apply_all(means, self._checks(means))
@@ -192,7 +202,7 @@ class Tf2Runtime(ReplicaRuntime):
             else:
                 means, checks = exchange(means, step_id)
             self._apply_all(means, checks)
-            return losses, metrics
+            return losses, metrics, self._local_state_reads()
         return body
 
     # ---- stepping -------------------------------------------------------------
@@ -222,9 +232,10 @@ class Tf2Runtime(ReplicaRuntime):
     def compute(self, fetch_stats: bool) -> tuple[list[np.ndarray], dict[str, Value]]:
         flat = self.batches()
         with self.phase("compute"):
-            means, losses, metrics = self._traced_compute()(*flat)
-            local = [m.numpy() for m in means]
-        return local, (self.stats_values(losses, metrics) if fetch_stats else {})
+            means, losses, metrics, local = self._traced_compute()(*flat)
+            self.keep_local_state(local)
+            local_means = [m.numpy() for m in means]
+        return local_means, (self.stats_values(losses, metrics) if fetch_stats else {})
 
     def apply(self, means: Sequence[np.ndarray]) -> dict:
         with self.phase("apply"):
@@ -245,6 +256,11 @@ class Tf2Runtime(ReplicaRuntime):
 
     def stats_values(self, losses: tf.Tensor, metrics: dict[str, tf.Tensor]) -> dict[str, Value]:
         return self.replica_stats(losses.numpy(), {k: v.numpy() for k, v in metrics.items()})
+
+    def keep_local_state(self, local: list[list[tf.Tensor]]) -> None:
+        """The replicas' local state after the step (``_local_state_reads``), for its result, if they keep any."""
+        if self._keeps_local_state:
+            self.local_state = [[t.numpy() for t in replica] for replica in local]
 
     def fused_step(self, exchange: InStepExchange | None = None) -> Tf2FusedStep:
         return Tf2FusedStep(self, exchange)
@@ -354,7 +370,11 @@ class Tf2FusedStep(FusedStep):
         self.prepare(fetch_stats, ())
         with runtime.phase(self.phase):
             out, applied = runtime.checked_call(lambda: self._function(*flat, tf.constant(step_id, tf.int64)))
-            stats = runtime.stats_values(*out) if out is not None and fetch_stats else {}
+            if out is None:
+                return {}, applied
+            losses, metrics, local = out
+            runtime.keep_local_state(local)
+            stats = runtime.stats_values(losses, metrics) if fetch_stats else {}
         return stats, applied
 
     def prepare(self, fetch_stats: bool, feed_names: Sequence[str]) -> None:
