@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -182,11 +183,16 @@ class TF2Model:
         from its predecessor's (``_dsgd_take_local_state``). Default: none."""
         return []
 
-    def _dsgd_take_local_state(self, values: list, applied_steps: int) -> None:
-        """Start from ``values``, a lost replica's ``_dsgd_local_state()`` after its first ``applied_steps``
-        steps (the engine goes on from there)."""
-        for variable, value in zip(self._dsgd_local_state(), values):
-            variable.assign(value)
+    def _dsgd_take_local_state(self, flat: np.ndarray, applied_steps: int) -> None:
+        """Start from ``flat``, a lost replica's ``_dsgd_local_state()`` after its first ``applied_steps`` steps
+        (the engine goes on from there): its variables flattened in order into one float64 array, as the engine
+        reads them."""
+        offset = 0
+        for variable in self._dsgd_local_state():
+            shape = tuple(variable.shape)
+            size = int(np.prod(shape))
+            variable.assign(tf.cast(np.reshape(flat[offset:offset + size], shape), variable.dtype))
+            offset += size
 
     def _dsgd_seek(self, step: int) -> bool:
         """Called before every step's ``get_batch`` with the number of steps the engine applied before it: an

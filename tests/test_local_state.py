@@ -26,7 +26,7 @@ def recovery_of(workers: list[Worker]) -> Recovery:
 
 
 def state(applied_steps: int, value: float) -> LocalState:
-    return LocalState(applied_steps, [[np.full(2, value, np.float32)]])
+    return LocalState(applied_steps, [np.full(2, value)])
 
 
 def test_a_new_worker_starts_from_what_its_slots_lost_worker_reported_with_the_last_step():
@@ -39,7 +39,7 @@ def test_a_new_worker_starts_from_what_its_slots_lost_worker_reported_with_the_l
     new = recovery.cluster.workers[1] = Worker("new")
     recovery._pass_on_local_state({1}, before, applied=5)
     assert [s.applied_steps for s in new.taken] == [5]
-    np.testing.assert_array_equal(new.taken[0].replicas[0][0], [1.5, 1.5])
+    np.testing.assert_array_equal(new.taken[0].replicas[0], [1.5, 1.5])
     assert survivor.taken == [] and lost.taken == []
 
 

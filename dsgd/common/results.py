@@ -73,7 +73,7 @@ class Backup:
 @dataclass(frozen=True)
 class LocalState:
     """A worker's replicas' local state after its first ``applied_steps`` steps: variables each replica keeps to
-    itself, exchanged with no one (a Keras model's metrics over an epoch), one list of arrays per replica, device
+    itself, exchanged with no one (a Keras model's metrics over an epoch), one flat array per replica, device
     order. The driver keeps each worker's latest, so a replacement for a lost worker starts from it."""
 
     applied_steps: int

@@ -87,9 +87,9 @@ class TrainerReplica(CompiledReplica):
     def _dsgd_local_state(self) -> list:
         return [*self.model.metrics_variables, self._joined]
 
-    def _dsgd_take_local_state(self, values: list, applied_steps: int) -> None:
-        super()._dsgd_take_local_state(values, applied_steps)
-        joined = int(values[-1])
+    def _dsgd_take_local_state(self, flat: np.ndarray, applied_steps: int) -> None:
+        super()._dsgd_take_local_state(flat, applied_steps)
+        joined = int(flat[-1])
         self._set_joined(joined >= 0, joined if joined >= 0 else None)
 
     def begin_epoch_at(self, step: int, start: EpochStart, worker_index: int, device_index: int,

@@ -218,8 +218,8 @@ class ReplicaRuntime(abc.ABC):
 
     def take_local_state(self, state: LocalState) -> None:
         """A replacement's replicas start from the local state its lost predecessor's held (``state``)."""
-        for model, values in zip(self.models, state.replicas):
-            model._dsgd_take_local_state(values, state.applied_steps)
+        for model, flat in zip(self.models, state.replicas):
+            model._dsgd_take_local_state(flat, state.applied_steps)
 
     def skipped(self, error_text: str) -> dict | None:
         """The outcome of an apply whose run failed with ``error_text``: {"skipped": why} (counted as applied) if

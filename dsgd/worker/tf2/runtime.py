@@ -176,12 +176,16 @@ class Tf2Runtime(ReplicaRuntime):
                            else finite_tensors(means[:n_train], names[:n_train], "gradient", self.config))
         return gradient_checks + finite_tensors(means[n_train:], names[n_train:], "value", self.config)
 
-    def _local_state_reads(self) -> list[list[tf.Tensor]]:
-        """Every replica's local state (``TF2Model._dsgd_local_state``) as the step leaves it, device order."""
+    def _local_state_reads(self) -> list[tf.Tensor]:
+        """Every replica's local state (``TF2Model._dsgd_local_state``) as the step leaves it, its variables
+        flattened into one float64 tensor (exact for floats of 64 bits or fewer, and integers below 2**53), device
+        order."""
         reads = []
         for r in self.replicas:
             with tf.device(r.device):
-                reads.append([tf_variable(v).read_value() for v in r.model._dsgd_local_state()])
+                parts = [tf.reshape(tf.cast(tf_variable(v).read_value(), tf.float64), [-1])
+                         for v in r.model._dsgd_local_state()]
+                reads.append(tf.concat(parts, 0) if parts else tf.zeros([0], tf.float64))
         return reads
 
     def _compute_body(self, *flat: tf.Tensor):
@@ -257,10 +261,10 @@ class Tf2Runtime(ReplicaRuntime):
     def stats_values(self, losses: tf.Tensor, metrics: dict[str, tf.Tensor]) -> dict[str, Value]:
         return self.replica_stats(losses.numpy(), {k: v.numpy() for k, v in metrics.items()})
 
-    def keep_local_state(self, local: list[list[tf.Tensor]]) -> None:
+    def keep_local_state(self, local: list[tf.Tensor]) -> None:
         """The replicas' local state after the step (``_local_state_reads``), for its result, if they keep any."""
         if self._keeps_local_state:
-            self.local_state = [[t.numpy() for t in replica] for replica in local]
+            self.local_state = [t.numpy() for t in local]
 
     def fused_step(self, exchange: InStepExchange | None = None) -> Tf2FusedStep:
         return Tf2FusedStep(self, exchange)
