@@ -5,6 +5,7 @@ import importlib
 import logging
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +51,19 @@ def engines(ray_session):
         for sgd in built.values():
             sgd.shutdown()
 
+
+
+def test_tf1_workers_at_level_2_log_no_failed_cuinit(engines):
+    """The session's workers run at TF_CPP_MIN_LOG_LEVEL=2 (conftest), where TensorFlow shows ERROR lines: a TF1
+    worker lists its devices before its session does (CUDA's probe, which fails with "failed call to cuInit" on a
+    machine without GPUs) with its start-up lines hidden, so its log holds no such line."""
+    sgd = engines["ps"]
+    sgd.step(fetch_stats=True)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    pids = actor_pids(*sgd.workers)
+    files = [f for pid in pids for f in logs.glob(f"worker-*-{pid}.err")]
+    assert len(files) == len(pids), sorted(p.name for p in logs.glob("worker-*.err"))
+    assert not [f.name for f in files if "cuInit" in f.read_text()]
 
 def test_a_workers_session_runs_on_its_cpus_and_its_idle_threads_sleep():
     """Threads: the worker's CPUs for each op, RECEIVE_THREADS more for the receives that wait; idle threads do

@@ -84,6 +84,25 @@ def test_a_keras_trainer_built_on_the_driver_is_as_quiet_as_its_workers():
     assert "cuInit" not in run.stderr and "kept" in run.stderr, run.stderr[-2000:]
 
 
+def test_a_keras_trainers_worker_at_level_2_shows_no_failed_cuinit_as_it_builds_and_steps():
+    """A KerasTrainer's worker, built as a worker actor builds it (``local_worker``, in a new process) and stepped
+    once, at TF_CPP_MIN_LOG_LEVEL=2, where TensorFlow shows ERROR lines: its replicas are built the TF2 way at once
+    (not first tried in a TF1 graph, where Keras's ``compile`` listed the devices before the worker could hide
+    CUDA's probe, which fails with "failed call to cuInit" on a machine without GPUs)."""
+    tests = str(Path(__file__).resolve().parent)
+    env = user_env(TF_CPP_MIN_LOG_LEVEL="2", DSGD_SKIP_KERAS_PRELOAD="1")
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    code = ("import sys, dsgd, dsgd_test_models, keras_trainer_models as km; "
+            "from dsgd.integrations.keras_feed import DatasetStart; "
+            "from dsgd.integrations.keras_trainer import ReplicaCreator; "
+            "creator = ReplicaCreator(km.build_binary, 1, DatasetStart(km.binary_replica_dataset, token=1)); "
+            "worker = dsgd_test_models.local_worker(creator); worker.step(0, fetch_stats=True); "
+            "print('kept', type(worker.runtime).__name__, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "cuInit" not in run.stderr and "kept Tf2Runtime" in run.stderr, run.stderr[-3000:]
+
+
 def test_tensorflows_python_warnings_follow_the_cpp_level_in_workers():
     code = ("import logging; from dsgd import tf_logs; tf_logs.python_warnings_follow_cpp_level(); "
             "print(logging.getLevelName(logging.getLogger('tensorflow').level))")

@@ -38,6 +38,7 @@ from dsgd.integrations.keras_compiled import CompiledReplica, check_compiled, te
 from dsgd.integrations.keras_feed import (DATASET, ArraysStart, Columns, DatasetStart, EpochPlan, EpochStart, Feed,
                                           RayDataStart, with_weights)
 from dsgd.integrations.metric_states import MetricState
+from dsgd.model import TF2ModelInGraph
 from dsgd.worker import inputs, tf_logs
 from dsgd.worker.inputs import ArrayParts, InputSource, num_rows, take
 
@@ -133,6 +134,8 @@ class ReplicaCreator:
         self.following: tuple[int, EpochStart] | None = None
 
     def __call__(self, worker_index: int, device_index: int) -> TrainerReplica:
+        if not tf.executing_eagerly():  # the worker's first try, in a TF1 graph: a Keras 3 model is built eagerly
+            raise TF2ModelInGraph(type(self).__name__)
         model = self.build()
         check_compiled(model, "KerasTrainer's build()")
         replica = TrainerReplica(model, self.start.feed(None, worker_index, device_index, self.devices_per_worker))

@@ -18,6 +18,7 @@ import tensorflow as tf
 from dsgd.config import WorkerConfig
 from dsgd.model import Model
 from dsgd.common.results import Value
+from dsgd.worker import tf_logs
 from dsgd.worker.runtime import FusedStep, InStepExchange, ReplicaRuntime
 from dsgd.worker.signature import WorkerSignature
 from dsgd.worker.tf1 import feeds, session_runs, worker_graph
@@ -39,6 +40,8 @@ class Tf1Runtime(ReplicaRuntime):
     def build(self, model_creator: Callable[[int, int], Model], state: dict | None = None) -> WorkerSignature:
         if self.sess is not None:
             self.sess.close()
+        with tf_logs.start_up_lines_hidden():  # every kind of device listed: CUDA's probe, on any machine
+            tf.config.list_physical_devices()
         self.sess = tf.compat.v1.Session(graph=tf.Graph(), config=session_config(self.config))
         try:
             with self.user_context():
