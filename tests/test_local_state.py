@@ -63,3 +63,30 @@ def test_nothing_is_passed_on_from_another_step_count_another_worker_or_an_engin
     recovery.cluster.workers = [first, Worker("again")]
     recovery._pass_on_local_state({1}, before, applied=5)  # forgotten with the shrink
     assert recovery.cluster.workers[1].taken == []
+
+
+def test_a_keras_trainer_replicas_metrics_and_joined_step_survive_the_round_trip_through_a_step_result():
+    """A ``KerasTrainer`` replica's local state (its metric variables, float, and the step it joined the epoch at,
+    an int64) comes out of a step as one flat float64 array and goes into another worker's replica as it was:
+    the same metric state, bit for bit, and the same joined step (so a replacement of a replacement still says
+    which steps its epoch lacks)."""
+    from dsgd.integrations.keras_feed import DatasetStart
+    from dsgd.integrations.keras_trainer import ReplicaCreator
+    from dsgd_test_models import local_worker
+    import keras_trainer_models as km
+
+    creator = ReplicaCreator(km.build_binary, 1, DatasetStart(km.binary_replica_dataset, token=1))
+    lost = local_worker(creator)  # built as if mid-epoch: it joins at its first step
+    for step in range(3):
+        result = lost.step(step, fetch_stats=False)
+    replica = lost.models[0]
+    assert result.local_state.applied_steps == 3 and replica.joined(3) == 0
+    assert result.local_state.replicas[0].dtype == np.float64
+
+    new = local_worker(creator)
+    new.take_local_state(result.local_state)
+    for got, expected in zip(new.models[0].metric_state().state, replica.metric_state().state):
+        np.testing.assert_array_equal(got, expected)
+        assert got.dtype == expected.dtype
+    assert new.models[0].joined(3) == 0
+    assert new.models[0].metric_state().state[0] != 0  # the loss tracker's total: three steps counted
